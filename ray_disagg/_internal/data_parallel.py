@@ -1,0 +1,54 @@
+"""Data parallelism: sum gradients over the ``"dp"`` process group.
+
+Each replica's loss is already ``sum(token losses) / global label tokens``, so the global
+gradient is the plain SUM of the replicas' gradients (not the mean).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_reduce_gradients", "ensure_grads"]
+
+_BUCKET_ELEMS = 1 << 24
+
+
+def ensure_grads(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """Give every trainable parameter a gradient (zeros if backward did not reach it), so
+    all ranks take part in the same collectives even when one had no images."""
+    out = []
+    for p in params:
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out.append(p)
+    return out
+
+
+def _buckets(grads: list[torch.Tensor]):
+    bucket, size = [], 0
+    for g in grads:
+        if bucket and size + g.numel() > _BUCKET_ELEMS:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(g)
+        size += g.numel()
+    if bucket:
+        yield bucket
+
+
+def all_reduce_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
+    """In-place SUM all-reduce of the gradients over ``group``, in flat buckets."""
+    grads = [p.grad for p in ensure_grads(params)]
+    if dist.get_world_size(group) == 1:
+        return
+    for bucket in _buckets(grads):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -1,0 +1,188 @@
+"""Pieces shared by the vision and text training loops: optimizer, global clipping, the
+per-step stats exchange, metrics, checkpoints and ``ray.train.report``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import ray.train
+import torch
+from safetensors.torch import save_file
+
+from ray_disagg._internal.side_group import SideGroup
+from ray_disagg.config import ModuleGroup, TrainLoopConfig
+from ray_disagg.data import BatchPlan
+from ray_disagg.model import Qwen2_5_VLSpec
+
+logger = logging.getLogger("ray_disagg")
+
+# Layout of the float64 vector that every rank all-reduces (SUM) over the side group once a
+# step. Each slot is filled by exactly the ranks named in the comment, others give 0.
+VISION_SQ, TEXT_SQ = 0, 1  # squared grad norm: each group's rank 0
+LOSS, LABEL_TOKENS, TEXT_TOKENS = 2, 3, 4  # text data-parallel leaders
+VISION_TIME, TEXT_TIME = 5, 6  # compute seconds: each group's rank 0
+IMAGES = 7  # vision data-parallel leaders
+VISION_WAIT, TEXT_WAIT = 8, 9  # seconds blocked on the other group: each group's rank 0
+CYCLE_TIME = 10  # wall seconds since the previous step's exchange: vision rank 0
+NUM_STATS = 11
+
+
+@dataclass
+class LoopArgs:
+    """Everything a worker's loop needs (pickled into the train function)."""
+
+    spec: Qwen2_5_VLSpec
+    cfg: TrainLoopConfig
+    vision: ModuleGroup
+    text: ModuleGroup
+    plan: BatchPlan
+    image_token_id: int
+    spatial_merge_size: int
+    text_hidden: int
+    dataset_ref: list | None = None  # [ObjectRef]: a list keeps Ray from resolving it early
+
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainLoopConfig):
+    return torch.optim.AdamW(
+        list(params), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
+
+
+def grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None:
+            total += p.grad.detach().double().pow(2).sum().cpu()
+    return float(total)
+
+
+def clip_coef(total_norm: float, max_norm: float | None) -> float:
+    """``torch.nn.utils.clip_grad_norm_``'s coefficient, clamped to 1."""
+    if max_norm is None:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+@torch.no_grad()
+def scale_grads(params: Iterable[torch.nn.Parameter], coef: float) -> None:
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+
+
+class StepTimer:
+    """Wall time between two stats exchanges, not counting time spent in reporting."""
+
+    def __init__(self):
+        self.last_exchange = time.perf_counter()
+        self.excluded = 0.0
+
+    def exchange(self, side: SideGroup, stats: torch.Tensor, is_vision_rank0: bool) -> torch.Tensor:
+        now = time.perf_counter()
+        if is_vision_rank0:
+            stats[CYCLE_TIME] = now - self.last_exchange - self.excluded
+        self.last_exchange, self.excluded = now, 0.0
+        return side.all_reduce_sum(stats)
+
+
+def new_stats() -> torch.Tensor:
+    return torch.zeros(NUM_STATS, dtype=torch.float64)
+
+
+def metrics_from_stats(stats: torch.Tensor, step: int, epoch: int, lr: float) -> dict:
+    s = stats.tolist()
+    cycle = max(s[CYCLE_TIME], 1e-9)
+    return {
+        "step": step + 1,
+        "epoch": epoch,
+        "loss": s[LOSS],
+        "grad_norm": (s[VISION_SQ] + s[TEXT_SQ]) ** 0.5,
+        "vision_grad_norm": s[VISION_SQ] ** 0.5,
+        "text_grad_norm": s[TEXT_SQ] ** 0.5,
+        "lr": lr,
+        "label_tokens": int(s[LABEL_TOKENS]),
+        "images": int(s[IMAGES]),
+        "step_time_s": s[CYCLE_TIME],
+        "tokens_per_s": s[TEXT_TOKENS] / cycle,
+        "vision_compute_s": s[VISION_TIME],
+        "text_compute_s": s[TEXT_TIME],
+        "vision_wait_s": s[VISION_WAIT],
+        "text_wait_s": s[TEXT_WAIT],
+    }
+
+
+@dataclass
+class ShardWriter:
+    """Writes one group's files of a checkpoint: ``<module>/model.safetensors`` (HF key
+    names), ``<module>/optimizer.pt`` and ``<module>/trainer_state.json``."""
+
+    module: str
+    hf_state_dict: callable
+    optimizer: torch.optim.Optimizer
+    hf_config: object = None
+
+    def write(self, root: str, step: int) -> None:
+        d = os.path.join(root, self.module)
+        os.makedirs(d, exist_ok=True)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.hf_state_dict().items()}
+        save_file(_untie(tensors), os.path.join(d, "model.safetensors"))
+        torch.save(self.optimizer.state_dict(), os.path.join(d, "optimizer.pt"))
+        with open(os.path.join(d, "trainer_state.json"), "w") as f:
+            json.dump({"step": step + 1}, f)
+        if self.hf_config is not None:
+            self.hf_config.save_pretrained(root)
+
+
+def _untie(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    seen, out = {}, {}
+    for k, v in tensors.items():
+        key = (v.data_ptr(), v.shape)
+        out[k] = v.clone() if key in seen else v
+        seen[key] = k
+    return out
+
+
+def report(
+    metrics: dict, step: int, *, checkpoint: bool, writer: ShardWriter | None
+) -> None:
+    """``ray.train.report`` on every rank; with ``checkpoint`` the ranks holding a
+    ``writer`` upload their shard into the shared directory ``checkpoint_<step>``."""
+    if not checkpoint:
+        ray.train.report(metrics)
+        return
+    name = f"checkpoint_{step + 1:06d}"
+    if writer is None:
+        ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        writer.write(tmp, step)
+        ray.train.report(
+            metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name
+        )
+
+
+def maybe_report(
+    cfg: TrainLoopConfig, steps_per_epoch: int, stats, step: int, writer, timer: StepTimer
+) -> None:
+    """Report on the steps every rank agrees on: each ``report_every``, checkpoints, last."""
+    last = step == cfg.max_steps - 1
+    ckpt = last or (cfg.checkpoint_every is not None and (step + 1) % cfg.checkpoint_every == 0)
+    if ckpt or (step + 1) % cfg.report_every == 0:
+        t0 = time.perf_counter()
+        metrics = metrics_from_stats(stats, step, step // steps_per_epoch, cfg.lr)
+        if ray.train.get_context().get_world_rank() == 0 and writer is not None:
+            logger.info(
+                "[%s] step %d/%d loss %.4f grad_norm %.3f step_time %.3fs",
+                writer.module, step + 1, cfg.max_steps, metrics["loss"], metrics["grad_norm"],
+                metrics["step_time_s"],
+            )
+        report(metrics, step, checkpoint=ckpt, writer=writer)
+        timer.excluded += time.perf_counter() - t0

@@ -1,0 +1,102 @@
+"""Every Ray private / developer API that ray_disagg touches, in one place.
+
+``tests/test_ray_contract.py`` checks each name and the signatures we rely on, so that a
+Ray upgrade breaks that one test rather than the package. Tested with Ray 2.60.
+"""
+
+from __future__ import annotations
+
+import ray
+from ray.train.torch.config import TorchConfig, _TorchBackend
+from ray.train.v2._internal.callbacks import (
+    AcceleratorSetupCallback,
+    BackendSetupCallback,
+    WorkingDirectorySetupCallback,
+)
+from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
+from ray.train.v2._internal.callbacks.user_callback import UserCallbackHandler
+from ray.train.v2._internal.constants import (
+    HEALTH_CHECK_INTERVAL_S_ENV_VAR,
+    get_env_vars_to_propagate,
+    is_v2_enabled,
+)
+from ray.train.v2._internal.execution.checkpoint.report_handler import ReportCallbackHandler
+from ray.train.v2._internal.execution.context import TrainRunContext
+from ray.train.v2._internal.execution.controller import TrainController
+from ray.train.v2._internal.execution.failure_handling import create_failure_policy
+from ray.train.v2._internal.execution.scaling_policy import create_scaling_policy
+from ray.train.v2._internal.execution.worker_group import (
+    WorkerGroup,
+    WorkerGroupContext,
+    WorkerGroupPollStatus,
+)
+from ray.train.v2._internal.util import ObjectRefWrapper, construct_train_func
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+from ray.train.v2.api.exceptions import WorkerGroupError
+
+TESTED_RAY_VERSIONS = ("2.60",)
+DEFAULT_POLL_INTERVAL_S = 0.2
+
+__all__ = [
+    "AcceleratorSetupCallback",
+    "BackendSetupCallback",
+    "DataParallelTrainer",
+    "ObjectRefWrapper",
+    "PreemptionCallback",
+    "ReportCallbackHandler",
+    "TorchConfig",
+    "TrainController",
+    "TrainRunContext",
+    "UserCallbackHandler",
+    "WorkerGroup",
+    "WorkerGroupContext",
+    "WorkerGroupError",
+    "WorkerGroupPollStatus",
+    "WorkingDirectorySetupCallback",
+    "_TorchBackend",
+    "construct_train_func",
+    "create_failure_policy",
+    "create_scaling_policy",
+    "get_env_vars_to_propagate",
+    "is_v2_enabled",
+    "run_controller_actor",
+    "group_train_run_context",
+]
+
+
+def group_train_run_context(base: TrainRunContext, scaling_config, backend_config):
+    """A copy of the run context for one module group (same run id, own scaling/backend)."""
+    ctx = TrainRunContext(
+        run_config=base.run_config,
+        train_loop_config=base.train_loop_config,
+        scaling_config=scaling_config,
+        backend_config=backend_config,
+        dataset_config=base.dataset_config,
+    )
+    object.__setattr__(ctx, "run_id", base.run_id)
+    return ctx
+
+
+def run_controller_actor(controller_cls, **controller_kwargs):
+    """Start ``controller_cls`` the way Ray Train V2 starts its ``TrainController``.
+
+    The actor takes no CPU, is pinned to the driver's node and receives the env vars that
+    Ray Train propagates; returns the ``Result``.
+    """
+    from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
+    from ray.train.v2._internal.constants import DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE
+
+    env_vars = get_env_vars_to_propagate()
+    env_vars.setdefault(
+        RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE
+    )
+    # A worker blocks in ray.train.report until the controller has polled its previous
+    # report; Ray's 2 s default poll would cap training at one reported step per 2 s.
+    env_vars.setdefault(HEALTH_CHECK_INTERVAL_S_ENV_VAR, str(DEFAULT_POLL_INTERVAL_S))
+    actor_cls = ray.remote(
+        num_cpus=0,
+        label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
+        runtime_env={"env_vars": env_vars},
+    )(controller_cls)
+    controller = actor_cls.remote(**controller_kwargs)
+    return controller

@@ -1,0 +1,86 @@
+"""Per-worker-process state: the group's device mesh and the side group.
+
+The module's Ray Train backend fills it in when the group starts (like Ray Train's own
+train context); the coordinator adds the side group once every group is up. The training
+loop reads it once and passes meshes and groups explicitly from there on.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ray_disagg._internal import side_group as sg
+
+__all__ = ["WorkerRuntime", "get_runtime", "init_runtime", "host_side_store", "join_side_group"]
+
+
+@dataclass
+class WorkerRuntime:
+    module: str
+    mesh: DeviceMesh
+    device: torch.device
+    side: sg.SideGroup | None = None
+    _side_ready: threading.Event = field(default_factory=threading.Event)
+    _side_error: BaseException | None = None
+    _store: object = None
+
+    def wait_side_group(self, timeout_s: float) -> sg.SideGroup:
+        if not self._side_ready.wait(timeout_s):
+            raise TimeoutError(
+                f"[{self.module}] the cross-group side process group was not ready after "
+                f"{timeout_s:.0f}s; another module group probably failed to start."
+            )
+        if self._side_error is not None:
+            raise RuntimeError(f"[{self.module}] side group setup failed") from self._side_error
+        return self.side
+
+
+_runtime: WorkerRuntime | None = None
+
+
+def get_runtime() -> WorkerRuntime:
+    if _runtime is None:
+        raise RuntimeError(
+            "ray_disagg worker runtime is not initialised: this code must run inside a "
+            "DisaggregatedTrainer worker."
+        )
+    return _runtime
+
+
+def init_runtime(module: str, mesh_shape: tuple[int, ...], mesh_axes: tuple[str, ...]) -> None:
+    """Build the group's named device mesh over its default process group."""
+    global _runtime
+    import ray.train.torch
+
+    device = ray.train.torch.get_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=mesh_axes)
+    _runtime = WorkerRuntime(module=module, mesh=mesh, device=device)
+
+
+def host_side_store(timeout_s: float) -> tuple[str, int]:
+    import ray
+
+    addr = ray.util.get_node_ip_address()
+    store, port = sg.host_store(addr, timeout_s)
+    get_runtime()._store = store
+    return addr, port
+
+
+def join_side_group(spec: sg.SideGroupSpec, module: str, group_rank: int) -> None:
+    import ray
+
+    rt = get_runtime()
+    try:
+        rank = spec.offsets[module] + group_rank
+        rt.side = sg.join(spec, rank, ray.util.get_node_ip_address(), store=rt._store)
+    except BaseException as e:
+        rt._side_error = e
+        raise
+    finally:
+        rt._side_ready.set()

@@ -1,0 +1,120 @@
+"""Training loop of the text group's workers.
+
+Text data-parallel replica ``t`` receives, from every vision replica routed to it, the text
+fields and image embeddings of its samples (in global-batch order), scatters the
+embeddings into the image-token positions, computes the loss, sends d(loss)/d(embeds)
+back to the vision replicas, reduces gradients and steps.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ray_disagg._internal import loop_common as lc
+from ray_disagg._internal.data_parallel import all_reduce_gradients, ensure_grads
+from ray_disagg._internal.runtime import get_runtime
+from ray_disagg.data import SampleError, collate_text, count_label_tokens
+from ray_disagg.model import hf_state_dict
+
+
+def _check_image_tokens(items, n_embeddings: int, image_token_id: int) -> None:
+    n_tokens = sum(int((it["input_ids"] == image_token_id).sum()) for it in items)
+    if n_tokens != n_embeddings:
+        names = [it.get("id") for it in items]
+        raise SampleError(
+            f"samples {names}: {n_tokens} image tokens but {n_embeddings} image embeddings "
+            "were received from the vision group."
+        )
+
+
+def text_train_loop(args: lc.LoopArgs) -> None:
+    cfg, plan = args.cfg, args.plan
+    rt = get_runtime()
+    side = rt.wait_side_group(cfg.collective_timeout_s)
+    dp_mesh = rt.mesh["dp"]
+    dp_rank, group_rank = dp_mesh.get_local_rank(), rt.mesh.get_rank()
+    vision_sp = args.vision.model_parallel_size
+    config = args.spec.load_config()
+    pad_id = config.text_config.pad_token_id or 0
+
+    model = args.spec.build_text().to(rt.device)
+    if args.text.activation_checkpointing:
+        model.language_model.gradient_checkpointing_enable({"use_reentrant": False})
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = lc.build_optimizer(params, cfg)
+    writer = (
+        lc.ShardWriter("text", lambda: hf_state_dict(model), opt, hf_config=config)
+        if group_rank == 0
+        else None
+    )
+    timer = lc.StepTimer()
+
+    for step in range(cfg.max_steps):
+        routes = plan.routes_to_text(dp_rank)
+        t_wait = time.perf_counter()
+        items, embs, counts = [], [], []
+        for vision_dp, _a, _b in routes:
+            src = side.rank_of("vision", vision_dp * vision_sp)
+            meta = side.recv_object(src)
+            if meta["step"] != step:
+                raise RuntimeError(f"text got step {meta['step']} data at step {step}")
+            items += meta["items"]
+            counts.append(meta["n_tokens"])
+            if meta["n_tokens"]:
+                embs.append(side.recv((meta["n_tokens"], args.text_hidden), torch.float32, src))
+        t_wait = time.perf_counter() - t_wait
+
+        t0 = time.perf_counter()
+        _check_image_tokens(items, sum(counts), args.image_token_id)
+        emb = None
+        if embs:
+            emb = torch.cat(embs).to(rt.device).requires_grad_()
+        batch = collate_text(items, pad_id)
+        local_labels = sum(count_label_tokens(it["labels"]) for it in items)
+        n_labels = torch.tensor([local_labels], dtype=torch.float64)
+        dist.all_reduce(n_labels, group=dp_mesh.get_group())
+        with torch.autocast(rt.device.type, torch.bfloat16, enabled=cfg.bf16):
+            loss = model(
+                batch.input_ids.to(rt.device),
+                batch.attention_mask.to(rt.device),
+                batch.labels.to(rt.device),
+                emb,
+                None if batch.image_grid_thw is None else batch.image_grid_thw.to(rt.device),
+                max(float(n_labels), 1.0),
+            )
+        loss.backward()
+        t_compute = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        if emb is not None:
+            grad = emb.grad.float()
+            offset = 0
+            for (vision_dp, _a, _b), n in zip(routes, counts):
+                if n:
+                    side.send(grad[offset : offset + n], side.rank_of("vision", vision_dp * vision_sp))
+                offset += n
+        t_wait += time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        all_reduce_gradients(params, dp_mesh.get_group())
+        stats = lc.new_stats()
+        if group_rank == 0:
+            stats[lc.TEXT_SQ] = lc.grad_sq_norm(ensure_grads(params))
+        if rt.mesh.get_rank() == dp_rank * args.text.model_parallel_size:
+            stats[lc.LOSS] = loss.item()
+            stats[lc.LABEL_TOKENS] = local_labels
+            stats[lc.TEXT_TOKENS] = int(batch.attention_mask.sum())
+        t_compute += time.perf_counter() - t2
+        if group_rank == 0:
+            stats[lc.TEXT_TIME] = t_compute
+            stats[lc.TEXT_WAIT] = t_wait
+        stats = timer.exchange(side, stats, is_vision_rank0=False)
+
+        total_norm = float(stats[lc.VISION_SQ] + stats[lc.TEXT_SQ]) ** 0.5
+        lc.scale_grads(params, lc.clip_coef(total_norm, cfg.max_grad_norm))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        lc.maybe_report(cfg, plan.steps_per_epoch, stats, step, writer, timer)

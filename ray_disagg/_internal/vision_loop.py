@@ -1,0 +1,106 @@
+"""Training loop of the vision group's workers.
+
+Vision data-parallel replica ``d`` reads its slice of each global batch (the single place
+where a sample is read), runs the vision tower + merger, sends every text replica the
+text fields and image embeddings of the samples routed to it, receives d(loss)/d(embeds)
+back, and finishes backward, the gradient reduction and the optimizer step.
+"""
+
+from __future__ import annotations
+
+import time
+import ray
+import torch
+
+from ray_disagg._internal import loop_common as lc
+from ray_disagg._internal.data_parallel import all_reduce_gradients, ensure_grads
+from ray_disagg._internal.runtime import get_runtime
+from ray_disagg.data import collate_vision, text_item, tokens_per_image, validate_sample
+from ray_disagg.model import hf_state_dict
+
+
+def vision_train_loop(args: lc.LoopArgs) -> None:
+    cfg, plan = args.cfg, args.plan
+    rt = get_runtime()
+    side = rt.wait_side_group(cfg.collective_timeout_s)
+    dp_mesh = rt.mesh["dp"]
+    dp_rank, group_rank = dp_mesh.get_local_rank(), rt.mesh.get_rank()
+    text_tp = args.text.model_parallel_size
+
+    model = args.spec.build_vision().to(rt.device)
+    if args.vision.activation_checkpointing:
+        model.visual.gradient_checkpointing_enable({"use_reentrant": False})
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = lc.build_optimizer(params, cfg)
+    writer = (
+        lc.ShardWriter("vision", lambda: hf_state_dict(model), opt) if group_rank == 0 else None
+    )
+    dataset = ray.get(args.dataset_ref[0])
+    timer = lc.StepTimer()
+
+    for step in range(cfg.max_steps):
+        t0 = time.perf_counter()
+        lo, hi = plan.vision_span(dp_rank)
+        positions = plan.global_indices(step)[lo:hi]
+        samples = []
+        for i in positions:
+            s = dataset[i]
+            validate_sample(
+                s,
+                image_token_id=args.image_token_id,
+                spatial_merge_size=args.spatial_merge_size,
+                index=i,
+            )
+            samples.append(s)
+        pixels, grid = collate_vision(samples)
+        emb = None
+        if grid is not None:
+            with torch.autocast(rt.device.type, torch.bfloat16, enabled=cfg.bf16):
+                emb = model(pixels.to(rt.device), grid.to(rt.device))
+        n_tok = [
+            0
+            if s.get("image_grid_thw") is None
+            else int(tokens_per_image(s["image_grid_thw"], args.spatial_merge_size).sum())
+            for s in samples
+        ]
+        starts = [sum(n_tok[:k]) for k in range(len(n_tok) + 1)]
+        t_compute = time.perf_counter() - t0
+
+        routes = plan.routes_from_vision(dp_rank)
+        t_wait = time.perf_counter()
+        for text_dp, a, b in routes:
+            dst = side.rank_of("text", text_dp * text_tp)
+            items = [text_item(s, args.image_token_id) for s in samples[a - lo : b - lo]]
+            n = starts[b - lo] - starts[a - lo]
+            side.send_object({"step": step, "items": items, "n_tokens": n}, dst)
+            if n:
+                side.send(emb[starts[a - lo] : starts[b - lo]].detach().float(), dst)
+        grads = []
+        for text_dp, a, b in routes:
+            n = starts[b - lo] - starts[a - lo]
+            if n:
+                src = side.rank_of("text", text_dp * text_tp)
+                grads.append(side.recv((n, args.text_hidden), torch.float32, src))
+        t_wait = time.perf_counter() - t_wait
+
+        t1 = time.perf_counter()
+        if emb is not None:
+            emb.backward(torch.cat(grads).to(rt.device, emb.dtype))
+        all_reduce_gradients(params, dp_mesh.get_group())
+        stats = lc.new_stats()
+        if group_rank == 0:
+            stats[lc.VISION_SQ] = lc.grad_sq_norm(ensure_grads(params))
+        t_compute += time.perf_counter() - t1
+        if group_rank == 0:
+            stats[lc.VISION_TIME] = t_compute
+            stats[lc.VISION_WAIT] = t_wait
+        if rt.mesh.get_rank() == dp_rank * args.vision.model_parallel_size:
+            stats[lc.IMAGES] = 0 if grid is None else grid.shape[0]
+        stats = timer.exchange(side, stats, is_vision_rank0=group_rank == 0)
+
+        total_norm = float(stats[lc.VISION_SQ] + stats[lc.TEXT_SQ]) ** 0.5
+        lc.scale_grads(params, lc.clip_coef(total_norm, cfg.max_grad_norm))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        lc.maybe_report(cfg, plan.steps_per_epoch, stats, step, writer, timer)
+

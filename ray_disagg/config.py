@@ -1,0 +1,242 @@
+"""User-facing configuration dataclasses.
+
+Everything here is validated in ``__post_init__`` so that a wrong setting fails on the
+driver, before any Ray worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ray.train import ScalingConfig
+
+__all__ = [
+    "DataParallel",
+    "SequenceParallel",
+    "TensorParallel",
+    "ModuleGroup",
+    "TrainLoopConfig",
+    "Parallelism",
+]
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataParallel:
+    """Every worker of the group holds a full replica; samples are split across workers.
+
+    Example:
+        >>> DataParallel(zero1=True)
+        DataParallel(zero1=True)
+    """
+
+    zero1: bool = False
+    """Shard the AdamW state across the group's workers (ZeRO stage 1)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class SequenceParallel:
+    """Ulysses sequence parallelism for the vision encoder, composed with data parallel.
+
+    The group's ``num_workers`` must be a multiple of ``size``; the remaining factor is the
+    data-parallel degree (mesh axes ``("dp", "sp")``).
+
+    Example:
+        >>> SequenceParallel(size=2)
+        SequenceParallel(size=2, zero1=False)
+    """
+
+    size: int
+    """Number of workers that split one image's patch sequence."""
+
+    zero1: bool = False
+    """Shard the AdamW state across all ``dp x sp`` workers of the group (ZeRO stage 1)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"SequenceParallel(size={self.size!r}): size must be an int >= 1.")
+
+
+@dataclass(kw_only=True, frozen=True)
+class TensorParallel:
+    """Megatron-style tensor parallelism (DTensor) for the LLM, composed with data parallel.
+
+    The group's ``num_workers`` must be a multiple of ``size`` (mesh axes ``("dp", "tp")``).
+
+    Example:
+        >>> TensorParallel(size=2)
+        TensorParallel(size=2)
+    """
+
+    size: int
+    """Number of workers that shard each weight matrix."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"TensorParallel(size={self.size!r}): size must be an int >= 1.")
+
+
+Parallelism = Literal["none"] | DataParallel | SequenceParallel | TensorParallel
+
+
+def _normalize_parallelism(p: Any) -> DataParallel | SequenceParallel | TensorParallel:
+    if p is None or p == "none":
+        return DataParallel()
+    if isinstance(p, DataParallel | SequenceParallel | TensorParallel):
+        return p
+    raise ValueError(
+        f"parallelism={p!r} is not understood. Use 'none', DataParallel(), "
+        "SequenceParallel(size=N) or TensorParallel(size=N)."
+    )
+
+
+@dataclass(kw_only=True)
+class ModuleGroup:
+    """One Ray Train worker group that trains one submodule of the model.
+
+    Example:
+        >>> from ray.train import ScalingConfig
+        >>> g = ModuleGroup(scaling_config=ScalingConfig(num_workers=2))
+        >>> g.parallelism
+        DataParallel(zero1=False)
+    """
+
+    scaling_config: ScalingConfig
+    """Workers, resources, GPU use and placement strategy of this group, as in ``TorchTrainer``."""
+
+    parallelism: Parallelism = "none"
+    """How the group's workers split the module: ``"none"`` (data parallel replicas),
+    :class:`DataParallel`, :class:`SequenceParallel` or :class:`TensorParallel`."""
+
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward to save memory."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scaling_config, ScalingConfig):
+            raise ValueError(
+                "ModuleGroup.scaling_config must be a ray.train.ScalingConfig, got "
+                f"{type(self.scaling_config).__name__}."
+            )
+        n = self.scaling_config.num_workers
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(
+                f"ScalingConfig(num_workers={n!r}): each module group needs num_workers >= 1."
+            )
+        self.parallelism = _normalize_parallelism(self.parallelism)
+        size = getattr(self.parallelism, "size", 1)
+        if n % size:
+            raise ValueError(
+                f"{type(self.parallelism).__name__}(size={size}) must divide the group's "
+                f"num_workers={n}; use a size that divides it or change num_workers."
+            )
+
+    @property
+    def num_workers(self) -> int:
+        return self.scaling_config.num_workers
+
+    @property
+    def model_parallel_size(self) -> int:
+        """SP or TP degree (1 for data parallel)."""
+        return getattr(self.parallelism, "size", 1)
+
+    @property
+    def dp_size(self) -> int:
+        return self.num_workers // self.model_parallel_size
+
+
+@dataclass(kw_only=True)
+class TrainLoopConfig:
+    """Hyper-parameters of the built-in training loop (``train_loop_config=`` accepts a dict).
+
+    Example:
+        >>> TrainLoopConfig(max_steps=10, global_batch_size=4, lr=1e-3).lr
+        0.001
+    """
+
+    max_steps: int
+    """Optimizer steps to run."""
+
+    global_batch_size: int
+    """Samples per optimizer step, summed over all data-parallel replicas."""
+
+    lr: float = 1e-3
+    """AdamW learning rate."""
+
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm (over both groups) to this value; ``None`` disables."""
+
+    seed: int = 0
+    """Seed of the per-epoch sample shuffle."""
+
+    shuffle: bool = True
+    """Shuffle the samples every epoch (deterministically from ``seed`` and the epoch)."""
+
+    report_every: int = 1
+    """Call ``ray.train.report`` with the step's metrics every N steps."""
+
+    checkpoint_every: int | None = None
+    """Save a checkpoint every N steps; the last step is always checkpointed."""
+
+    collective_timeout_s: float = 300.0
+    """Timeout of cross-group transfers and collectives: a stuck peer raises instead of hanging."""
+
+    bf16: bool = False
+    """Run forward/backward under bf16 autocast with fp32 master weights."""
+
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form values, passed through untouched (e.g. for callbacks)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "global_batch_size", "report_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"train_loop_config[{name!r}]={v!r}: must be an int >= 1.")
+        if self.checkpoint_every is not None and (
+            not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 1
+        ):
+            raise ValueError(
+                f"train_loop_config['checkpoint_every']={self.checkpoint_every!r}: "
+                "must be None or an int >= 1."
+            )
+        if self.lr <= 0:
+            raise ValueError(f"train_loop_config['lr']={self.lr!r}: must be > 0.")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(
+                f"train_loop_config['max_grad_norm']={self.max_grad_norm!r}: must be > 0 or None."
+            )
+        if self.collective_timeout_s <= 0:
+            raise ValueError("train_loop_config['collective_timeout_s'] must be > 0.")
+        self.betas = tuple(self.betas)
+
+    @classmethod
+    def from_any(cls, value: TrainLoopConfig | dict[str, Any] | None) -> TrainLoopConfig:
+        """Build from a ``TrainLoopConfig`` or a dict; unknown keys raise ``ValueError``."""
+        if isinstance(value, cls):
+            return value
+        if value is None:
+            raise ValueError(
+                "train_loop_config is required, e.g. {'max_steps': 20, 'global_batch_size': 4}."
+            )
+        if not isinstance(value, dict):
+            raise ValueError(f"train_loop_config must be a dict, got {type(value).__name__}.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"Unknown train_loop_config keys {unknown}; known keys are {sorted(known)}. "
+                "Put custom values under 'extra'."
+            )
+        missing = [k for k in ("max_steps", "global_batch_size") if k not in value]
+        if missing:
+            raise ValueError(f"train_loop_config is missing required keys {missing}.")
+        return cls(**value)

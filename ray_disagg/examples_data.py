@@ -1,0 +1,101 @@
+"""Small real image data that ships with a package: scikit-learn's handwritten digits.
+
+Each 8x8 digit becomes an RGB image, is patched by the real Qwen2.5-VL image processor
+(``Qwen2VLImageProcessor``) and gets the caption ``"a handwritten seven"``; the loss is
+taken on the caption only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["WORDS", "digits_samples", "synthetic_samples"]
+
+NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+# Word-level vocabulary of the captions; ids 100-103 are Qwen2.5-VL's vision tokens in
+# tiny_qwen2_5_vl_config().
+WORDS = ["<pad>", "<bos>", "<eos>", "a", "handwritten", "digit", *NUMBER_WORDS]
+PAD, BOS, EOS = 0, 1, 2
+
+
+def _ids(words: list[str]) -> list[int]:
+    return [WORDS.index(w) for w in words]
+
+
+def _image_processor(config, image_size: int):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    v = config.vision_config
+    return Qwen2VLImageProcessorPil(
+        patch_size=v.patch_size,
+        temporal_patch_size=v.temporal_patch_size,
+        merge_size=v.spatial_merge_size,
+        min_pixels=image_size * image_size,
+        max_pixels=image_size * image_size,
+        do_rescale=True,
+        do_normalize=True,
+    )
+
+
+def caption_sample(config, pixel_values, grid_thw, words: list[str], sample_id) -> dict:
+    """Build one training sample: ``<bos> <vision_start> <image>*n <vision_end> caption <eos>``
+    with labels on the caption and ``<eos>``."""
+    grid = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    n_img = int(grid.prod(-1).sum()) // config.vision_config.spatial_merge_size**2
+    prefix = [BOS, config.vision_start_token_id] + [config.image_token_id] * n_img
+    prefix += [config.vision_end_token_id]
+    target = _ids(words) + [EOS]
+    ids = np.asarray(prefix + target, dtype=np.int64)
+    labels = np.asarray([-100] * len(prefix) + target, dtype=np.int64)
+    return {
+        "id": sample_id,
+        "input_ids": ids,
+        "labels": labels,
+        "pixel_values": np.asarray(pixel_values, dtype=np.float32),
+        "image_grid_thw": grid,
+    }
+
+
+def digits_samples(config, n: int | None = None, image_size: int = 16) -> list[dict]:
+    """Samples from ``sklearn.datasets.load_digits`` (1797 images shipped with sklearn)."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError("digits_samples needs scikit-learn: pip install scikit-learn") from e
+    digits = load_digits()
+    images, targets = digits.images, digits.target
+    if n is not None:
+        images, targets = images[:n], targets[:n]
+    proc = _image_processor(config, image_size)
+    rgb = [np.repeat((img / 16.0 * 255).astype(np.uint8)[..., None], 3, axis=-1) for img in images]
+    out = []
+    for i, (img, y) in enumerate(zip(rgb, targets)):
+        enc = proc(images=[img], return_tensors="np")
+        words = ["a", "handwritten", NUMBER_WORDS[int(y)]]
+        out.append(caption_sample(config, enc["pixel_values"], enc["image_grid_thw"], words, i))
+    return out
+
+
+def synthetic_samples(
+    config, n: int, *, seed: int = 0, grids: list[tuple[int, int, int]] | None = None
+) -> list[dict]:
+    """Random-pixel samples of varied image sizes (``grids`` cycles per sample; a grid of
+    ``None`` makes a text-only sample). For tests and benchmarks."""
+    rng = np.random.default_rng(seed)
+    v = config.vision_config
+    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
+    grids = grids or [(1, 4, 4), (1, 8, 4), (1, 4, 8)]
+    out = []
+    for i in range(n):
+        g = grids[i % len(grids)]
+        words = ["a", "digit", NUMBER_WORDS[int(rng.integers(10))]]
+        if g is None:
+            ids = np.asarray([BOS] + _ids(words) + [EOS], dtype=np.int64)
+            out.append({"id": i, "input_ids": ids, "labels": ids.copy()})
+            continue
+        grid = np.asarray([g], dtype=np.int64)
+        pixels = rng.standard_normal((int(grid.prod()), patch_dim)).astype(np.float32)
+        out.append(caption_sample(config, pixels, grid, words, i))
+    return out

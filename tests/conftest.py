@@ -1,0 +1,22 @@
+import os
+
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import ray  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_start_4_cpus():
+    """A real local Ray cluster on loopback with 4 logical CPUs (fractional CPUs per worker
+    let 4+2 layouts run on a 2-core machine)."""
+    ray.init(
+        num_cpus=4,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="WARNING",
+    )
+    yield
+    ray.shutdown()

@@ -1,0 +1,68 @@
+"""Shared helpers of the end-to-end tests: run a layout, run the reference, compare."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+from safetensors.torch import load_file
+
+from ray_disagg import DisaggregatedTrainer, ModuleGroup, TrainLoopConfig
+from ray_disagg._internal.reference import reference_train
+
+
+def group(n: int, parallelism="none", cpus: float = 0.5) -> ModuleGroup:
+    return ModuleGroup(
+        scaling_config=ScalingConfig(num_workers=n, resources_per_worker={"CPU": cpus}),
+        parallelism=parallelism,
+    )
+
+
+def run_layout(spec, data, loop: dict, vision: ModuleGroup, text: ModuleGroup, storage, name):
+    trainer = DisaggregatedTrainer(
+        model=spec,
+        groups={"vision": vision, "text": text},
+        train_loop_config=loop,
+        datasets={"train": data},
+        run_config=RunConfig(
+            name=name,
+            storage_path=str(storage),
+            checkpoint_config=CheckpointConfig(num_to_keep=None),
+        ),
+    )
+    return trainer.fit()
+
+
+def checkpoint_state(checkpoint) -> dict[str, torch.Tensor]:
+    state = {}
+    for module in ("vision", "text"):
+        state.update(load_file(os.path.join(checkpoint.path, module, "model.safetensors")))
+    return state
+
+
+def assert_params_close(state: dict, ref_state: dict, rtol: float = 1e-5) -> None:
+    """Each tensor within ``rtol`` relative (Frobenius) error of the reference, and every
+    element within ``rtol`` absolute. (Element-wise relative error is not meaningful after
+    AdamW: an element whose gradient is ~1e-9 gets a step of +-lr from float noise alone.)"""
+    assert set(state) == set(ref_state)
+    for key, ref in ref_state.items():
+        got = state[key].to(ref.dtype)
+        err = (got - ref).norm() / ref.norm().clamp_min(1e-12)
+        assert err <= rtol, f"{key}: relative error {err:.2e} > {rtol:.0e}"
+        torch.testing.assert_close(got, ref, rtol=0.0, atol=rtol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def assert_matches_reference(result, spec, data, loop: dict, rtol=1e-5):
+    """Losses of every step and parameters after the last step equal the single-process
+    HF run on the same global batches."""
+    ref_losses, _, ref_model = reference_train(spec, data, TrainLoopConfig(**loop))
+    losses = result.metrics_dataframe.sort_values("step")["loss"].tolist()
+    torch.testing.assert_close(
+        torch.tensor(losses, dtype=torch.float64),
+        torch.tensor(ref_losses, dtype=torch.float64),
+        rtol=rtol,
+        atol=0.0,
+    )
+    assert_params_close(checkpoint_state(result.checkpoint), ref_model.state_dict(), rtol)
+    return losses
