@@ -259,13 +259,14 @@ class Qwen2_5_VLSpec:
         return TextPart(full.model.language_model, full.lm_head, full.config)
 
 
+def hf_key(part: nn.Module, name: str) -> str:
+    """``Qwen2_5_VLForConditionalGeneration`` name of the part's parameter ``name``."""
+    if isinstance(part, VisionPart):
+        return VisionPart.hf_prefix + name
+    head, _, rest = name.partition(".")
+    return f"{TextPart.hf_prefix[head]}.{rest}"
+
+
 def hf_state_dict(part: nn.Module) -> dict[str, torch.Tensor]:
     """The part's parameters under ``Qwen2_5_VLForConditionalGeneration`` key names."""
-    out = {}
-    for key, value in part.state_dict().items():
-        head, _, rest = key.partition(".")
-        if isinstance(part, VisionPart):
-            out["model." + key] = value
-        else:
-            out[f"{TextPart.hf_prefix[head]}.{rest}"] = value
-    return out
+    return {hf_key(part, k): v for k, v in part.state_dict().items()}

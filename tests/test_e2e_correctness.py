@@ -7,7 +7,14 @@ from ray_disagg.examples_data import synthetic_samples
 from tests.helpers import assert_matches_reference, group, run_layout
 
 # eps=1e-6 keeps AdamW from turning float noise in ~0 gradients into +-lr steps.
-LOOP = {"max_steps": 3, "global_batch_size": 4, "checkpoint_every": 1, "lr": 1e-3, "eps": 1e-6, "seed": 3}
+LOOP = {
+    "max_steps": 3,
+    "global_batch_size": 4,
+    "checkpoint_every": 1,
+    "lr": 1e-3,
+    "eps": 1e-6,
+    "seed": 3,
+}
 # Varied image sizes (ragged cu_seqlens) and one text-only sample.
 GRIDS = [(1, 4, 4), (1, 8, 4), None, (1, 4, 8), (1, 8, 8), (1, 4, 4)]
 
@@ -21,6 +28,10 @@ def setup():
 @pytest.mark.parametrize("nv,nt", [(1, 1), (2, 2), (2, 1), (1, 2)])
 def test_data_parallel_layouts_match_single_process(ray_start_4_cpus, setup, tmp_path, nv, nt):
     spec, data = setup
+    if (nv, nt) == (2, 1):
+        # Also the from_pretrained path: every worker loads a local save_pretrained dir.
+        spec.build_full().save_pretrained(tmp_path / "hf")
+        spec = Qwen2_5_VLSpec(pretrained_path=tmp_path / "hf")
     result = run_layout(spec, data, LOOP, group(nv), group(nt), tmp_path, f"dp-{nv}-{nt}")
     assert_matches_reference(result, spec, data, LOOP)
     assert sorted(p.name for p in (tmp_path / f"dp-{nv}-{nt}").glob("checkpoint_0*")) == [

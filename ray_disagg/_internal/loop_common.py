@@ -4,7 +4,6 @@ per-step stats exchange, metrics, checkpoints and ``ray.train.report``."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import tempfile
 import time
@@ -19,8 +18,6 @@ from ray_disagg._internal.side_group import SideGroup
 from ray_disagg.config import ModuleGroup, TrainLoopConfig
 from ray_disagg.data import BatchPlan
 from ray_disagg.model import Qwen2_5_VLSpec
-
-logger = logging.getLogger("ray_disagg")
 
 # Layout of the float64 vector that every rank all-reduces (SUM) over the side group once a
 # step. Each slot is filled by exactly the ranks named in the comment, others give 0.
@@ -46,7 +43,6 @@ class LoopArgs:
     spatial_merge_size: int
     text_hidden: int
     dataset_ref: list | None = None  # [ObjectRef]: a list keeps Ray from resolving it early
-
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainLoopConfig):
@@ -150,9 +146,7 @@ def _untie(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def report(
-    metrics: dict, step: int, *, checkpoint: bool, writer: ShardWriter | None
-) -> None:
+def report(metrics: dict, step: int, *, checkpoint: bool, writer: ShardWriter | None) -> None:
     """``ray.train.report`` on every rank; with ``checkpoint`` the ranks holding a
     ``writer`` upload their shard into the shared directory ``checkpoint_<step>``."""
     if not checkpoint:
@@ -178,11 +172,12 @@ def maybe_report(
     if ckpt or (step + 1) % cfg.report_every == 0:
         t0 = time.perf_counter()
         metrics = metrics_from_stats(stats, step, step // steps_per_epoch, cfg.lr)
-        if ray.train.get_context().get_world_rank() == 0 and writer is not None:
-            logger.info(
-                "[%s] step %d/%d loss %.4f grad_norm %.3f step_time %.3fs",
-                writer.module, step + 1, cfg.max_steps, metrics["loss"], metrics["grad_norm"],
-                metrics["step_time_s"],
+        if writer is not None and writer.module == "vision":
+            print(
+                f"[ray_disagg] step {step + 1}/{cfg.max_steps} loss {metrics['loss']:.4f} "
+                f"grad_norm {metrics['grad_norm']:.3f} step_time {metrics['step_time_s']:.3f}s "
+                f"tokens/s {metrics['tokens_per_s']:.0f}",
+                flush=True,
             )
         report(metrics, step, checkpoint=ckpt, writer=writer)
         timer.excluded += time.perf_counter() - t0

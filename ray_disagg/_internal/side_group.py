@@ -75,18 +75,10 @@ class SideGroup:
         self.pg.allreduce([buf], opts).wait()
         return buf
 
-    def shutdown(self) -> None:
-        try:
-            self.pg.shutdown()
-        except Exception:  # already broken peers: nothing left to close cleanly
-            pass
-
 
 def host_store(addr: str, timeout_s: float):
     """Start the TCPStore server in this process; returns ``(store, port)``."""
-    store = dist.TCPStore(
-        addr, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False
-    )
+    store = dist.TCPStore(addr, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
     return store, store.port
 
 

@@ -94,7 +94,9 @@ def text_train_loop(args: lc.LoopArgs) -> None:
             offset = 0
             for (vision_dp, _a, _b), n in zip(routes, counts):
                 if n:
-                    side.send(grad[offset : offset + n], side.rank_of("vision", vision_dp * vision_sp))
+                    side.send(
+                        grad[offset : offset + n], side.rank_of("vision", vision_dp * vision_sp)
+                    )
                 offset += n
         t_wait += time.perf_counter() - t1
 

@@ -21,7 +21,9 @@ def validate_layout(hf_config, groups: dict[str, ModuleGroup]) -> None:
         _divides(vp.size, v.num_heads, "vision num_heads", "SequenceParallel", "vision")
     elif isinstance(vp, TensorParallel):
         _divides(vp.size, v.num_heads, "vision num_heads", "TensorParallel", "vision")
-        _divides(vp.size, v.intermediate_size, "vision intermediate_size", "TensorParallel", "vision")
+        _divides(
+            vp.size, v.intermediate_size, "vision intermediate_size", "TensorParallel", "vision"
+        )
     elif not isinstance(vp, DataParallel):
         raise ValueError(f"Unsupported vision parallelism {vp!r}.")
     if isinstance(tp, SequenceParallel):

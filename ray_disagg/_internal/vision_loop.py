@@ -9,6 +9,7 @@ back, and finishes backward, the gradient reduction and the optimizer step.
 from __future__ import annotations
 
 import time
+
 import ray
 import torch
 
@@ -103,4 +104,3 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         lc.maybe_report(cfg, plan.steps_per_epoch, stats, step, writer, timer)
-

@@ -1,0 +1,102 @@
+"""Tier 1: bad input fails on the driver with a ValueError naming the fix (no worker starts)."""
+
+import numpy as np
+import pytest
+from ray.train import ScalingConfig
+
+from ray_disagg import (
+    DisaggregatedTrainer,
+    ModuleGroup,
+    Qwen2_5_VLSpec,
+    SampleError,
+    SequenceParallel,
+    TensorParallel,
+    tiny_qwen2_5_vl_config,
+)
+from ray_disagg.examples_data import synthetic_samples
+
+CFG = tiny_qwen2_5_vl_config()
+DATA = synthetic_samples(CFG, 8)
+LOOP = {"max_steps": 1, "global_batch_size": 4}
+
+
+def g(n=1, parallelism="none"):
+    return ModuleGroup(scaling_config=ScalingConfig(num_workers=n), parallelism=parallelism)
+
+
+def make(groups=None, data=DATA, loop=LOOP, cfg=CFG):
+    return DisaggregatedTrainer(
+        model=Qwen2_5_VLSpec(config=cfg),
+        groups={"vision": g(), "text": g()} if groups is None else groups,
+        train_loop_config=loop,
+        datasets={"train": data},
+    )
+
+
+def test_valid_setup_constructs():
+    assert make().plan.steps_per_epoch == 2
+
+
+def test_unknown_group_name():
+    with pytest.raises(ValueError, match=r"Unknown module group\(s\) \['audio'\]"):
+        make({"vision": g(), "text": g(), "audio": g()})
+
+
+def test_missing_group():
+    with pytest.raises(ValueError, match=r"Missing module group\(s\) \['vision'\]"):
+        make({"text": g()})
+
+
+def test_group_must_be_module_group():
+    with pytest.raises(ValueError, match=r"groups\['text'\] must be a ModuleGroup"):
+        make({"vision": g(), "text": ScalingConfig(num_workers=1)})
+
+
+def test_global_batch_not_divisible_by_dp():
+    with pytest.raises(
+        ValueError, match="not divisible by the vision group's data-parallel size 3"
+    ):
+        make({"vision": g(3), "text": g()})
+
+
+def test_image_token_mismatch_names_the_sample():
+    bad = list(DATA)
+    bad[5] = dict(bad[5], input_ids=bad[5]["input_ids"][:-2], labels=None, id="img-0005")
+    bad[5]["input_ids"] = np.concatenate([bad[5]["input_ids"], [CFG.image_token_id]])
+    with pytest.raises(SampleError, match="sample 'img-0005'"):
+        make(data=bad)
+
+
+def test_empty_dataset_and_missing_train_split():
+    with pytest.raises(ValueError, match="is empty"):
+        make(data=[])
+    with pytest.raises(ValueError, match=r'datasets=\{"train": \.\.\.\} is required'):
+        DisaggregatedTrainer(
+            model=Qwen2_5_VLSpec(config=CFG),
+            groups={"vision": g(), "text": g()},
+            train_loop_config=LOOP,
+            datasets={},
+        )
+
+
+def test_sp_size_must_divide_vision_heads():
+    cfg = tiny_qwen2_5_vl_config(vision_heads=2, vision_hidden=32)
+    with pytest.raises(ValueError, match="SequenceParallel\\(size=4\\).*vision num_heads=2"):
+        make({"vision": g(4, SequenceParallel(size=4)), "text": g()}, cfg=cfg)
+
+
+def test_tp_size_must_divide_kv_heads():
+    with pytest.raises(ValueError, match="TensorParallel\\(size=4\\).*num_key_value_heads=2"):
+        make({"vision": g(), "text": g(4, TensorParallel(size=4))})
+
+
+def test_sp_not_for_text_group():
+    with pytest.raises(ValueError, match="SequenceParallel is for the vision group"):
+        make({"vision": g(), "text": g(2, SequenceParallel(size=2))})
+
+
+def test_spec_needs_config_or_local_path(tmp_path):
+    with pytest.raises(ValueError, match="exactly one of config= or pretrained_path="):
+        Qwen2_5_VLSpec()
+    with pytest.raises(ValueError, match="has no config.json"):
+        Qwen2_5_VLSpec(pretrained_path=tmp_path)
