@@ -2,7 +2,7 @@
 
 import pytest
 
-from ray_disagg import Qwen2_5_VLSpec, tiny_qwen2_5_vl_config
+from ray_disagg import Qwen2_5_VLSpec, SequenceParallel, tiny_qwen2_5_vl_config
 from ray_disagg.examples_data import synthetic_samples
 from tests.helpers import assert_matches_reference, group, run_layout
 
@@ -41,3 +41,19 @@ def test_data_parallel_layouts_match_single_process(ray_start_4_cpus, setup, tmp
     ]
     for key in ("loss", "tokens_per_s", "vision_compute_s", "text_compute_s", "step_time_s"):
         assert key in result.metrics
+
+
+@pytest.mark.parametrize(
+    "vision,text",
+    [
+        (lambda: group(2, SequenceParallel(size=2)), lambda: group(1)),
+        (lambda: group(4, SequenceParallel(size=2, zero1=True), cpus=0.25), lambda: group(2)),
+    ],
+    ids=["sp2+dp1", "dp2xsp2-zero1+dp2"],
+)
+def test_sequence_parallel_layouts_match_single_process(
+    ray_start_4_cpus, setup, tmp_path, vision, text
+):
+    spec, data = setup
+    result = run_layout(spec, data, LOOP, vision(), text(), tmp_path, "sp")
+    assert_matches_reference(result, spec, data, LOOP)

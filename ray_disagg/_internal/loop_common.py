@@ -45,10 +45,20 @@ class LoopArgs:
     dataset_ref: list | None = None  # [ObjectRef]: a list keeps Ray from resolving it early
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainLoopConfig):
-    return torch.optim.AdamW(
-        list(params), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
-    )
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainLoopConfig, zero1: bool):
+    """AdamW; with ``zero1`` its state is sharded over the default (whole group's) process
+    group by ``ZeroRedundancyOptimizer`` (each rank updates its shard, then broadcasts)."""
+    kwargs = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps, "weight_decay": cfg.weight_decay}
+    if zero1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(list(params), optimizer_class=torch.optim.AdamW, **kwargs)
+    return torch.optim.AdamW(list(params), **kwargs)
+
+
+def is_checkpoint_step(cfg: TrainLoopConfig, step: int) -> bool:
+    last = step == cfg.max_steps - 1
+    return last or (cfg.checkpoint_every is not None and (step + 1) % cfg.checkpoint_every == 0)
 
 
 def grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
@@ -130,7 +140,7 @@ class ShardWriter:
         os.makedirs(d, exist_ok=True)
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.hf_state_dict().items()}
         save_file(_untie(tensors), os.path.join(d, "model.safetensors"))
-        torch.save(self.optimizer.state_dict(), os.path.join(d, "optimizer.pt"))
+        torch.save(self.optimizer.state_dict(), os.path.join(d, "optimizer.pt"))  # consolidated
         with open(os.path.join(d, "trainer_state.json"), "w") as f:
             json.dump({"step": step + 1}, f)
         if self.hf_config is not None:
@@ -167,8 +177,7 @@ def maybe_report(
     cfg: TrainLoopConfig, steps_per_epoch: int, stats, step: int, writer, timer: StepTimer
 ) -> None:
     """Report on the steps every rank agrees on: each ``report_every``, checkpoints, last."""
-    last = step == cfg.max_steps - 1
-    ckpt = last or (cfg.checkpoint_every is not None and (step + 1) % cfg.checkpoint_every == 0)
+    ckpt = is_checkpoint_step(cfg, step)
     if ckpt or (step + 1) % cfg.report_every == 0:
         t0 = time.perf_counter()
         metrics = metrics_from_stats(stats, step, step // steps_per_epoch, cfg.lr)

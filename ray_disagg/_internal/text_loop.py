@@ -44,7 +44,7 @@ def text_train_loop(args: lc.LoopArgs) -> None:
     if args.text.activation_checkpointing:
         model.language_model.gradient_checkpointing_enable({"use_reentrant": False})
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = lc.build_optimizer(params, cfg)
+    opt = lc.build_optimizer(params, cfg, zero1=getattr(args.text.parallelism, "zero1", False))
     writer = (
         lc.ShardWriter("text", lambda: hf_state_dict(model), opt, hf_config=config)
         if group_rank == 0
@@ -119,4 +119,6 @@ def text_train_loop(args: lc.LoopArgs) -> None:
         lc.scale_grads(params, lc.clip_coef(total_norm, cfg.max_grad_norm))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if lc.is_checkpoint_step(cfg, step) and hasattr(opt, "consolidate_state_dict"):
+            opt.consolidate_state_dict(to=0)
         lc.maybe_report(cfg, plan.steps_per_epoch, stats, step, writer, timer)

@@ -12,27 +12,44 @@ import time
 
 import ray
 import torch
+import torch.distributed as dist
 
 from ray_disagg._internal import loop_common as lc
+from ray_disagg._internal import ulysses
 from ray_disagg._internal.data_parallel import all_reduce_gradients, ensure_grads
 from ray_disagg._internal.runtime import get_runtime
 from ray_disagg.data import collate_vision, text_item, tokens_per_image, validate_sample
 from ray_disagg.model import hf_state_dict
 
 
+def _read(dataset, index: int, args: lc.LoopArgs) -> dict:
+    sample = dataset[index]
+    validate_sample(
+        sample,
+        image_token_id=args.image_token_id,
+        spatial_merge_size=args.spatial_merge_size,
+        index=index,
+    )
+    return sample
+
+
 def vision_train_loop(args: lc.LoopArgs) -> None:
     cfg, plan = args.cfg, args.plan
     rt = get_runtime()
     side = rt.wait_side_group(cfg.collective_timeout_s)
-    dp_mesh = rt.mesh["dp"]
-    dp_rank, group_rank = dp_mesh.get_local_rank(), rt.mesh.get_rank()
+    dp_rank, group_rank = rt.mesh["dp"].get_local_rank(), rt.mesh.get_rank()
+    sp_mesh = rt.mesh["sp"]
+    sp_size, sp_rank = sp_mesh.size(), sp_mesh.get_local_rank()
+    leader = sp_rank == 0  # reads the samples and talks to the text group
     text_tp = args.text.model_parallel_size
 
     model = args.spec.build_vision().to(rt.device)
     if args.vision.activation_checkpointing:
         model.visual.gradient_checkpointing_enable({"use_reentrant": False})
+    if sp_size > 1:
+        ulysses.enable_ulysses(model.visual, sp_mesh.get_group())
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = lc.build_optimizer(params, cfg)
+    opt = lc.build_optimizer(params, cfg, zero1=getattr(args.vision.parallelism, "zero1", False))
     writer = (
         lc.ShardWriter("vision", lambda: hf_state_dict(model), opt) if group_rank == 0 else None
     )
@@ -42,22 +59,22 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
     for step in range(cfg.max_steps):
         t0 = time.perf_counter()
         lo, hi = plan.vision_span(dp_rank)
-        positions = plan.global_indices(step)[lo:hi]
-        samples = []
-        for i in positions:
-            s = dataset[i]
-            validate_sample(
-                s,
-                image_token_id=args.image_token_id,
-                spatial_merge_size=args.spatial_merge_size,
-                index=i,
-            )
-            samples.append(s)
+        samples = None
+        if leader:
+            samples = [_read(dataset, i, args) for i in plan.global_indices(step)[lo:hi]]
+        if sp_size > 1:
+            box = [samples]
+            dist.broadcast_object_list(box, src=group_rank - sp_rank, group=sp_mesh.get_group())
+            samples = box[0]
         pixels, grid = collate_vision(samples)
         emb = None
         if grid is not None:
+            pixels, grid = pixels.to(rt.device), grid.to(rt.device)
             with torch.autocast(rt.device.type, torch.bfloat16, enabled=cfg.bf16):
-                emb = model(pixels.to(rt.device), grid.to(rt.device))
+                if sp_size > 1:
+                    emb = ulysses.sp_vision_forward(model.visual, pixels, grid)
+                else:
+                    emb = model(pixels, grid)
         n_tok = [
             0
             if s.get("image_grid_thw") is None
@@ -67,7 +84,7 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
         starts = [sum(n_tok[:k]) for k in range(len(n_tok) + 1)]
         t_compute = time.perf_counter() - t0
 
-        routes = plan.routes_from_vision(dp_rank)
+        routes = plan.routes_from_vision(dp_rank) if leader else []
         t_wait = time.perf_counter()
         for text_dp, a, b in routes:
             dst = side.rank_of("text", text_dp * text_tp)
@@ -86,8 +103,11 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
 
         t1 = time.perf_counter()
         if emb is not None:
-            emb.backward(torch.cat(grads).to(rt.device, emb.dtype))
-        all_reduce_gradients(params, dp_mesh.get_group())
+            # non-leader sp ranks hold an empty slice of emb but must join the backward
+            grad = torch.cat(grads) if leader else torch.zeros(emb.shape)
+            emb.backward(grad.to(rt.device, emb.dtype))
+        # dp replicas hold different samples and sp ranks partial sums: reduce over both
+        all_reduce_gradients(params, dist.group.WORLD)
         stats = lc.new_stats()
         if group_rank == 0:
             stats[lc.VISION_SQ] = lc.grad_sq_norm(ensure_grads(params))
@@ -95,7 +115,7 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
         if group_rank == 0:
             stats[lc.VISION_TIME] = t_compute
             stats[lc.VISION_WAIT] = t_wait
-        if rt.mesh.get_rank() == dp_rank * args.vision.model_parallel_size:
+        if leader:
             stats[lc.IMAGES] = 0 if grid is None else grid.shape[0]
         stats = timer.exchange(side, stats, is_vision_rank0=group_rank == 0)
 
@@ -103,4 +123,6 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
         lc.scale_grads(params, lc.clip_coef(total_norm, cfg.max_grad_norm))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if lc.is_checkpoint_step(cfg, step) and hasattr(opt, "consolidate_state_dict"):
+            opt.consolidate_state_dict(to=0)
         lc.maybe_report(cfg, plan.steps_per_epoch, stats, step, writer, timer)
