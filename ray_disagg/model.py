@@ -127,6 +127,8 @@ class TextPart(nn.Module):
         self.lm_head = lm_head
         self.image_token_id = config.image_token_id
         self._rope = _RopeIndex(config)
+        self.tp_group = None  # set by tensor parallelism: the lm_head is vocab-sharded
+        self.vocab_start = 0
 
     def embed_and_merge(
         self, input_ids: torch.Tensor, image_embeds: torch.Tensor | None
@@ -176,13 +178,17 @@ class TextPart(nn.Module):
         num_label_tokens: int | torch.Tensor,
     ) -> torch.Tensor:
         hidden = self.hidden_states(input_ids, attention_mask, image_embeds, image_grid_thw)
-        logits = self.lm_head(hidden[:, :-1]).float()
-        loss_sum = F.cross_entropy(
-            logits.flatten(0, 1),
-            labels[:, 1:].flatten(),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
+        logits = self.lm_head(hidden[:, :-1]).float().flatten(0, 1)
+        targets = labels[:, 1:].flatten()
+        if self.tp_group is not None:  # logits hold this rank's vocab slice only
+            from ray_disagg._internal.tensor_parallel import VocabParallelCrossEntropy
+
+            per_token = VocabParallelCrossEntropy.apply(
+                logits, targets, self.vocab_start, IGNORE_INDEX, self.tp_group
+            )
+            loss_sum = per_token.sum()
+        else:
+            loss_sum = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
         return loss_sum / num_label_tokens
 
 

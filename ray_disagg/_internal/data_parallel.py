@@ -10,6 +10,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 __all__ = ["all_reduce_gradients", "ensure_grads"]
 
@@ -28,6 +29,11 @@ def ensure_grads(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Paramete
     return out
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (dp replicas reduce their own tp shards)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def _buckets(grads: list[torch.Tensor]):
     bucket, size = [], 0
     for g in grads:
@@ -42,7 +48,7 @@ def _buckets(grads: list[torch.Tensor]):
 
 def all_reduce_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
     """In-place SUM all-reduce of the gradients over ``group``, in flat buckets."""
-    grads = [p.grad for p in ensure_grads(params)]
+    grads = [_local(p.grad) for p in ensure_grads(params)]
     if dist.get_world_size(group) == 1:
         return
     for bucket in _buckets(grads):

@@ -127,24 +127,52 @@ def metrics_from_stats(stats: torch.Tensor, step: int, epoch: int, lr: float) ->
 
 @dataclass
 class ShardWriter:
-    """Writes one group's files of a checkpoint: ``<module>/model.safetensors`` (HF key
-    names), ``<module>/optimizer.pt`` and ``<module>/trainer_state.json``."""
+    """Writes this rank's files of a checkpoint under ``<module>/``: the model (HF key names,
+    safetensors) when ``writes_model``, the optimizer state as ``optimizer_file``, and the
+    step; plus the HF ``config.json`` at the top when ``hf_config`` is set."""
 
     module: str
-    hf_state_dict: callable
     optimizer: torch.optim.Optimizer
+    writes_model: bool = True
+    optimizer_file: str | None = "optimizer.pt"
     hf_config: object = None
 
-    def write(self, root: str, step: int) -> None:
+    def write(self, root: str, step: int, state_dict: dict[str, torch.Tensor]) -> None:
         d = os.path.join(root, self.module)
         os.makedirs(d, exist_ok=True)
-        tensors = {k: v.detach().cpu().contiguous() for k, v in self.hf_state_dict().items()}
-        save_file(_untie(tensors), os.path.join(d, "model.safetensors"))
-        torch.save(self.optimizer.state_dict(), os.path.join(d, "optimizer.pt"))  # consolidated
-        with open(os.path.join(d, "trainer_state.json"), "w") as f:
-            json.dump({"step": step + 1}, f)
+        if self.writes_model:
+            tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+            save_file(_untie(tensors), os.path.join(d, "model.safetensors"))
+            with open(os.path.join(d, "trainer_state.json"), "w") as f:
+                json.dump({"step": step + 1}, f)
+        if self.optimizer_file is not None:
+            state = _to_local(self.optimizer.state_dict())
+            torch.save(state, os.path.join(d, self.optimizer_file))
         if self.hf_config is not None:
             self.hf_config.save_pretrained(root)
+
+
+def _to_local(obj):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: _to_local(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_local(v) for v in obj]
+    return obj
+
+
+def full_hf_state_dict(part) -> dict[str, torch.Tensor]:
+    """Unsharded state dict under HF names (collective over the tp group for DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    from ray_disagg.model import hf_state_dict
+
+    return {
+        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in hf_state_dict(part).items()
+    }
 
 
 def _untie(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -167,26 +195,41 @@ def report(metrics: dict, step: int, *, checkpoint: bool, writer: ShardWriter | 
         ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        writer.write(tmp, step)
+        writer.write(tmp, step, state_dict)
         ray.train.report(
             metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name
         )
 
 
 def maybe_report(
-    cfg: TrainLoopConfig, steps_per_epoch: int, stats, step: int, writer, timer: StepTimer
+    cfg: TrainLoopConfig,
+    steps_per_epoch: int,
+    stats,
+    step: int,
+    writer,
+    timer: StepTimer,
+    model,
+    optimizer,
 ) -> None:
-    """Report on the steps every rank agrees on: each ``report_every``, checkpoints, last."""
+    """Report on the steps every rank agrees on: each ``report_every``, checkpoints, last.
+
+    At checkpoint steps every rank first joins the collectives that gather the model
+    (tensor parallel) and the optimizer state (ZeRO-1)."""
     ckpt = is_checkpoint_step(cfg, step)
     if ckpt or (step + 1) % cfg.report_every == 0:
         t0 = time.perf_counter()
+        state_dict = None
+        if ckpt:
+            state_dict = full_hf_state_dict(model)
+            if hasattr(optimizer, "consolidate_state_dict"):
+                optimizer.consolidate_state_dict(to=0)
         metrics = metrics_from_stats(stats, step, step // steps_per_epoch, cfg.lr)
-        if writer is not None and writer.module == "vision":
+        if writer is not None and writer.module == "vision" and writer.writes_model:
             print(
                 f"[ray_disagg] step {step + 1}/{cfg.max_steps} loss {metrics['loss']:.4f} "
                 f"grad_norm {metrics['grad_norm']:.3f} step_time {metrics['step_time_s']:.3f}s "
                 f"tokens/s {metrics['tokens_per_s']:.0f}",
                 flush=True,
             )
-        report(metrics, step, checkpoint=ckpt, writer=writer)
+        report(metrics, step, checkpoint=ckpt, writer=writer, state_dict=state_dict)
         timer.excluded += time.perf_counter() - t0

@@ -19,7 +19,6 @@ from ray_disagg._internal import ulysses
 from ray_disagg._internal.data_parallel import all_reduce_gradients, ensure_grads
 from ray_disagg._internal.runtime import get_runtime
 from ray_disagg.data import collate_vision, text_item, tokens_per_image, validate_sample
-from ray_disagg.model import hf_state_dict
 
 
 def _read(dataset, index: int, args: lc.LoopArgs) -> dict:
@@ -51,7 +50,7 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = lc.build_optimizer(params, cfg, zero1=getattr(args.vision.parallelism, "zero1", False))
     writer = (
-        lc.ShardWriter("vision", lambda: hf_state_dict(model), opt) if group_rank == 0 else None
+        lc.ShardWriter("vision", opt) if group_rank == 0 else None
     )
     dataset = ray.get(args.dataset_ref[0])
     timer = lc.StepTimer()
@@ -123,6 +122,4 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
         lc.scale_grads(params, lc.clip_coef(total_norm, cfg.max_grad_norm))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if lc.is_checkpoint_step(cfg, step) and hasattr(opt, "consolidate_state_dict"):
-            opt.consolidate_state_dict(to=0)
-        lc.maybe_report(cfg, plan.steps_per_epoch, stats, step, writer, timer)
+        lc.maybe_report(cfg, plan.steps_per_epoch, stats, step, writer, timer, model, opt)

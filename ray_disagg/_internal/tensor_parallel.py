@@ -1,0 +1,113 @@
+"""Megatron-style tensor parallelism of the Qwen2 decoder with DTensor, plus a
+vocab-parallel embedding, lm_head and cross-entropy (no rank ever holds full-vocab logits).
+
+Plan per decoder layer: q/k/v/gate/up column-wise (each rank holds a slice of the heads /
+of the MLP width), o/down row-wise (partial sums all-reduced); norms stay replicated.
+The input embeddings enter the layers replicated; in backward, the column-wise layers'
+``Replicate`` input turns their partial input gradients into the full sum, so the gradient
+w.r.t. the image embeddings is complete on every tp rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+__all__ = ["VocabParallelCrossEntropy", "parallelize_text", "sharded_grad_sq_norm", "local"]
+
+_LAYER_PLAN = {
+    "self_attn.q_proj": ColwiseParallel,
+    "self_attn.k_proj": ColwiseParallel,
+    "self_attn.v_proj": ColwiseParallel,
+    "self_attn.o_proj": RowwiseParallel,
+    "mlp.gate_proj": ColwiseParallel,
+    "mlp.up_proj": ColwiseParallel,
+    "mlp.down_proj": RowwiseParallel,
+}
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over vocab-sharded logits.
+
+    Forward: ``logits`` ``(N, V / tp)`` (this rank's vocab rows ``[start, start + V/tp)``),
+    ``target`` ``(N,)`` -> per-token loss ``(N,)`` (0 where ``target == ignore_index``),
+    using an all-reduce MAX and two all-reduce SUMs over ``group`` of ``(N,)`` vectors.
+    Backward: ``(softmax - onehot) * grad`` on the local vocab slice; no communication.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start: int, ignore_index: int, group):
+        logits = logits.float()
+        n_local = logits.shape[-1]
+        max_logit = logits.max(dim=-1).values
+        dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - max_logit.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+
+        valid = target != ignore_index
+        local_t = target - vocab_start
+        mine = valid & (local_t >= 0) & (local_t < n_local)
+        idx = torch.where(mine, local_t, torch.zeros_like(local_t))
+        target_logit = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * mine
+        dist.all_reduce(target_logit, group=group)
+        loss = (sum_exp.log() - target_logit) * valid
+
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, idx, mine, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, idx, mine, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, idx.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
+        grad *= (grad_loss * valid).unsqueeze(-1)
+        return grad, None, None, None, None
+
+
+def parallelize_text(part, tp_mesh) -> None:
+    """Shard a :class:`~ray_disagg.model.TextPart` in place over the 1-D ``tp_mesh``."""
+    lm = part.language_model
+    for layer in lm.layers:
+        parallelize_module(layer, tp_mesh, {name: style() for name, style in _LAYER_PLAN.items()})
+    # vocab-parallel embedding: row shards of the table, partial lookups summed
+    parallelize_module(
+        lm,
+        tp_mesh,
+        {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())},
+    )
+    # vocab-parallel lm_head: each rank produces only its slice of the logits
+    parallelize_module(
+        part, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True)}
+    )
+    part.tp_group = tp_mesh.get_group()
+    part.vocab_start = tp_mesh.get_local_rank() * (part.lm_head.weight.shape[0] // tp_mesh.size())
+
+
+def sharded_grad_sq_norm(params, tp_group) -> float:
+    """Squared global grad norm of a TP module: shards summed over ``tp_group``,
+    replicated tensors counted once."""
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements):
+            sharded += g.to_local().double().pow(2).sum().cpu()
+        else:
+            replicated += local(g).double().pow(2).sum().cpu()
+    dist.all_reduce(sharded, group=tp_group)
+    return float(sharded + replicated)
