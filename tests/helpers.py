@@ -42,15 +42,23 @@ def checkpoint_state(checkpoint) -> dict[str, torch.Tensor]:
 
 
 def assert_params_close(state: dict, ref_state: dict, rtol: float = 1e-5) -> None:
-    """Each tensor within ``rtol`` relative (Frobenius) error of the reference, and every
-    element within ``rtol`` absolute. (Element-wise relative error is not meaningful after
-    AdamW: an element whose gradient is ~1e-9 gets a step of +-lr from float noise alone.)"""
+    """All parameters together within ``rtol`` relative (Frobenius) error of the reference,
+    every element within ``rtol`` absolute, and each tensor within ``10 * rtol`` relative.
+
+    (Element- or tensor-wise relative error is not meaningful for tensors whose gradient is
+    ~0, such as attention key biases: AdamW turns fp32 noise in such a gradient into steps
+    of up to +-lr, and a zero-initialised bias is made of nothing but those steps.)"""
     assert set(state) == set(ref_state)
+    diff_sq = ref_sq = 0.0
     for key, ref in ref_state.items():
         got = state[key].to(ref.dtype)
-        err = (got - ref).norm() / ref.norm().clamp_min(1e-12)
-        assert err <= rtol, f"{key}: relative error {err:.2e} > {rtol:.0e}"
+        d, r = float((got - ref).double().pow(2).sum()), float(ref.double().pow(2).sum())
+        diff_sq, ref_sq = diff_sq + d, ref_sq + r
+        err = (d / max(r, 1e-24)) ** 0.5
+        assert err <= 10 * rtol, f"{key}: relative error {err:.2e} > {10 * rtol:.0e}"
         torch.testing.assert_close(got, ref, rtol=0.0, atol=rtol, msg=lambda m, k=key: f"{k}: {m}")
+    total = (diff_sq / ref_sq) ** 0.5
+    assert total <= rtol, f"relative error of all parameters {total:.2e} > {rtol:.0e}"
 
 
 def assert_matches_reference(result, spec, data, loop: dict, rtol=1e-5):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ray_disagg import Qwen2_5_VLSpec, SequenceParallel, tiny_qwen2_5_vl_config
+from ray_disagg import Qwen2_5_VLSpec, SequenceParallel, TensorParallel, tiny_qwen2_5_vl_config
 from ray_disagg.examples_data import synthetic_samples
 from tests.helpers import assert_matches_reference, group, run_layout
 
@@ -46,14 +46,17 @@ def test_data_parallel_layouts_match_single_process(ray_start_4_cpus, setup, tmp
 @pytest.mark.parametrize(
     "vision,text",
     [
-        (lambda: group(2, SequenceParallel(size=2)), lambda: group(1)),
-        (lambda: group(4, SequenceParallel(size=2, zero1=True), cpus=0.25), lambda: group(2)),
+        (lambda: group(2, SequenceParallel(size=2)), lambda: group(2, TensorParallel(size=2))),
+        (
+            lambda: group(4, SequenceParallel(size=2, zero1=True), cpus=0.25),
+            lambda: group(2, TensorParallel(size=2)),
+        ),
     ],
-    ids=["sp2+dp1", "dp2xsp2-zero1+dp2"],
+    ids=["vision-sp2+text-tp2", "vision-dp2xsp2-zero1+text-tp2"],
 )
-def test_sequence_parallel_layouts_match_single_process(
+def test_hybrid_layouts_match_single_process(
     ray_start_4_cpus, setup, tmp_path, vision, text
 ):
     spec, data = setup
-    result = run_layout(spec, data, LOOP, vision(), text(), tmp_path, "sp")
+    result = run_layout(spec, data, LOOP, vision(), text(), tmp_path, "hybrid")
     assert_matches_reference(result, spec, data, LOOP)

@@ -184,7 +184,9 @@ def _untie(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def report(metrics: dict, step: int, *, checkpoint: bool, writer: ShardWriter | None) -> None:
+def report(
+    metrics: dict, step: int, *, checkpoint: bool, writer: ShardWriter | None, state_dict=None
+) -> None:
     """``ray.train.report`` on every rank; with ``checkpoint`` the ranks holding a
     ``writer`` upload their shard into the shared directory ``checkpoint_<step>``."""
     if not checkpoint:
