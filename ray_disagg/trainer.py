@@ -18,7 +18,7 @@ from ray_disagg._internal.validation import validate_layout
 from ray_disagg._internal.vision_loop import vision_train_loop
 from ray_disagg._internal.worker_groups import GroupLaunch
 from ray_disagg.backend import TextBackendConfig, VisionBackendConfig
-from ray_disagg.config import ModuleGroup, TrainLoopConfig
+from ray_disagg.config import ModuleGroup, TensorParallel, TrainLoopConfig
 from ray_disagg.data import BatchPlan, validate_sample
 from ray_disagg.model import Qwen2_5_VLSpec
 
@@ -176,7 +176,12 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         backends = {"vision": VisionBackendConfig, "text": TextBackendConfig}
         launches = {}
         for name, group in self.groups.items():
-            backend = backends[name](mesh_shape=(group.dp_size, group.model_parallel_size))
+            # vision: "sp" unless it is tensor parallel (the uniform-TP baseline); text: "tp"
+            sp_axis = name == "vision" and not isinstance(group.parallelism, TensorParallel)
+            mp_axis = "sp" if sp_axis else "tp"
+            backend = backends[name](
+                mesh_shape=(group.dp_size, group.model_parallel_size), mesh_axes=("dp", mp_axis)
+            )
             fn = rc.construct_train_func(
                 functools.partial(loops[name], args),
                 config=None,

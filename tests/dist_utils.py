@@ -15,7 +15,9 @@ def _entry(fn, rank, world, init_file, queue, args):
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+        )
         # plain pickle: torch tensors would otherwise travel as shared memory handles
         queue.put((rank, pickle.dumps(fn(rank, world, *args))))
     except BaseException:
@@ -39,7 +41,9 @@ def run_distributed(fn, world: int, *args, timeout: float = 120.0) -> list:
     results = {r: pickle.loads(b) for r, b in (queue.get(timeout=timeout) for _ in range(world))}
     for p in procs:
         p.join(timeout=30)
-    errors = [f"rank {r}: {results[r]}" for r in range(world) if isinstance(results[r], BaseException)]
+    errors = [
+        f"rank {r}: {results[r]}" for r in range(world) if isinstance(results[r], BaseException)
+    ]
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world)]

@@ -51,12 +51,11 @@ def test_data_parallel_layouts_match_single_process(ray_start_4_cpus, setup, tmp
             lambda: group(4, SequenceParallel(size=2, zero1=True), cpus=0.25),
             lambda: group(2, TensorParallel(size=2)),
         ),
+        (lambda: group(2, TensorParallel(size=2)), lambda: group(2, TensorParallel(size=2))),
     ],
-    ids=["vision-sp2+text-tp2", "vision-dp2xsp2-zero1+text-tp2"],
+    ids=["vision-sp2+text-tp2", "vision-dp2xsp2-zero1+text-tp2", "uniform-tp2"],
 )
-def test_hybrid_layouts_match_single_process(
-    ray_start_4_cpus, setup, tmp_path, vision, text
-):
+def test_hybrid_layouts_match_single_process(ray_start_4_cpus, setup, tmp_path, vision, text):
     spec, data = setup
     result = run_layout(spec, data, LOOP, vision(), text(), tmp_path, "hybrid")
     assert_matches_reference(result, spec, data, LOOP)

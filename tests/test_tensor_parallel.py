@@ -22,7 +22,12 @@ def _vocab_ce(rank, world):
     shard = logits[:, rank * v : (rank + 1) * v].clone().requires_grad_()
     loss = VocabParallelCrossEntropy.apply(shard, target, rank * v, -100, dist.group.WORLD).sum()
     loss.backward()
-    return {"loss": loss.detach(), "ref": ref.detach(), "grad": shard.grad, "ref_grad": ref_logits.grad}
+    return {
+        "loss": loss.detach(),
+        "ref": ref.detach(),
+        "grad": shard.grad,
+        "ref_grad": ref_logits.grad,
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -48,7 +53,9 @@ def _tp_text(rank, world):
     samples = synthetic_samples(cfg, 3, grids=[(1, 4, 4), None, (1, 8, 4)])
     b = reference_batch(samples, cfg)
     n_img = int((b["input_ids"] == cfg.image_token_id).sum())
-    emb = torch.randn(n_img, cfg.text_config.hidden_size, generator=torch.Generator().manual_seed(1))
+    emb = torch.randn(
+        n_img, cfg.text_config.hidden_size, generator=torch.Generator().manual_seed(1)
+    )
     args = (b["input_ids"], b["attention_mask"], b["labels"])
 
     def run(part):

@@ -168,11 +168,13 @@ def full_hf_state_dict(part) -> dict[str, torch.Tensor]:
     """Unsharded state dict under HF names (collective over the tp group for DTensors)."""
     from torch.distributed.tensor import DTensor
 
+    from ray_disagg._internal.tensor_parallel import merge_split_qkv
     from ray_disagg.model import hf_state_dict
 
-    return {
+    state = {
         k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in hf_state_dict(part).items()
     }
+    return merge_split_qkv(state)
 
 
 def _untie(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -19,7 +19,15 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-__all__ = ["VocabParallelCrossEntropy", "parallelize_text", "sharded_grad_sq_norm", "local"]
+__all__ = [
+    "VocabParallelCrossEntropy",
+    "SplitQKV",
+    "parallelize_text",
+    "parallelize_vision",
+    "merge_split_qkv",
+    "sharded_grad_sq_norm",
+    "local",
+]
 
 _LAYER_PLAN = {
     "self_attn.q_proj": ColwiseParallel,
@@ -94,6 +102,60 @@ def parallelize_text(part, tp_mesh) -> None:
     )
     part.tp_group = tp_mesh.get_group()
     part.vocab_start = tp_mesh.get_local_rank() * (part.lm_head.weight.shape[0] // tp_mesh.size())
+
+
+class SplitQKV(torch.nn.Module):
+    """The vision attention's fused ``qkv`` Linear as three Linears, so that each can be
+    sharded column-wise by heads (a contiguous row shard of the fused weight would mix q
+    and k). ``forward`` returns ``[q | k | v]`` like the fused layer; with sharded q/k/v
+    that is ``[q_r | k_r | v_r]`` of this rank's heads, which HF's reshape then reads as
+    ``(seq, 3, local_heads, head_dim)``."""
+
+    def __init__(self, qkv: torch.nn.Linear):
+        super().__init__()
+        dim, out = qkv.in_features, qkv.out_features // 3
+        for i, name in enumerate("qkv"):
+            lin = torch.nn.Linear(dim, out, bias=qkv.bias is not None)
+            with torch.no_grad():
+                lin.weight.copy_(qkv.weight[i * out : (i + 1) * out])
+                if qkv.bias is not None:
+                    lin.bias.copy_(qkv.bias[i * out : (i + 1) * out])
+            setattr(self, name, lin)
+
+    def forward(self, x):
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+
+
+def merge_split_qkv(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Turn ``*.qkv.{q,k,v}.{weight,bias}`` back into HF's fused ``*.qkv.{weight,bias}``."""
+    out, pending = {}, {}
+    for key, value in state.items():
+        head, sep, tail = key.rpartition(".qkv.")
+        if sep and tail[:2] in ("q.", "k.", "v."):
+            pending.setdefault(f"{head}.qkv.{tail[2:]}", {})[tail[0]] = value
+        else:
+            out[key] = value
+    for key, parts in pending.items():
+        out[key] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+    return out
+
+
+def parallelize_vision(visual, tp_mesh) -> None:
+    """Shard every vision block in place: attention by heads, the MLP by its width; patch
+    embedding and merger stay replicated."""
+    plan = {
+        "attn.qkv.q": ColwiseParallel(),
+        "attn.qkv.k": ColwiseParallel(),
+        "attn.qkv.v": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for blk in visual.blocks:
+        blk.attn.qkv = SplitQKV(blk.attn.qkv)
+        parallelize_module(blk, tp_mesh, plan)
+        blk.attn.num_heads //= tp_mesh.size()
 
 
 def sharded_grad_sq_norm(params, tp_group) -> float:

@@ -35,7 +35,9 @@ __all__ = [
 ]
 
 
-def _all_to_all(x: torch.Tensor, in_splits: list[int], out_splits: list[int], group) -> torch.Tensor:
+def _all_to_all(
+    x: torch.Tensor, in_splits: list[int], out_splits: list[int], group
+) -> torch.Tensor:
     out = x.new_empty(sum(out_splits))
     dist.all_to_all_single(out, x.contiguous().reshape(-1), out_splits, in_splits, group=group)
     return out

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ray_disagg._internal import loop_common as lc
+from ray_disagg._internal import tensor_parallel as tp
 from ray_disagg._internal import ulysses
 from ray_disagg._internal.data_parallel import all_reduce_gradients, ensure_grads
 from ray_disagg._internal.runtime import get_runtime
@@ -36,22 +37,32 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
     cfg, plan = args.cfg, args.plan
     rt = get_runtime()
     side = rt.wait_side_group(cfg.collective_timeout_s)
-    dp_rank, group_rank = rt.mesh["dp"].get_local_rank(), rt.mesh.get_rank()
-    sp_mesh = rt.mesh["sp"]
-    sp_size, sp_rank = sp_mesh.size(), sp_mesh.get_local_rank()
-    leader = sp_rank == 0  # reads the samples and talks to the text group
+    dp_mesh = rt.mesh["dp"]
+    dp_rank, group_rank = dp_mesh.get_local_rank(), rt.mesh.get_rank()
+    # the model-parallel axis: "sp" (Ulysses) or "tp" (uniform tensor parallel baseline)
+    mp_axis = rt.mesh.mesh_dim_names[1]
+    mp_mesh = rt.mesh[mp_axis]
+    mp_size, mp_rank = mp_mesh.size(), mp_mesh.get_local_rank()
+    sp_size = mp_size if mp_axis == "sp" else 1
+    tp_size = mp_size if mp_axis == "tp" else 1
+    leader = mp_rank == 0  # reads the samples and talks to the text group
+    mp_src = group_rank - mp_rank
     text_tp = args.text.model_parallel_size
 
     model = args.spec.build_vision().to(rt.device)
     if args.vision.activation_checkpointing:
         model.visual.gradient_checkpointing_enable({"use_reentrant": False})
     if sp_size > 1:
-        ulysses.enable_ulysses(model.visual, sp_mesh.get_group())
+        ulysses.enable_ulysses(model.visual, mp_mesh.get_group())
+    if tp_size > 1:
+        tp.parallelize_vision(model.visual, mp_mesh)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = lc.build_optimizer(params, cfg, zero1=getattr(args.vision.parallelism, "zero1", False))
-    writer = (
-        lc.ShardWriter("vision", opt) if group_rank == 0 else None
-    )
+    writer = lc.ShardWriter("vision", opt) if group_rank == 0 else None
+    if tp_size > 1 and dp_rank == 0:
+        writer = lc.ShardWriter(
+            "vision", opt, writes_model=leader, optimizer_file=f"optimizer_tp{mp_rank}.pt"
+        )
     dataset = ray.get(args.dataset_ref[0])
     timer = lc.StepTimer()
 
@@ -61,9 +72,9 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
         samples = None
         if leader:
             samples = [_read(dataset, i, args) for i in plan.global_indices(step)[lo:hi]]
-        if sp_size > 1:
+        if mp_size > 1:
             box = [samples]
-            dist.broadcast_object_list(box, src=group_rank - sp_rank, group=sp_mesh.get_group())
+            dist.broadcast_object_list(box, src=mp_src, group=mp_mesh.get_group())
             samples = box[0]
         pixels, grid = collate_vision(samples)
         emb = None
@@ -102,14 +113,22 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
 
         t1 = time.perf_counter()
         if emb is not None:
-            # non-leader sp ranks hold an empty slice of emb but must join the backward
+            # sp: non-leaders hold an empty slice of emb but must join the backward;
+            # tp: every rank holds the replicated emb and needs the full gradient
             grad = torch.cat(grads) if leader else torch.zeros(emb.shape)
+            if tp_size > 1:
+                dist.broadcast(grad, src=mp_src, group=mp_mesh.get_group())
             emb.backward(grad.to(rt.device, emb.dtype))
-        # dp replicas hold different samples and sp ranks partial sums: reduce over both
-        all_reduce_gradients(params, dist.group.WORLD)
+        if tp_size > 1:
+            all_reduce_gradients(params, dp_mesh.get_group())
+            sq = tp.sharded_grad_sq_norm(ensure_grads(params), mp_mesh.get_group())
+        else:
+            # dp replicas hold different samples and sp ranks partial sums: reduce over both
+            all_reduce_gradients(params, dist.group.WORLD)
+            sq = lc.grad_sq_norm(ensure_grads(params))
         stats = lc.new_stats()
         if group_rank == 0:
-            stats[lc.VISION_SQ] = lc.grad_sq_norm(ensure_grads(params))
+            stats[lc.VISION_SQ] = sq
         t_compute += time.perf_counter() - t1
         if group_rank == 0:
             stats[lc.VISION_TIME] = t_compute
