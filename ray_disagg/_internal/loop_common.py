@@ -27,7 +27,17 @@ VISION_TIME, TEXT_TIME = 5, 6  # compute seconds: each group's rank 0
 IMAGES = 7  # vision data-parallel leaders
 VISION_WAIT, TEXT_WAIT = 8, 9  # seconds blocked on the other group: each group's rank 0
 CYCLE_TIME = 10  # wall seconds since the previous step's exchange: vision rank 0
-NUM_STATS = 11
+VISION_PEAK_MB, TEXT_PEAK_MB = 11, 12  # peak memory of the process: each group's rank 0
+NUM_STATS = 13
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak GPU memory allocated on CUDA; peak resident set size of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 @dataclass
@@ -90,20 +100,31 @@ class StepTimer:
     def __init__(self):
         self.last_exchange = time.perf_counter()
         self.excluded = 0.0
+        self.cycles: list[float] = []
 
     def exchange(self, side: SideGroup, stats: torch.Tensor, is_vision_rank0: bool) -> torch.Tensor:
         now = time.perf_counter()
         if is_vision_rank0:
             stats[CYCLE_TIME] = now - self.last_exchange - self.excluded
         self.last_exchange, self.excluded = now, 0.0
-        return side.all_reduce_sum(stats)
+        stats = side.all_reduce_sum(stats)
+        self.cycles.append(float(stats[CYCLE_TIME]))
+        return stats
+
+    @property
+    def mean_step_time(self) -> float:
+        """Mean step time without the first (warm-up) step."""
+        steady = self.cycles[1:] or self.cycles
+        return sum(steady) / len(steady)
 
 
 def new_stats() -> torch.Tensor:
     return torch.zeros(NUM_STATS, dtype=torch.float64)
 
 
-def metrics_from_stats(stats: torch.Tensor, step: int, epoch: int, lr: float) -> dict:
+def metrics_from_stats(
+    stats: torch.Tensor, step: int, epoch: int, lr: float, mean_step_time: float
+) -> dict:
     s = stats.tolist()
     cycle = max(s[CYCLE_TIME], 1e-9)
     return {
@@ -117,11 +138,14 @@ def metrics_from_stats(stats: torch.Tensor, step: int, epoch: int, lr: float) ->
         "label_tokens": int(s[LABEL_TOKENS]),
         "images": int(s[IMAGES]),
         "step_time_s": s[CYCLE_TIME],
+        "mean_step_time_s": mean_step_time,
         "tokens_per_s": s[TEXT_TOKENS] / cycle,
         "vision_compute_s": s[VISION_TIME],
         "text_compute_s": s[TEXT_TIME],
         "vision_wait_s": s[VISION_WAIT],
         "text_wait_s": s[TEXT_WAIT],
+        "vision_peak_memory_mb": s[VISION_PEAK_MB],
+        "text_peak_memory_mb": s[TEXT_PEAK_MB],
     }
 
 
@@ -227,7 +251,9 @@ def maybe_report(
             state_dict = full_hf_state_dict(model)
             if hasattr(optimizer, "consolidate_state_dict"):
                 optimizer.consolidate_state_dict(to=0)
-        metrics = metrics_from_stats(stats, step, step // steps_per_epoch, cfg.lr)
+        metrics = metrics_from_stats(
+            stats, step, step // steps_per_epoch, cfg.lr, timer.mean_step_time
+        )
         if writer is not None and writer.module == "vision" and writer.writes_model:
             print(
                 f"[ray_disagg] step {step + 1}/{cfg.max_steps} loss {metrics['loss']:.4f} "

@@ -135,6 +135,7 @@ def text_train_loop(args: lc.LoopArgs) -> None:
         if group_rank == 0:
             stats[lc.TEXT_TIME] = t_compute
             stats[lc.TEXT_WAIT] = t_wait
+            stats[lc.TEXT_PEAK_MB] = lc.peak_memory_mb(rt.device)
         stats = timer.exchange(side, stats, is_vision_rank0=False)
 
         total_norm = float(stats[lc.VISION_SQ] + stats[lc.TEXT_SQ]) ** 0.5

@@ -133,6 +133,7 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
         if group_rank == 0:
             stats[lc.VISION_TIME] = t_compute
             stats[lc.VISION_WAIT] = t_wait
+            stats[lc.VISION_PEAK_MB] = lc.peak_memory_mb(rt.device)
         if leader:
             stats[lc.IMAGES] = 0 if grid is None else grid.shape[0]
         stats = timer.exchange(side, stats, is_vision_rank0=group_rank == 0)
