@@ -12,10 +12,11 @@ from ray_disagg import DisaggregatedTrainer, ModuleGroup, TrainLoopConfig
 from ray_disagg._internal.reference import reference_train
 
 
-def group(n: int, parallelism="none", cpus: float = 0.5) -> ModuleGroup:
+def group(n: int, parallelism="none", cpus: float = 0.5, ac: bool = False) -> ModuleGroup:
     return ModuleGroup(
         scaling_config=ScalingConfig(num_workers=n, resources_per_worker={"CPU": cpus}),
         parallelism=parallelism,
+        activation_checkpointing=ac,
     )
 
 

@@ -1,10 +1,20 @@
 """Tier 3: DisaggregatedTrainer on a real Ray cluster equals the single-process HF model."""
 
-import pytest
+import math
 
-from ray_disagg import Qwen2_5_VLSpec, SequenceParallel, TensorParallel, tiny_qwen2_5_vl_config
+import pytest
+import torch
+
+from ray_disagg import (
+    Qwen2_5_VLSpec,
+    SequenceParallel,
+    TensorParallel,
+    TrainLoopConfig,
+    tiny_qwen2_5_vl_config,
+)
+from ray_disagg._internal.reference import reference_train
 from ray_disagg.examples_data import synthetic_samples
-from tests.helpers import assert_matches_reference, group, run_layout
+from tests.helpers import assert_matches_reference, checkpoint_state, group, run_layout
 
 # eps=1e-6 keeps AdamW from turning float noise in ~0 gradients into +-lr steps.
 LOOP = {
@@ -32,7 +42,10 @@ def test_data_parallel_layouts_match_single_process(ray_start_4_cpus, setup, tmp
         # Also the from_pretrained path: every worker loads a local save_pretrained dir.
         spec.build_full().save_pretrained(tmp_path / "hf")
         spec = Qwen2_5_VLSpec(pretrained_path=tmp_path / "hf")
-    result = run_layout(spec, data, LOOP, group(nv), group(nt), tmp_path, f"dp-{nv}-{nt}")
+    ac = (nv, nt) == (2, 2)  # activation checkpointing must not change the numbers
+    result = run_layout(
+        spec, data, LOOP, group(nv, ac=ac), group(nt, ac=ac), tmp_path, f"dp-{nv}-{nt}"
+    )
     assert_matches_reference(result, spec, data, LOOP)
     assert sorted(p.name for p in (tmp_path / f"dp-{nv}-{nt}").glob("checkpoint_0*")) == [
         "checkpoint_000001",
@@ -48,8 +61,8 @@ def test_data_parallel_layouts_match_single_process(ray_start_4_cpus, setup, tmp
     [
         (lambda: group(2, SequenceParallel(size=2)), lambda: group(2, TensorParallel(size=2))),
         (
-            lambda: group(4, SequenceParallel(size=2, zero1=True), cpus=0.25),
-            lambda: group(2, TensorParallel(size=2)),
+            lambda: group(4, SequenceParallel(size=2, zero1=True), cpus=0.25, ac=True),
+            lambda: group(2, TensorParallel(size=2), ac=True),
         ),
         (lambda: group(2, TensorParallel(size=2)), lambda: group(2, TensorParallel(size=2))),
     ],
@@ -59,3 +72,17 @@ def test_hybrid_layouts_match_single_process(ray_start_4_cpus, setup, tmp_path, 
     spec, data = setup
     result = run_layout(spec, data, LOOP, vision(), text(), tmp_path, "hybrid")
     assert_matches_reference(result, spec, data, LOOP)
+
+
+def test_bf16_autocast_trains_close_to_fp32(ray_start_4_cpus, setup, tmp_path):
+    spec, data = setup
+    loop = dict(LOOP, bf16=True)
+    vision, text = group(2, SequenceParallel(size=2)), group(2, TensorParallel(size=2))
+    result = run_layout(spec, data, loop, vision, text, tmp_path, "bf16")
+    ref_losses, _, _ = reference_train(spec, data, TrainLoopConfig(**LOOP))
+    losses = result.metrics_dataframe.sort_values("step")["loss"].tolist()
+    # bf16 matmuls, fp32 master weights (checkpointed weights stay fp32)
+    assert all(math.isfinite(v) for v in losses)
+    for got, ref in zip(losses, ref_losses):
+        assert abs(got - ref) / ref < 2e-2, (losses, ref_losses)
+    assert all(t.dtype == torch.float32 for t in checkpoint_state(result.checkpoint).values())
