@@ -13,6 +13,7 @@ from ray_disagg.config import (
     TrainLoopConfig,
 )
 from ray_disagg.data import BatchPlan, SampleError
+from ray_disagg.export import export_hf
 from ray_disagg.model import Qwen2_5_VLSpec, tiny_qwen2_5_vl_config
 from ray_disagg.trainer import DisaggregatedTrainer
 
@@ -31,5 +32,6 @@ __all__ = [
     "TextBackendConfig",
     "TrainLoopConfig",
     "VisionBackendConfig",
+    "export_hf",
     "tiny_qwen2_5_vl_config",
 ]

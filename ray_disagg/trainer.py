@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import ray
-from ray.train import Result, RunConfig, ScalingConfig
+from ray.train import Checkpoint, Result, RunConfig, ScalingConfig
 
 from ray_disagg._internal import ray_compat as rc
 from ray_disagg._internal.controller import DisaggregatedController
@@ -42,6 +42,10 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
     gradients text -> vision every step. ``fit()`` returns one ``ray.train.Result`` whose
     checkpoint holds ``vision/`` and ``text/`` shards plus the HF ``config.json``.
 
+    Restarts (``FailureConfig(max_failures=K)``) and a rerun with the same
+    ``RunConfig(name=..., storage_path=...)`` continue from the latest checkpoint;
+    ``resume_from_checkpoint`` starts from a given one (of any layout).
+
     Example:
         >>> import ray
         >>> from ray.train import RunConfig, ScalingConfig
@@ -71,6 +75,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         train_loop_config: TrainLoopConfig | dict[str, Any] | None = None,
         datasets: Mapping[str, Any] | None = None,
         run_config: RunConfig | None = None,
+        resume_from_checkpoint: Checkpoint | None = None,
         validate_samples: bool = True,
     ):
         if not isinstance(model, Qwen2_5_VLSpec):
@@ -79,6 +84,11 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
                 f"{type(model).__name__}."
             )
         self.model_spec = model
+        if resume_from_checkpoint is not None and not isinstance(
+            resume_from_checkpoint, Checkpoint
+        ):
+            raise ValueError("resume_from_checkpoint must be a ray.train.Checkpoint.")
+        self.resume_from_checkpoint = resume_from_checkpoint
         self.groups = self._validate_groups(groups)
         self.loop_config = TrainLoopConfig.from_any(train_loop_config)
         hf_config = model.load_config()
@@ -171,6 +181,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             spatial_merge_size=self._hf_config.vision_config.spatial_merge_size,
             text_hidden=self._hf_config.text_config.hidden_size,
             dataset_ref=[ray.put(self._train_data)],
+            resume_from_checkpoint=self.resume_from_checkpoint,
         )
         loops = {"vision": vision_train_loop, "text": text_train_loop}
         backends = {"vision": VisionBackendConfig, "text": TextBackendConfig}
@@ -180,7 +191,9 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             sp_axis = name == "vision" and not isinstance(group.parallelism, TensorParallel)
             mp_axis = "sp" if sp_axis else "tp"
             backend = backends[name](
-                mesh_shape=(group.dp_size, group.model_parallel_size), mesh_axes=("dp", mp_axis)
+                mesh_shape=(group.dp_size, group.model_parallel_size),
+                mesh_axes=("dp", mp_axis),
+                timeout_s=int(self.loop_config.collective_timeout_s),
             )
             fn = rc.construct_train_func(
                 functools.partial(loops[name], args),

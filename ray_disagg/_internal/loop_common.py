@@ -53,6 +53,7 @@ class LoopArgs:
     spatial_merge_size: int
     text_hidden: int
     dataset_ref: list | None = None  # [ObjectRef]: a list keeps Ray from resolving it early
+    resume_from_checkpoint: object = None
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainLoopConfig, zero1: bool):
@@ -151,41 +152,24 @@ def metrics_from_stats(
 
 @dataclass
 class ShardWriter:
-    """Writes this rank's files of a checkpoint under ``<module>/``: the model (HF key names,
-    safetensors) when ``writes_model``, the optimizer state as ``optimizer_file``, and the
-    step; plus the HF ``config.json`` at the top when ``hf_config`` is set."""
+    """Writes a group's files of a checkpoint under ``<module>/`` (on the group's rank 0):
+    the model (HF names, safetensors), the AdamW state by HF name, and the step; plus the
+    HF ``config.json`` at the top when ``hf_config`` is set. All tensors are full, so the
+    files do not depend on the layout that wrote them."""
 
     module: str
-    optimizer: torch.optim.Optimizer
-    writes_model: bool = True
-    optimizer_file: str | None = "optimizer.pt"
     hf_config: object = None
 
-    def write(self, root: str, step: int, state_dict: dict[str, torch.Tensor]) -> None:
+    def write(self, root: str, step: int, state_dict: dict, optimizer_state: dict) -> None:
         d = os.path.join(root, self.module)
         os.makedirs(d, exist_ok=True)
-        if self.writes_model:
-            tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
-            save_file(_untie(tensors), os.path.join(d, "model.safetensors"))
-            with open(os.path.join(d, "trainer_state.json"), "w") as f:
-                json.dump({"step": step + 1}, f)
-        if self.optimizer_file is not None:
-            state = _to_local(self.optimizer.state_dict())
-            torch.save(state, os.path.join(d, self.optimizer_file))
+        tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+        save_file(_untie(tensors), os.path.join(d, "model.safetensors"))
+        torch.save(optimizer_state, os.path.join(d, "optimizer.pt"))
+        with open(os.path.join(d, "trainer_state.json"), "w") as f:
+            json.dump({"step": step + 1}, f)
         if self.hf_config is not None:
             self.hf_config.save_pretrained(root)
-
-
-def _to_local(obj):
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        return obj.to_local()
-    if isinstance(obj, dict):
-        return {k: _to_local(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_local(v) for v in obj]
-    return obj
 
 
 def full_hf_state_dict(part) -> dict[str, torch.Tensor]:
@@ -211,7 +195,7 @@ def _untie(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def report(
-    metrics: dict, step: int, *, checkpoint: bool, writer: ShardWriter | None, state_dict=None
+    metrics: dict, step: int, *, checkpoint: bool, writer: ShardWriter | None, shard=None
 ) -> None:
     """``ray.train.report`` on every rank; with ``checkpoint`` the ranks holding a
     ``writer`` upload their shard into the shared directory ``checkpoint_<step>``."""
@@ -223,7 +207,7 @@ def report(
         ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        writer.write(tmp, step, state_dict)
+        writer.write(tmp, step, *shard)
         ray.train.report(
             metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name
         )
@@ -246,20 +230,47 @@ def maybe_report(
     ckpt = is_checkpoint_step(cfg, step)
     if ckpt or (step + 1) % cfg.report_every == 0:
         t0 = time.perf_counter()
-        state_dict = None
-        if ckpt:
-            state_dict = full_hf_state_dict(model)
-            if hasattr(optimizer, "consolidate_state_dict"):
-                optimizer.consolidate_state_dict(to=0)
+        shard = None
+        if ckpt:  # collectives: every rank of the group gathers, rank 0 writes
+            from ray_disagg._internal.checkpointing import full_optimizer_state
+
+            shard = (full_hf_state_dict(model), full_optimizer_state(optimizer, model))
         metrics = metrics_from_stats(
             stats, step, step // steps_per_epoch, cfg.lr, timer.mean_step_time
         )
-        if writer is not None and writer.module == "vision" and writer.writes_model:
+        if writer is not None and writer.module == "vision":
             print(
                 f"[ray_disagg] step {step + 1}/{cfg.max_steps} loss {metrics['loss']:.4f} "
                 f"grad_norm {metrics['grad_norm']:.3f} step_time {metrics['step_time_s']:.3f}s "
                 f"tokens/s {metrics['tokens_per_s']:.0f}",
                 flush=True,
             )
-        report(metrics, step, checkpoint=ckpt, writer=writer, state_dict=state_dict)
+        report(metrics, step, checkpoint=ckpt, writer=writer, shard=shard)
         timer.excluded += time.perf_counter() - t0
+
+
+def restore(model, optimizer, module: str, args: LoopArgs) -> int:
+    """Load the latest checkpoint of this run (Ray Train hands it to restarted workers)
+    or ``resume_from_checkpoint``; returns the step to start from."""
+    from ray_disagg._internal import checkpointing
+
+    ckpt = ray.train.get_checkpoint() or args.resume_from_checkpoint
+    if ckpt is None:
+        return 0
+    with ckpt.as_directory() as root:
+        checkpointing.load_model(model, os.path.join(root, module))
+        checkpointing.load_optimizer(optimizer, model, os.path.join(root, module))
+        return checkpointing.trained_steps(root)
+
+
+def maybe_inject_failure(cfg: TrainLoopConfig, module: str, group_rank: int, step: int) -> None:
+    """Fault drill: ``extra={"inject_failure_once": {"group", "step", "marker"[, "rank"]}}``
+    kills that worker's process at the start of that step, once (the marker file records
+    that it happened), to exercise ``FailureConfig`` restarts."""
+    drill = cfg.extra.get("inject_failure_once")
+    if not drill or drill["group"] != module or drill["step"] != step:
+        return
+    if group_rank == drill.get("rank", 0) and not os.path.exists(drill["marker"]):
+        with open(drill["marker"], "w") as f:
+            f.write(f"{module} rank {group_rank} killed at step {step}\n")
+        os._exit(1)

@@ -65,18 +65,12 @@ def text_train_loop(args: lc.LoopArgs) -> None:
         tp.parallelize_text(model, tp_mesh)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = lc.build_optimizer(params, cfg, zero1=getattr(args.text.parallelism, "zero1", False))
-    writer = None
-    if dp_rank == 0 and (leader or tp_size > 1):
-        writer = lc.ShardWriter(
-            "text",
-            opt,
-            writes_model=leader,
-            optimizer_file="optimizer.pt" if tp_size == 1 else f"optimizer_tp{tp_rank}.pt",
-            hf_config=config if leader else None,
-        )
+    writer = lc.ShardWriter("text", hf_config=config) if group_rank == 0 else None
+    start = lc.restore(model, opt, "text", args)
     timer = lc.StepTimer()
 
-    for step in range(cfg.max_steps):
+    for step in range(start, cfg.max_steps):
+        lc.maybe_inject_failure(cfg, "text", group_rank, step)
         routes = plan.routes_to_text(dp_rank)
         t_wait = time.perf_counter()
         items, emb, counts = _receive(side, routes, step, args) if leader else (None, None, None)

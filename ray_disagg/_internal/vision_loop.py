@@ -58,15 +58,13 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
         tp.parallelize_vision(model.visual, mp_mesh)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = lc.build_optimizer(params, cfg, zero1=getattr(args.vision.parallelism, "zero1", False))
-    writer = lc.ShardWriter("vision", opt) if group_rank == 0 else None
-    if tp_size > 1 and dp_rank == 0:
-        writer = lc.ShardWriter(
-            "vision", opt, writes_model=leader, optimizer_file=f"optimizer_tp{mp_rank}.pt"
-        )
+    writer = lc.ShardWriter("vision") if group_rank == 0 else None
+    start = lc.restore(model, opt, "vision", args)
     dataset = ray.get(args.dataset_ref[0])
     timer = lc.StepTimer()
 
-    for step in range(cfg.max_steps):
+    for step in range(start, cfg.max_steps):
+        lc.maybe_inject_failure(cfg, "vision", group_rank, step)
         t0 = time.perf_counter()
         lo, hi = plan.vision_span(dp_rank)
         samples = None

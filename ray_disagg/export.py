@@ -1,0 +1,37 @@
+"""Export a ray_disagg checkpoint as one Hugging Face model directory."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from ray.train import Checkpoint
+from safetensors.torch import load_file
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+__all__ = ["export_hf"]
+
+
+def export_hf(checkpoint: Checkpoint | str | os.PathLike, out_dir: str | os.PathLike) -> str:
+    """Write the model of ``checkpoint`` (a ``ray.train.Checkpoint`` of any layout, or its
+    directory) to ``out_dir`` in the ``save_pretrained`` layout (safetensors + config.json).
+
+    Example:
+        >>> path = export_hf(result.checkpoint, "/tmp/my-vlm")  # doctest: +SKIP
+        >>> Qwen2_5_VLForConditionalGeneration.from_pretrained(path)  # doctest: +SKIP
+    """
+    if not isinstance(checkpoint, Checkpoint):
+        checkpoint = Checkpoint.from_directory(os.fspath(checkpoint))
+    with checkpoint.as_directory() as root:
+        config = Qwen2_5_VLConfig.from_pretrained(root)
+        state = {}
+        for module in ("vision", "text"):
+            path = os.path.join(root, module, "model.safetensors")
+            if not os.path.isfile(path):
+                raise ValueError(f"{root} is not a ray_disagg checkpoint: {path} is missing.")
+            state.update(load_file(path))
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.save_pretrained(os.fspath(out_dir))
+    return os.fspath(out_dir)

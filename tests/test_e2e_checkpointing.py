@@ -1,0 +1,106 @@
+"""Tier 3: restarts after a worker dies, resume into another layout, Hugging Face export."""
+
+import pytest
+import ray
+import torch
+from ray.train import CheckpointConfig, FailureConfig, RunConfig
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from ray_disagg import (
+    DisaggregatedTrainer,
+    Qwen2_5_VLSpec,
+    SequenceParallel,
+    TensorParallel,
+    TrainLoopConfig,
+    export_hf,
+    tiny_qwen2_5_vl_config,
+)
+from ray_disagg._internal.reference import reference_batch, reference_train
+from ray_disagg.examples_data import synthetic_samples
+from tests.helpers import assert_params_close, checkpoint_state, group
+
+LOOP = {"max_steps": 4, "global_batch_size": 4, "checkpoint_every": 1, "eps": 1e-6, "seed": 5}
+GRIDS = [(1, 4, 4), (1, 8, 4), None, (1, 4, 8)]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = tiny_qwen2_5_vl_config()
+    return cfg, Qwen2_5_VLSpec(config=cfg, seed=4), synthetic_samples(cfg, 12, grids=GRIDS)
+
+
+def fit(spec, data, loop, vision, text, storage, name, failures=0, resume=None):
+    return DisaggregatedTrainer(
+        model=spec,
+        groups={"vision": vision, "text": text},
+        train_loop_config=loop,
+        datasets={"train": data},
+        run_config=RunConfig(
+            name=name,
+            storage_path=str(storage),
+            failure_config=FailureConfig(max_failures=failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=None),
+        ),
+        resume_from_checkpoint=resume,
+    ).fit()
+
+
+def losses(result):
+    return result.metrics_dataframe.sort_values("step")["loss"].tolist()
+
+
+def test_text_worker_death_restarts_all_groups_and_matches_uninterrupted(
+    ray_start_4_cpus, setup, tmp_path
+):
+    _, spec, data = setup
+    marker = tmp_path / "killed"
+    drill = {"group": "text", "step": 2, "marker": str(marker)}
+    loop = dict(LOOP, extra={"inject_failure_once": drill})
+    result = fit(spec, data, loop, group(2), group(1), tmp_path, "ft", failures=1)
+    assert marker.exists()  # the text worker really died at step 2
+    clean = fit(spec, data, LOOP, group(2), group(1), tmp_path, "clean")
+    assert [int(s) for s in result.metrics_dataframe.sort_values("step")["step"]] == [1, 2, 3, 4]
+    assert losses(result) == losses(clean)  # bit-identical on CPU
+    got, ref = checkpoint_state(result.checkpoint), checkpoint_state(clean.checkpoint)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_failure_without_retries_names_the_group_and_rank(ray_start_4_cpus, setup, tmp_path):
+    _, spec, data = setup
+    drill = {"group": "vision", "step": 1, "rank": 1, "marker": str(tmp_path / "killed")}
+    loop = dict(LOOP, extra={"inject_failure_once": drill})
+    with pytest.raises(ray.train.TrainingFailedError, match="vision group rank 1"):
+        fit(spec, data, loop, group(2), group(1), tmp_path, "fail")
+
+
+def test_resume_into_another_layout_then_export_to_hugging_face(ray_start_4_cpus, setup, tmp_path):
+    cfg, spec, data = setup
+    first = fit(
+        spec,
+        data,
+        dict(LOOP, max_steps=2),
+        group(2, SequenceParallel(size=2)),
+        group(2, TensorParallel(size=2)),
+        tmp_path,
+        "layout-a",
+    )
+    # SP=2 / TP=2 checkpoint continues in a 1 + 1 layout
+    second = fit(
+        spec, data, LOOP, group(1), group(1), tmp_path, "layout-b", resume=first.checkpoint
+    )
+    ref_losses, _, ref_model = reference_train(spec, data, TrainLoopConfig(**LOOP))
+    both = losses(first) + losses(second)
+    torch.testing.assert_close(torch.tensor(both), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    state = checkpoint_state(second.checkpoint)
+    assert_params_close(state, ref_model.state_dict())
+
+    out = export_hf(second.checkpoint, tmp_path / "hf")
+    exported = Qwen2_5_VLForConditionalGeneration.from_pretrained(out).eval()
+    for k, v in exported.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    batch = reference_batch(data[:4], cfg)
+    batch.pop("labels")
+    with torch.no_grad():
+        logits = exported(**batch).logits
+        ref_logits = ref_model.eval()(**batch).logits
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
