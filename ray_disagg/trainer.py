@@ -12,6 +12,7 @@ from ray.train import Checkpoint, Result, RunConfig, ScalingConfig
 
 from ray_disagg._internal import ray_compat as rc
 from ray_disagg._internal.controller import DisaggregatedController
+from ray_disagg._internal.ingest import is_ray_dataset
 from ray_disagg._internal.loop_common import LoopArgs
 from ray_disagg._internal.text_loop import text_train_loop
 from ray_disagg._internal.validation import validate_layout
@@ -96,7 +97,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         self._hf_config = hf_config
         self._train_data = self._validate_datasets(datasets, hf_config, validate_samples)
         self.plan = BatchPlan(
-            num_samples=len(self._train_data),
+            num_samples=self._num_samples(self._train_data, self.groups["vision"].dp_size),
             global_batch_size=self.loop_config.global_batch_size,
             vision_dp=self.groups["vision"].dp_size,
             text_dp=self.groups["text"].dp_size,
@@ -139,10 +140,12 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         if extra:
             raise ValueError(f"Only a 'train' dataset is supported, got extra keys {extra}.")
         data = datasets["train"]
+        if is_ray_dataset(data):
+            return data  # streamed by the vision group; each row is validated when read
         if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
             raise ValueError(
-                "datasets['train'] must be a map-style dataset (list of sample dicts, "
-                f"datasets.Dataset, ...), got {type(data).__name__}."
+                "datasets['train'] must be a ray.data.Dataset or a map-style dataset (list of "
+                f"sample dicts, datasets.Dataset, ...), got {type(data).__name__}."
             )
         if len(data) == 0:
             raise ValueError("datasets['train'] is empty.")
@@ -156,6 +159,15 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
                     index=i,
                 )
         return data
+
+    @staticmethod
+    def _num_samples(data, vision_dp: int) -> int:
+        if not is_ray_dataset(data):
+            return len(data)
+        n = data.count()
+        if n == 0:
+            raise ValueError("datasets['train'] is empty.")
+        return n - n % vision_dp  # streaming_split(equal=True) drops the remainder
 
     # ---- Ray Train hooks ------------------------------------------------------------
 

@@ -104,3 +104,18 @@ def test_resume_into_another_layout_then_export_to_hugging_face(ray_start_4_cpus
         logits = exported(**batch).logits
         ref_logits = ref_model.eval()(**batch).logits
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_ray_data_ingest_uses_every_sample_once_per_epoch(ray_start_4_cpus, setup, tmp_path):
+    cfg, spec, _ = setup
+    samples = synthetic_samples(cfg, 12, grids=[(1, 4, 4), (1, 8, 4)])
+    ds = ray.data.from_items(samples)
+    loop = dict(LOOP, max_steps=6, extra={"report_sample_ids": True})
+    result = fit(spec, ds, loop, group(2), group(2), tmp_path, "raydata")
+    rows = result.metrics_dataframe.sort_values("step")
+    per_step = [list(ids) for ids in rows["sample_ids"]]
+    assert all(len(ids) == 4 for ids in per_step)
+    for epoch in (per_step[:3], per_step[3:]):  # 12 samples, 4 per step: 3 steps an epoch
+        ids = [i for step in epoch for i in step]
+        assert sorted(ids) == list(range(12))  # none dropped, none duplicated
+    assert all(v == v for v in rows["loss"])  # finite (not NaN)

@@ -222,6 +222,7 @@ def maybe_report(
     timer: StepTimer,
     model,
     optimizer,
+    extra_metrics: dict | None = None,
 ) -> None:
     """Report on the steps every rank agrees on: each ``report_every``, checkpoints, last.
 
@@ -238,6 +239,7 @@ def maybe_report(
         metrics = metrics_from_stats(
             stats, step, step // steps_per_epoch, cfg.lr, timer.mean_step_time
         )
+        metrics.update(extra_metrics or {})
         if writer is not None and writer.module == "vision":
             print(
                 f"[ray_disagg] step {step + 1}/{cfg.max_steps} loss {metrics['loss']:.4f} "

@@ -14,23 +14,16 @@ import ray
 import torch
 import torch.distributed as dist
 
+from ray_disagg._internal import ingest, ulysses
 from ray_disagg._internal import loop_common as lc
 from ray_disagg._internal import tensor_parallel as tp
-from ray_disagg._internal import ulysses
 from ray_disagg._internal.data_parallel import all_reduce_gradients, ensure_grads
 from ray_disagg._internal.runtime import get_runtime
-from ray_disagg.data import collate_vision, text_item, tokens_per_image, validate_sample
+from ray_disagg.data import collate_vision, text_item, tokens_per_image
 
 
-def _read(dataset, index: int, args: lc.LoopArgs) -> dict:
-    sample = dataset[index]
-    validate_sample(
-        sample,
-        image_token_id=args.image_token_id,
-        spatial_merge_size=args.spatial_merge_size,
-        index=index,
-    )
-    return sample
+def _plain(v):
+    return v.item() if hasattr(v, "item") else v
 
 
 def vision_train_loop(args: lc.LoopArgs) -> None:
@@ -60,16 +53,17 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
     opt = lc.build_optimizer(params, cfg, zero1=getattr(args.vision.parallelism, "zero1", False))
     writer = lc.ShardWriter("vision") if group_rank == 0 else None
     start = lc.restore(model, opt, "vision", args)
-    dataset = ray.get(args.dataset_ref[0])
+    source = ingest.make_source(ray.get(args.dataset_ref[0]), plan, dp_rank, leader)
     timer = lc.StepTimer()
 
     for step in range(start, cfg.max_steps):
         lc.maybe_inject_failure(cfg, "vision", group_rank, step)
         t0 = time.perf_counter()
-        lo, hi = plan.vision_span(dp_rank)
         samples = None
         if leader:
-            samples = [_read(dataset, i, args) for i in plan.global_indices(step)[lo:hi]]
+            samples = ingest.read_samples(
+                source, step, dp_rank, args.image_token_id, args.spatial_merge_size
+            )
         if mp_size > 1:
             box = [samples]
             dist.broadcast_object_list(box, src=mp_src, group=mp_mesh.get_group())
@@ -93,6 +87,7 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
         t_compute = time.perf_counter() - t0
 
         routes = plan.routes_from_vision(dp_rank) if leader else []
+        lo = plan.vision_span(dp_rank)[0]
         t_wait = time.perf_counter()
         for text_dp, a, b in routes:
             dst = side.rank_of("text", text_dp * text_tp)
@@ -140,4 +135,10 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
         lc.scale_grads(params, lc.clip_coef(total_norm, cfg.max_grad_norm))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        lc.maybe_report(cfg, plan.steps_per_epoch, stats, step, writer, timer, model, opt)
+        extra = None
+        if cfg.extra.get("report_sample_ids"):  # which samples this step used (for audits)
+            ids = [_plain(s.get("id")) for s in samples] if leader else []
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, ids)
+            extra = {"sample_ids": [i for part in gathered for i in part]}
+        lc.maybe_report(cfg, plan.steps_per_epoch, stats, step, writer, timer, model, opt, extra)

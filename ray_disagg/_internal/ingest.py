@@ -1,0 +1,76 @@
+"""Where the vision group's data-parallel leaders read their samples (the one place a
+sample is read; the text group gets the text fields from them).
+
+- map-style data (list, ``datasets.Dataset``): the leaders index the shared dataset with
+  the deterministic :class:`~ray_disagg.data.BatchPlan` (same batches as the reference);
+- a Ray Data ``Dataset``: vision rank 0 makes ``streaming_split(vision_dp, equal=True)``
+  at the start of every run attempt and each leader streams its split; each epoch every
+  row is used at most once (the rows that do not fill a last local batch are dropped).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import ray
+import torch.distributed as dist
+
+from ray_disagg.data import validate_sample
+
+
+def is_ray_dataset(data) -> bool:
+    return isinstance(data, ray.data.Dataset)
+
+
+class MapStyleSource:
+    def __init__(self, dataset, plan):
+        self.dataset, self.plan = dataset, plan
+
+    def take(self, step: int, dp_rank: int) -> list[tuple[int, dict]]:
+        lo, hi = self.plan.vision_span(dp_rank)
+        return [(i, self.dataset[i]) for i in self.plan.global_indices(step)[lo:hi]]
+
+
+class StreamSource:
+    def __init__(self, split, per_step: int):
+        self.split, self.per_step, self._rows, self._seen = split, per_step, None, 0
+
+    def take(self, step: int, dp_rank: int) -> list[tuple[int, dict]]:
+        out = []
+        while len(out) < self.per_step:
+            if self._rows is None:
+                self._rows = iter(self.split.iter_rows())
+            try:
+                row = next(self._rows)
+            except StopIteration:  # epoch over: drop the partial local batch, start again
+                self._rows, out = None, []
+                continue
+            out.append((self._seen, _from_row(row)))
+            self._seen += 1
+        return out
+
+
+def _from_row(row) -> dict:
+    return {k: (np.asarray(v) if isinstance(v, list) else v) for k, v in dict(row).items()}
+
+
+def make_source(data, plan, dp_rank: int, is_leader: bool):
+    """Collective over the vision group when ``data`` is a Ray Dataset."""
+    if not is_ray_dataset(data):
+        return MapStyleSource(data, plan) if is_leader else None
+    box = [data.streaming_split(plan.vision_dp, equal=True) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    per_step = plan.global_batch_size // plan.vision_dp
+    return StreamSource(box[0][dp_rank], per_step) if is_leader else None
+
+
+def read_samples(source, step, dp_rank, image_token_id, spatial_merge_size) -> list[dict]:
+    samples = []
+    for index, sample in source.take(step, dp_rank):
+        validate_sample(
+            sample,
+            image_token_id=image_token_id,
+            spatial_merge_size=spatial_merge_size,
+            index=index,
+        )
+        samples.append(sample)
+    return samples
