@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
-from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from safetensors.torch import load_file
 
 from ray_disagg import DisaggregatedTrainer, ModuleGroup, TrainLoopConfig
@@ -20,7 +20,10 @@ def group(n: int, parallelism="none", cpus: float = 0.5, ac: bool = False) -> Mo
     )
 
 
-def run_layout(spec, data, loop: dict, vision: ModuleGroup, text: ModuleGroup, storage, name):
+def run_layout(
+    spec, data, loop: dict, vision, text, storage, name, *, failures: int = 0, resume=None
+):
+    """Fit one layout, keeping every checkpoint (their metrics are the per-step history)."""
     trainer = DisaggregatedTrainer(
         model=spec,
         groups={"vision": vision, "text": text},
@@ -29,8 +32,10 @@ def run_layout(spec, data, loop: dict, vision: ModuleGroup, text: ModuleGroup, s
         run_config=RunConfig(
             name=name,
             storage_path=str(storage),
+            failure_config=FailureConfig(max_failures=failures),
             checkpoint_config=CheckpointConfig(num_to_keep=None),
         ),
+        resume_from_checkpoint=resume,
     )
     return trainer.fit()
 

@@ -3,11 +3,9 @@
 import pytest
 import ray
 import torch
-from ray.train import CheckpointConfig, FailureConfig, RunConfig
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from ray_disagg import (
-    DisaggregatedTrainer,
     Qwen2_5_VLSpec,
     SequenceParallel,
     TensorParallel,
@@ -18,6 +16,7 @@ from ray_disagg import (
 from ray_disagg._internal.reference import reference_batch, reference_train
 from ray_disagg.examples_data import synthetic_samples
 from tests.helpers import assert_params_close, checkpoint_state, group
+from tests.helpers import run_layout as fit
 
 LOOP = {"max_steps": 4, "global_batch_size": 4, "checkpoint_every": 1, "eps": 1e-6, "seed": 5}
 GRIDS = [(1, 4, 4), (1, 8, 4), None, (1, 4, 8)]
@@ -27,22 +26,6 @@ GRIDS = [(1, 4, 4), (1, 8, 4), None, (1, 4, 8)]
 def setup():
     cfg = tiny_qwen2_5_vl_config()
     return cfg, Qwen2_5_VLSpec(config=cfg, seed=4), synthetic_samples(cfg, 12, grids=GRIDS)
-
-
-def fit(spec, data, loop, vision, text, storage, name, failures=0, resume=None):
-    return DisaggregatedTrainer(
-        model=spec,
-        groups={"vision": vision, "text": text},
-        train_loop_config=loop,
-        datasets={"train": data},
-        run_config=RunConfig(
-            name=name,
-            storage_path=str(storage),
-            failure_config=FailureConfig(max_failures=failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=None),
-        ),
-        resume_from_checkpoint=resume,
-    ).fit()
 
 
 def losses(result):

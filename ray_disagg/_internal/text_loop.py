@@ -82,7 +82,8 @@ def text_train_loop(args: lc.LoopArgs) -> None:
             items, counts, n_emb = box[0]
             if not leader:
                 emb = torch.empty(n_emb, args.text_hidden)
-            dist.broadcast(emb, src=group_rank - tp_rank, group=tp_mesh.get_group())
+            if n_emb:
+                dist.broadcast(emb, src=group_rank - tp_rank, group=tp_mesh.get_group())
         _check_image_tokens(items, emb.shape[0], args.image_token_id)
         emb = emb.to(rt.device).requires_grad_() if emb.shape[0] else None
         batch = collate_text(items, pad_id)
