@@ -6,8 +6,9 @@ import os
 
 import torch
 from ray.train import Checkpoint
-from safetensors.torch import load_file
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from ray_disagg._internal.checkpointing import read_full
 
 __all__ = ["export_hf"]
 
@@ -15,6 +16,7 @@ __all__ = ["export_hf"]
 def export_hf(checkpoint: Checkpoint | str | os.PathLike, out_dir: str | os.PathLike) -> str:
     """Write the model of ``checkpoint`` (a ``ray.train.Checkpoint`` of any layout, or its
     directory) to ``out_dir`` in the ``save_pretrained`` layout (safetensors + config.json).
+    The groups' sharded (DCP) tensors are assembled in this process.
 
     Example:
         >>> path = export_hf(result.checkpoint, "/tmp/my-vlm")  # doctest: +SKIP
@@ -26,10 +28,10 @@ def export_hf(checkpoint: Checkpoint | str | os.PathLike, out_dir: str | os.Path
         config = Qwen2_5_VLConfig.from_pretrained(root)
         state = {}
         for module in ("vision", "text"):
-            path = os.path.join(root, module, "model.safetensors")
+            path = os.path.join(root, module, ".metadata")
             if not os.path.isfile(path):
                 raise ValueError(f"{root} is not a ray_disagg checkpoint: {path} is missing.")
-            state.update(load_file(path))
+            state.update(read_full(os.path.dirname(path))[0])
     with torch.device("meta"):
         model = Qwen2_5_VLForConditionalGeneration(config)
     model.load_state_dict(state, strict=True, assign=True)

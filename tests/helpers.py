@@ -6,9 +6,9 @@ import os
 
 import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from safetensors.torch import load_file
 
 from ray_disagg import DisaggregatedTrainer, ModuleGroup, TrainLoopConfig
+from ray_disagg._internal.checkpointing import read_full
 from ray_disagg._internal.reference import reference_train
 
 
@@ -41,9 +41,10 @@ def run_layout(
 
 
 def checkpoint_state(checkpoint) -> dict[str, torch.Tensor]:
+    """The full model (HF names) assembled from every group's DCP shards."""
     state = {}
     for module in ("vision", "text"):
-        state.update(load_file(os.path.join(checkpoint.path, module, "model.safetensors")))
+        state.update(read_full(os.path.join(checkpoint.path, module))[0])
     return state
 
 

@@ -1,10 +1,16 @@
-"""Layout-independent checkpoint contents and restore.
+"""Sharded, layout-independent checkpoints with ``torch.distributed.checkpoint`` (DCP).
 
-A group's shard holds full (unsharded) tensors under Hugging Face names: the model in
-``<module>/model.safetensors`` and the AdamW state in ``<module>/optimizer.pt`` as
-``{hf_name: {"step", "exp_avg", "exp_avg_sq"}}``. Tensor-parallel shards are gathered and
-ZeRO-1 state consolidated when saving, and re-sharded for the current layout when loading,
-so a checkpoint saved with one layout loads into another (TP=2 -> TP=1, SP=2 -> DP=1, ...).
+Every rank of a group saves, with one collective ``dcp.save`` over the group, the tensors
+it holds under Hugging Face names: ``model.<hf_name>`` and ``optim.<hf_name>.{exp_avg,
+exp_avg_sq,step}``; tensor-parallel parameters as DTensors (each rank writes its shard),
+ZeRO-1 state on the rank that owns it, replicated tensors once (DCP de-duplicates). Each
+rank writes into its own local directory and uploads it through ``ray.train.report``, so
+``<checkpoint>/<module>/`` ends up with every rank's ``.distcp`` file plus the metadata.
+
+Loading reads global tensors from the DCP metadata and re-shards them for the current
+layout, so a checkpoint saved with one layout loads into another (TP=2 -> TP=1, SP=2 ->
+DP=1, ...). The vision TP baseline stores q/k/v separately; reading merges them into HF's
+fused ``qkv``.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import json
 import os
 
 import torch
-from safetensors.torch import load_file
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ray_disagg._internal.tensor_parallel import merge_split_qkv
@@ -22,40 +29,45 @@ from ray_disagg.model import hf_key
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
+def sharded_state(model, optimizer) -> dict[str, torch.Tensor]:
+    """This rank's tensors for ``dcp.save`` (see module docstring)."""
+    from ray_disagg.model import hf_state_dict
 
-
-def full_optimizer_state(opt, part) -> dict[str, dict[str, torch.Tensor]] | None:
-    """AdamW state by HF parameter name with full tensors (collective for TP and ZeRO-1:
-    call on every rank of the group); ``None`` on ranks that do not hold the result."""
-    named = [(n, p) for n, p in part.named_parameters() if p.requires_grad]
-    if hasattr(opt, "consolidate_state_dict"):  # ZeRO-1: states come back by param index
-        opt.consolidate_state_dict(to=0)
-        if torch.distributed.get_rank() != 0:
-            return None
-        by_index = opt.state_dict()["state"]
-        states = {n: by_index.get(i, {}) for i, (n, _) in enumerate(named)}
-    else:
-        states = {n: opt.state.get(p, {}) for n, p in named}
-    out = {}
-    for n, st in states.items():
+    out = {f"model.{k}": v.detach() for k, v in hf_state_dict(model).items()}
+    inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1: this rank's shard
+    for name, p in model.named_parameters():
+        st = inner.state.get(p)
         if st:
-            entry = {k: _full(st[k]).detach().cpu() for k in _STATE_KEYS}
-            entry["step"] = _full(st["step"]).detach().cpu().float().reshape(1)
-            out[hf_key(part, n)] = entry
-    return _merge_qkv_states(out)
+            key = f"optim.{hf_key(model, name)}"
+            for f in _STATE_KEYS:
+                out[f"{key}.{f}"] = st[f]
+            out[f"{key}.step"] = st["step"].detach().reshape(1).float().cpu()
+    return out
 
 
-def _merge_qkv_states(states):
-    if not any(".qkv.q." in k for k in states):
-        return states
-    merged = {}
-    for field in (*_STATE_KEYS, "step"):
-        flat = merge_split_qkv({k: v[field] for k, v in states.items()})
-        for k, v in flat.items():
-            merged.setdefault(k, {})[field] = v
-    return merged
+def save_sharded(model, optimizer, directory: str) -> None:
+    """Collective over the group's default process group."""
+    dcp.save(sharded_state(model, optimizer), storage_writer=dcp.FileSystemWriter(directory))
+
+
+def read_full(directory: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """Global (unsharded) tensors of a module directory, in this process alone:
+    ``(model state by HF name, AdamW state by HF name)``."""
+    meta = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    full = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
+    dcp.load(full, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+    model = merge_split_qkv({k[6:]: v for k, v in full.items() if k.startswith("model.")})
+    optim: dict[str, dict] = {}
+    for k, v in full.items():
+        if k.startswith("optim."):
+            name, _, field = k[6:].rpartition(".")
+            optim.setdefault(field, {})[name] = v
+    optim = {f: merge_split_qkv(d) for f, d in optim.items()}
+    return model, optim
 
 
 def _hf_full_tensor(source: dict[str, torch.Tensor], part, name: str) -> torch.Tensor:
@@ -79,9 +91,8 @@ def _like(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return full.clone()
 
 
-def load_model(part, shard_dir: str) -> None:
-    """Load ``<shard_dir>/model.safetensors`` into the (possibly sharded) ``part``."""
-    source = load_file(os.path.join(shard_dir, "model.safetensors"))
+def load_model(part, source: dict[str, torch.Tensor]) -> None:
+    """Copy full HF-named tensors into the (possibly sharded) ``part``."""
     with torch.no_grad():
         for name, p in part.named_parameters():
             full = _hf_full_tensor(source, part, name)
@@ -91,28 +102,25 @@ def load_model(part, shard_dir: str) -> None:
                 p.copy_(full)
 
 
-def load_optimizer(opt, part, shard_dir: str) -> None:
-    """Re-shard the saved full AdamW state onto this rank's parameters."""
-    path = os.path.join(shard_dir, "optimizer.pt")
-    saved = torch.load(path, weights_only=True)
-    flat = {f: {k: v[f] for k, v in saved.items()} for f in (*_STATE_KEYS, "step")}
+def load_optimizer(opt, part, fields: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Re-shard the full AdamW state onto the parameters this rank's optimizer updates."""
     inner = getattr(opt, "optim", opt)  # ZeRO-1: the local optimizer of this rank's shard
     owned = {id(p) for g in inner.param_groups for p in g["params"]}
     for name, p in part.named_parameters():
         if id(p) not in owned:
             continue
         try:
-            state = {f: _hf_full_tensor(flat[f], part, name) for f in _STATE_KEYS}
-            step = _hf_full_tensor(flat["step"], part, name)
+            state = {f: _hf_full_tensor(fields[f], part, name) for f in _STATE_KEYS}
+            step = _hf_full_tensor(fields["step"], part, name)
         except KeyError:
             continue  # never stepped (no gradient yet)
         inner.state[p] = {
-            "step": step.reshape(()).clone().float(),
+            "step": step.reshape(-1)[0].clone().float(),
             **{f: _like(state[f], p) for f in _STATE_KEYS},
         }
 
 
 def trained_steps(root: str) -> int:
     """Optimizer steps done when the checkpoint under ``root`` was written."""
-    with open(os.path.join(root, "vision", "trainer_state.json")) as f:
+    with open(os.path.join(root, "trainer_state.json")) as f:
         return int(json.load(f)["step"])

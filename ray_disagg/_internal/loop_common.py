@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import ray.train
 import torch
-from safetensors.torch import save_file
 
 from ray_disagg._internal.side_group import SideGroup
 from ray_disagg.config import ModuleGroup, TrainLoopConfig
@@ -152,64 +151,38 @@ def metrics_from_stats(
 
 @dataclass
 class ShardWriter:
-    """Writes a group's files of a checkpoint under ``<module>/`` (on the group's rank 0):
-    the model (HF names, safetensors), the AdamW state by HF name, and the step; plus the
-    HF ``config.json`` at the top when ``hf_config`` is set. All tensors are full, so the
-    files do not depend on the layout that wrote them."""
+    """Writes this rank's part of a checkpoint into ``<root>/<module>/``: its DCP shard
+    (every rank, see ``checkpointing``); on the group's rank 0 (``lead``) also
+    ``trainer_state.json`` and, when ``hf_config`` is set, the HF ``config.json`` at the top."""
 
     module: str
+    lead: bool
     hf_config: object = None
 
-    def write(self, root: str, step: int, state_dict: dict, optimizer_state: dict) -> None:
+    def write(self, root: str, step: int, model, optimizer) -> None:
+        from ray_disagg._internal import checkpointing
+
         d = os.path.join(root, self.module)
-        os.makedirs(d, exist_ok=True)
-        tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
-        save_file(_untie(tensors), os.path.join(d, "model.safetensors"))
-        torch.save(optimizer_state, os.path.join(d, "optimizer.pt"))
-        with open(os.path.join(d, "trainer_state.json"), "w") as f:
-            json.dump({"step": step + 1}, f)
-        if self.hf_config is not None:
-            self.hf_config.save_pretrained(root)
+        checkpointing.save_sharded(model, optimizer, d)
+        if self.lead:
+            with open(os.path.join(d, "trainer_state.json"), "w") as f:
+                json.dump({"step": step + 1}, f)
+            if self.hf_config is not None:
+                self.hf_config.save_pretrained(root)
 
 
-def full_hf_state_dict(part) -> dict[str, torch.Tensor]:
-    """Unsharded state dict under HF names (collective over the tp group for DTensors)."""
-    from torch.distributed.tensor import DTensor
-
-    from ray_disagg._internal.tensor_parallel import merge_split_qkv
-    from ray_disagg.model import hf_state_dict
-
-    state = {
-        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in hf_state_dict(part).items()
-    }
-    return merge_split_qkv(state)
-
-
-def _untie(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    seen, out = {}, {}
-    for k, v in tensors.items():
-        key = (v.data_ptr(), v.shape)
-        out[k] = v.clone() if key in seen else v
-        seen[key] = k
-    return out
-
-
-def report(
-    metrics: dict, step: int, *, checkpoint: bool, writer: ShardWriter | None, shard=None
-) -> None:
-    """``ray.train.report`` on every rank; with ``checkpoint`` the ranks holding a
-    ``writer`` upload their shard into the shared directory ``checkpoint_<step>``."""
-    if not checkpoint:
+def report(metrics: dict, step: int, *, writer: ShardWriter, model=None, optimizer=None) -> None:
+    """``ray.train.report`` on every rank; with a ``model`` (a checkpoint step) every rank
+    writes its shard and uploads it into the shared directory ``checkpoint_<step>``."""
+    if model is None:
         ray.train.report(metrics)
         return
-    name = f"checkpoint_{step + 1:06d}"
-    if writer is None:
-        ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
-        return
     with tempfile.TemporaryDirectory() as tmp:
-        writer.write(tmp, step, *shard)
+        writer.write(tmp, step, model, optimizer)
         ray.train.report(
-            metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(tmp),
+            checkpoint_dir_name=f"checkpoint_{step + 1:06d}",
         )
 
 
@@ -231,23 +204,21 @@ def maybe_report(
     ckpt = is_checkpoint_step(cfg, step)
     if ckpt or (step + 1) % cfg.report_every == 0:
         t0 = time.perf_counter()
-        shard = None
-        if ckpt:  # collectives: every rank of the group gathers, rank 0 writes
-            from ray_disagg._internal.checkpointing import full_optimizer_state
-
-            shard = (full_hf_state_dict(model), full_optimizer_state(optimizer, model))
         metrics = metrics_from_stats(
             stats, step, step // steps_per_epoch, cfg.lr, timer.mean_step_time
         )
         metrics.update(extra_metrics or {})
-        if writer is not None and writer.module == "vision":
+        if writer.module == "vision" and writer.lead:
             print(
                 f"[ray_disagg] step {step + 1}/{cfg.max_steps} loss {metrics['loss']:.4f} "
                 f"grad_norm {metrics['grad_norm']:.3f} step_time {metrics['step_time_s']:.3f}s "
                 f"tokens/s {metrics['tokens_per_s']:.0f}",
                 flush=True,
             )
-        report(metrics, step, checkpoint=ckpt, writer=writer, shard=shard)
+        if ckpt:
+            report(metrics, step, writer=writer, model=model, optimizer=optimizer)
+        else:
+            report(metrics, step, writer=writer)
         timer.excluded += time.perf_counter() - t0
 
 
@@ -260,9 +231,11 @@ def restore(model, optimizer, module: str, args: LoopArgs) -> int:
     if ckpt is None:
         return 0
     with ckpt.as_directory() as root:
-        checkpointing.load_model(model, os.path.join(root, module))
-        checkpointing.load_optimizer(optimizer, model, os.path.join(root, module))
-        return checkpointing.trained_steps(root)
+        module_dir = os.path.join(root, module)
+        model_state, optimizer_state = checkpointing.read_full(module_dir)
+        checkpointing.load_model(model, model_state)
+        checkpointing.load_optimizer(optimizer, model, optimizer_state)
+        return checkpointing.trained_steps(module_dir)
 
 
 def maybe_inject_failure(cfg: TrainLoopConfig, module: str, group_rank: int, step: int) -> None:

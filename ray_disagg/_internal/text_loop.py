@@ -65,7 +65,7 @@ def text_train_loop(args: lc.LoopArgs) -> None:
         tp.parallelize_text(model, tp_mesh)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = lc.build_optimizer(params, cfg, zero1=getattr(args.text.parallelism, "zero1", False))
-    writer = lc.ShardWriter("text", hf_config=config) if group_rank == 0 else None
+    writer = lc.ShardWriter("text", lead=group_rank == 0, hf_config=config)
     start = lc.restore(model, opt, "text", args)
     timer = lc.StepTimer()
 

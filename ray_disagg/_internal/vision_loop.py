@@ -51,7 +51,7 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
         tp.parallelize_vision(model.visual, mp_mesh)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = lc.build_optimizer(params, cfg, zero1=getattr(args.vision.parallelism, "zero1", False))
-    writer = lc.ShardWriter("vision") if group_rank == 0 else None
+    writer = lc.ShardWriter("vision", lead=group_rank == 0)
     start = lc.restore(model, opt, "vision", args)
     source = ingest.make_source(ray.get(args.dataset_ref[0]), plan, dp_rank, leader)
     timer = lc.StepTimer()
