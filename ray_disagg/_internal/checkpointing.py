@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -59,7 +60,9 @@ def read_full(directory: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]
         for k, m in meta.items()
         if isinstance(m, TensorStorageMetadata)
     }
-    dcp.load(full, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+    with warnings.catch_warnings():  # "assuming ... load in a single process": we are
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(full, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
     model = merge_split_qkv({k[6:]: v for k, v in full.items() if k.startswith("model.")})
     optim: dict[str, dict] = {}
     for k, v in full.items():
