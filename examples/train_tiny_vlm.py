@@ -33,7 +33,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--vision-workers", type=int, default=1)
     parser.add_argument("--text-workers", type=int, default=1)
-    parser.add_argument("--storage", default=os.path.join(tempfile.gettempdir(), "ray_disagg"))
+    parser.add_argument(
+        "--storage",
+        default=None,
+        help="RunConfig storage_path (default: a new temporary directory). Rerunning with the "
+        "same storage continues the run from its latest checkpoint.",
+    )
     args = parser.parse_args()
 
     ray.init(num_cpus=max(2, args.vision_workers + args.text_workers))
@@ -53,7 +58,7 @@ def main() -> None:
         datasets={"train": digits_samples(config, n=args.samples)},
         run_config=RunConfig(
             name="tiny-vlm-digits",
-            storage_path=args.storage,
+            storage_path=args.storage or tempfile.mkdtemp(prefix="ray_disagg_"),
             checkpoint_config=CheckpointConfig(num_to_keep=None),
         ),
     )

@@ -28,10 +28,7 @@ def export_hf(checkpoint: Checkpoint | str | os.PathLike, out_dir: str | os.Path
         config = Qwen2_5_VLConfig.from_pretrained(root)
         state = {}
         for module in ("vision", "text"):
-            path = os.path.join(root, module, ".metadata")
-            if not os.path.isfile(path):
-                raise ValueError(f"{root} is not a ray_disagg checkpoint: {path} is missing.")
-            state.update(read_full(os.path.dirname(path))[0])
+            state.update(read_full(os.path.join(root, module))[0])
     with torch.device("meta"):
         model = Qwen2_5_VLForConditionalGeneration(config)
     model.load_state_dict(state, strict=True, assign=True)

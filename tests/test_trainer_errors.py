@@ -100,3 +100,21 @@ def test_spec_needs_config_or_local_path(tmp_path):
         Qwen2_5_VLSpec()
     with pytest.raises(ValueError, match="has no config.json"):
         Qwen2_5_VLSpec(pretrained_path=tmp_path)
+
+
+def test_resume_from_a_directory_without_shards_is_a_clear_error(tmp_path):
+    from ray_disagg._internal.checkpointing import read_full
+
+    with pytest.raises(ValueError, match="no DCP .metadata"):
+        read_full(str(tmp_path))
+
+
+def test_resume_from_checkpoint_must_be_a_checkpoint():
+    with pytest.raises(ValueError, match="must be a ray.train.Checkpoint"):
+        DisaggregatedTrainer(
+            model=Qwen2_5_VLSpec(config=CFG),
+            groups={"vision": g(), "text": g()},
+            train_loop_config=LOOP,
+            datasets={"train": DATA},
+            resume_from_checkpoint="/tmp/some/dir",
+        )

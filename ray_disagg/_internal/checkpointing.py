@@ -54,6 +54,11 @@ def save_sharded(model, optimizer, directory: str) -> None:
 def read_full(directory: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """Global (unsharded) tensors of a module directory, in this process alone:
     ``(model state by HF name, AdamW state by HF name)``."""
+    if not os.path.isfile(os.path.join(directory, ".metadata")):
+        raise ValueError(
+            f"{directory} holds no ray_disagg checkpoint shard (no DCP .metadata). Resume from "
+            "a checkpoint written by this ray_disagg version, or start a new run name."
+        )
     meta = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     full = {
         k: torch.empty(m.size, dtype=m.properties.dtype)
