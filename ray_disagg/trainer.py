@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,8 +24,6 @@ from ray_disagg.data import BatchPlan, validate_sample
 from ray_disagg.model import Qwen2_5_VLSpec
 
 __all__ = ["DisaggregatedTrainer"]
-
-logger = logging.getLogger(__name__)
 
 MODULES = ("vision", "text")
 
@@ -174,13 +172,8 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
     def _create_default_callbacks(self):
         # Backend/accelerator setup is per group (added by the coordinator); data is read
         # by the vision group, not sharded by Ray Train's DatasetsCallback.
-        per_group = (rc.AcceleratorSetupCallback, rc.BackendSetupCallback)
-        callbacks = super()._create_default_callbacks()
-        return [
-            c
-            for c in callbacks
-            if not isinstance(c, per_group) and type(c).__name__ != "DatasetsCallback"
-        ]
+        dropped = (rc.AcceleratorSetupCallback, rc.BackendSetupCallback, rc.DatasetsCallback)
+        return [c for c in super()._create_default_callbacks() if not isinstance(c, dropped)]
 
     def _launches(self) -> dict[str, GroupLaunch]:
         args = LoopArgs(
@@ -228,8 +221,6 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             side_timeout_s=self.loop_config.collective_timeout_s,
             **controller_init_kwargs,
         )
-        import threading
-
         if threading.current_thread() is threading.main_thread():
             self._register_sigint_handler(controller)
         ray.get(controller.run.remote())

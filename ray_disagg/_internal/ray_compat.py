@@ -11,6 +11,7 @@ from ray.train.torch.config import TorchConfig, _TorchBackend
 from ray.train.v2._internal.callbacks import (
     AcceleratorSetupCallback,
     BackendSetupCallback,
+    DatasetsCallback,
     WorkingDirectorySetupCallback,
 )
 from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
@@ -41,6 +42,7 @@ __all__ = [
     "AcceleratorSetupCallback",
     "BackendSetupCallback",
     "DataParallelTrainer",
+    "DatasetsCallback",
     "ObjectRefWrapper",
     "PreemptionCallback",
     "ReportCallbackHandler",
