@@ -94,6 +94,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         validate_layout(hf_config, self.groups)
         self._hf_config = hf_config
         self._train_data = self._validate_datasets(datasets, hf_config, validate_samples)
+        self._samples_validated = validate_samples and not is_ray_dataset(self._train_data)
         self.plan = BatchPlan(
             num_samples=self._num_samples(self._train_data, self.groups["vision"].dp_size),
             global_batch_size=self.loop_config.global_batch_size,
@@ -187,6 +188,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             text_hidden=self._hf_config.text_config.hidden_size,
             dataset_ref=[ray.put(self._train_data)],
             resume_from_checkpoint=self.resume_from_checkpoint,
+            samples_validated=self._samples_validated,
         )
         loops = {"vision": vision_train_loop, "text": text_train_loop}
         backends = {"vision": VisionBackendConfig, "text": TextBackendConfig}

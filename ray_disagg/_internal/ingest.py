@@ -63,14 +63,17 @@ def make_source(data, plan, dp_rank: int, is_leader: bool):
     return StreamSource(box[0][dp_rank], per_step) if is_leader else None
 
 
-def read_samples(source, step, dp_rank, image_token_id, spatial_merge_size) -> list[dict]:
+def read_samples(source, step, dp_rank, args) -> list[dict]:
+    """This step's samples of vision replica ``dp_rank``, validated unless the driver
+    already validated the whole (map-style) dataset before the run."""
     samples = []
     for index, sample in source.take(step, dp_rank):
-        validate_sample(
-            sample,
-            image_token_id=image_token_id,
-            spatial_merge_size=spatial_merge_size,
-            index=index,
-        )
+        if not args.samples_validated:
+            validate_sample(
+                sample,
+                image_token_id=args.image_token_id,
+                spatial_merge_size=args.spatial_merge_size,
+                index=index,
+            )
         samples.append(sample)
     return samples

@@ -53,6 +53,7 @@ class LoopArgs:
     text_hidden: int
     dataset_ref: list | None = None  # [ObjectRef]: a list keeps Ray from resolving it early
     resume_from_checkpoint: object = None
+    samples_validated: bool = False  # the driver checked every sample before the run
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainLoopConfig, zero1: bool):
@@ -69,14 +70,6 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainLoopConfig, 
 def is_checkpoint_step(cfg: TrainLoopConfig, step: int) -> bool:
     last = step == cfg.max_steps - 1
     return last or (cfg.checkpoint_every is not None and (step + 1) % cfg.checkpoint_every == 0)
-
-
-def grad_sq_norm(params: Iterable[torch.nn.Parameter]) -> float:
-    total = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is not None:
-            total += p.grad.detach().double().pow(2).sum().cpu()
-    return float(total)
 
 
 def clip_coef(total_norm: float, max_norm: float | None) -> float:

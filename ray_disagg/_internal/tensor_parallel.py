@@ -25,7 +25,7 @@ __all__ = [
     "parallelize_text",
     "parallelize_vision",
     "merge_split_qkv",
-    "sharded_grad_sq_norm",
+    "grad_sq_norm",
     "local",
 ]
 
@@ -158,9 +158,9 @@ def parallelize_vision(visual, tp_mesh) -> None:
         blk.attn.num_heads //= tp_mesh.size()
 
 
-def sharded_grad_sq_norm(params, tp_group) -> float:
-    """Squared global grad norm of a TP module: shards summed over ``tp_group``,
-    replicated tensors counted once."""
+def grad_sq_norm(params, tp_group=None) -> float:
+    """Squared global grad norm of a module: tensor-parallel shards summed over
+    ``tp_group`` (when given), replicated tensors counted once."""
     sharded = torch.zeros((), dtype=torch.float64)
     replicated = torch.zeros((), dtype=torch.float64)
     for p in params:
@@ -171,5 +171,6 @@ def sharded_grad_sq_norm(params, tp_group) -> float:
             sharded += g.to_local().double().pow(2).sum().cpu()
         else:
             replicated += local(g).double().pow(2).sum().cpu()
-    dist.all_reduce(sharded, group=tp_group)
+    if tp_group is not None:
+        dist.all_reduce(sharded, group=tp_group)
     return float(sharded + replicated)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ray_disagg._internal import loop_common as lc
 from ray_disagg._internal import tensor_parallel as tp
-from ray_disagg._internal.data_parallel import all_reduce_gradients, ensure_grads
+from ray_disagg._internal.data_parallel import all_reduce_gradients
 from ray_disagg._internal.runtime import get_runtime
 from ray_disagg.data import SampleError, collate_text, count_label_tokens
 
@@ -116,10 +116,7 @@ def text_train_loop(args: lc.LoopArgs) -> None:
         t2 = time.perf_counter()
         all_reduce_gradients(params, dp_mesh.get_group())
         stats = lc.new_stats()
-        if tp_size > 1:
-            sq = tp.sharded_grad_sq_norm(ensure_grads(params), tp_mesh.get_group())
-        else:
-            sq = lc.grad_sq_norm(ensure_grads(params))
+        sq = tp.grad_sq_norm(params, tp_mesh.get_group() if tp_size > 1 else None)
         if group_rank == 0:
             stats[lc.TEXT_SQ] = sq
         if leader:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ray_disagg._internal import ingest, ulysses
 from ray_disagg._internal import loop_common as lc
 from ray_disagg._internal import tensor_parallel as tp
-from ray_disagg._internal.data_parallel import all_reduce_gradients, ensure_grads
+from ray_disagg._internal.data_parallel import all_reduce_gradients
 from ray_disagg._internal.runtime import get_runtime
 from ray_disagg.data import collate_vision, text_item, tokens_per_image
 
@@ -61,9 +61,7 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
         t0 = time.perf_counter()
         samples = None
         if leader:
-            samples = ingest.read_samples(
-                source, step, dp_rank, args.image_token_id, args.spatial_merge_size
-            )
+            samples = ingest.read_samples(source, step, dp_rank, args)
         if mp_size > 1:
             box = [samples]
             dist.broadcast_object_list(box, src=mp_src, group=mp_mesh.get_group())
@@ -112,13 +110,10 @@ def vision_train_loop(args: lc.LoopArgs) -> None:
             if tp_size > 1:
                 dist.broadcast(grad, src=mp_src, group=mp_mesh.get_group())
             emb.backward(grad.to(rt.device, emb.dtype))
-        if tp_size > 1:
-            all_reduce_gradients(params, dp_mesh.get_group())
-            sq = tp.sharded_grad_sq_norm(ensure_grads(params), mp_mesh.get_group())
-        else:
-            # dp replicas hold different samples and sp ranks partial sums: reduce over both
-            all_reduce_gradients(params, dist.group.WORLD)
-            sq = lc.grad_sq_norm(ensure_grads(params))
+        # tp: replicas of a shard differ in samples only; dp x sp: replicas hold different
+        # samples and sp ranks partial sums of the replicated weights
+        all_reduce_gradients(params, dp_mesh.get_group() if tp_size > 1 else dist.group.WORLD)
+        sq = tp.grad_sq_norm(params, mp_mesh.get_group() if tp_size > 1 else None)
         stats = lc.new_stats()
         if group_rank == 0:
             stats[lc.VISION_SQ] = sq
