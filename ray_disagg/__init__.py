@@ -1,7 +1,8 @@
-"""ray_disagg: disaggregated hybrid-parallel training of vision-language models on Ray Train.
+"""ray_disagg: disaggregated hybrid-parallel training of multimodal models on Ray Train.
 
-Each submodule of the model (vision encoder, LLM) trains in its own Ray Train worker group
-with its own ``ScalingConfig`` and parallelism; see :class:`DisaggregatedTrainer`.
+Each part of the model (vision encoder, audio encoder, LLM) trains in its own Ray Train
+worker group with its own ``ScalingConfig`` and parallelism; see
+:class:`DisaggregatedTrainer`. Supported families: ``ray_disagg.models.ADAPTERS``.
 """
 
 from ray_disagg.backend import ModuleBackendConfig, TextBackendConfig, VisionBackendConfig
@@ -14,15 +15,25 @@ from ray_disagg.config import (
 )
 from ray_disagg.data import BatchPlan, SampleError
 from ray_disagg.export import export_hf
-from ray_disagg.model import Qwen2_5_VLSpec, tiny_qwen2_5_vl_config
+from ray_disagg.model import HFModelSpec, Qwen2_5_VLSpec
+from ray_disagg.models import (
+    ADAPTERS,
+    get_adapter,
+    tiny_qwen2_5_omni_thinker_config,
+    tiny_qwen2_5_vl_config,
+    tiny_qwen2_vl_config,
+    tiny_qwen3_vl_config,
+)
 from ray_disagg.trainer import DisaggregatedTrainer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ADAPTERS",
     "BatchPlan",
     "DataParallel",
     "DisaggregatedTrainer",
+    "HFModelSpec",
     "ModuleBackendConfig",
     "ModuleGroup",
     "Qwen2_5_VLSpec",
@@ -33,5 +44,9 @@ __all__ = [
     "TrainLoopConfig",
     "VisionBackendConfig",
     "export_hf",
+    "get_adapter",
+    "tiny_qwen2_5_omni_thinker_config",
     "tiny_qwen2_5_vl_config",
+    "tiny_qwen2_vl_config",
+    "tiny_qwen3_vl_config",
 ]

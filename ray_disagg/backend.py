@@ -25,7 +25,7 @@ class ModuleBackendConfig(TorchConfig):
     """
 
     module: str = "module"
-    """Name of the module group (``"vision"`` or ``"text"``)."""
+    """Name of the module group (a part of the model: ``"vision"``, ``"audio"``, ``"text"``)."""
 
     mesh_shape: tuple[int, ...] = (1, 1)
     """Sizes of the mesh axes; their product is the group's number of workers."""

@@ -78,24 +78,31 @@ def digits_samples(config, n: int | None = None, image_size: int = 16) -> list[d
     return out
 
 
-def synthetic_samples(
-    config, n: int, *, seed: int = 0, grids: list[tuple[int, int, int]] | None = None
-) -> list[dict]:
-    """Random-pixel samples of varied image sizes (``grids`` cycles per sample; a grid of
-    ``None`` makes a text-only sample). For tests and benchmarks."""
+def synthetic_samples(config, n: int, *, seed: int = 0, grids: list | None = None) -> list[dict]:
+    """Random-input samples for any supported family, for tests and benchmarks.
+
+    ``grids`` cycles per sample; each entry is ``None`` (a text-only sample), a ``(t, h, w)``
+    tuple (one image) or a dict of modality lists, e.g. ``{"images": [(1, 4, 4), (1, 4,
+    8)], "videos": [(2, 4, 4)], "audios": [40]}`` (audio: mel frames, for families with an
+    audio encoder). Labels are on the caption and ``<eos>`` only."""
+    from ray_disagg.models import get_adapter
+
+    adapter = get_adapter(config)
     rng = np.random.default_rng(seed)
-    v = config.vision_config
-    patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
     grids = grids or [(1, 4, 4), (1, 8, 4), (1, 4, 8)]
     out = []
     for i in range(n):
-        g = grids[i % len(grids)]
+        spec = grids[i % len(grids)]
+        spec = {} if spec is None else spec if isinstance(spec, dict) else {"images": [spec]}
+        fields, prefix = adapter.synthetic_inputs(spec, rng)
         words = ["a", "digit", NUMBER_WORDS[int(rng.integers(10))]]
-        if g is None:
-            ids = np.asarray([BOS] + _ids(words) + [EOS], dtype=np.int64)
-            out.append({"id": i, "input_ids": ids, "labels": ids.copy()})
-            continue
-        grid = np.asarray([g], dtype=np.int64)
-        pixels = rng.standard_normal((int(grid.prod()), patch_dim)).astype(np.float32)
-        out.append(caption_sample(config, pixels, grid, words, i))
+        prefix = [BOS, *prefix]
+        target = _ids(words) + [EOS]
+        sample = {
+            "id": i,
+            "input_ids": np.asarray(prefix + target, dtype=np.int64),
+            "labels": np.asarray([-100] * len(prefix) + target, dtype=np.int64),
+            **fields,
+        }
+        out.append(sample)
     return out

@@ -12,20 +12,18 @@ from ray.train import Checkpoint, Result, RunConfig, ScalingConfig
 
 from ray_disagg._internal import ray_compat as rc
 from ray_disagg._internal.controller import DisaggregatedController
+from ray_disagg._internal.encoder_loop import encoder_train_loop
 from ray_disagg._internal.ingest import is_ray_dataset
+from ray_disagg._internal.llm_loop import llm_train_loop
 from ray_disagg._internal.loop_common import LoopArgs
-from ray_disagg._internal.text_loop import text_train_loop
 from ray_disagg._internal.validation import validate_layout
-from ray_disagg._internal.vision_loop import vision_train_loop
 from ray_disagg._internal.worker_groups import GroupLaunch
-from ray_disagg.backend import TextBackendConfig, VisionBackendConfig
-from ray_disagg.config import ModuleGroup, TensorParallel, TrainLoopConfig
-from ray_disagg.data import BatchPlan, validate_sample
-from ray_disagg.model import Qwen2_5_VLSpec
+from ray_disagg.backend import ModuleBackendConfig
+from ray_disagg.config import ModuleGroup, SequenceParallel, TrainLoopConfig
+from ray_disagg.data import BatchPlan
+from ray_disagg.model import HFModelSpec
 
 __all__ = ["DisaggregatedTrainer"]
-
-MODULES = ("vision", "text")
 
 
 def _not_called(*_args, **_kwargs):
@@ -33,13 +31,14 @@ def _not_called(*_args, **_kwargs):
 
 
 class DisaggregatedTrainer(rc.DataParallelTrainer):
-    """Train a vision-language model with one Ray Train worker group per module.
+    """Train a multimodal model with one Ray Train worker group per part of the model.
 
-    The ``"vision"`` group runs the vision tower + merger, the ``"text"`` group the LLM
+    The groups are the family adapter's parts (``ray_disagg.models``): encoder groups
+    (``"vision"``, and ``"audio"`` for Qwen2.5-Omni) and the LLM group ``"text"``
     (embeddings, decoder, lm_head, loss). Each group has its own ``ScalingConfig``,
-    parallelism and torch process group; image embeddings flow vision -> text and their
-    gradients text -> vision every step. ``fit()`` returns one ``ray.train.Result`` whose
-    checkpoint holds ``vision/`` and ``text/`` shards plus the HF ``config.json``.
+    parallelism and torch process group; encoder outputs flow to the LLM group and their
+    gradients back every step. ``fit()`` returns one ``ray.train.Result`` whose checkpoint
+    holds one directory of shards per group plus the HF ``config.json``.
 
     Restarts (``FailureConfig(max_failures=K)``) and a rerun with the same
     ``RunConfig(name=..., storage_path=...)`` continue from the latest checkpoint;
@@ -69,7 +68,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
     def __init__(
         self,
         *,
-        model: Qwen2_5_VLSpec,
+        model: HFModelSpec,
         groups: Mapping[str, ModuleGroup],
         train_loop_config: TrainLoopConfig | dict[str, Any] | None = None,
         datasets: Mapping[str, Any] | None = None,
@@ -77,29 +76,28 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         resume_from_checkpoint: Checkpoint | None = None,
         validate_samples: bool = True,
     ):
-        if not isinstance(model, Qwen2_5_VLSpec):
+        if not isinstance(model, HFModelSpec):
             raise ValueError(
-                f"model must be a Qwen2_5_VLSpec (config= or pretrained_path=), got "
+                f"model must be an HFModelSpec (config= or pretrained_path=), got "
                 f"{type(model).__name__}."
             )
         self.model_spec = model
+        self.adapter = adapter = model.adapter
         if resume_from_checkpoint is not None and not isinstance(
             resume_from_checkpoint, Checkpoint
         ):
             raise ValueError("resume_from_checkpoint must be a ray.train.Checkpoint.")
         self.resume_from_checkpoint = resume_from_checkpoint
-        self.groups = self._validate_groups(groups)
+        self.groups = self._validate_groups(groups, adapter)
         self.loop_config = TrainLoopConfig.from_any(train_loop_config)
-        hf_config = model.load_config()
-        validate_layout(hf_config, self.groups)
-        self._hf_config = hf_config
-        self._train_data = self._validate_datasets(datasets, hf_config, validate_samples)
+        validate_layout(adapter, self.groups)
+        self._train_data = self._validate_datasets(datasets, adapter, validate_samples)
         self._samples_validated = validate_samples and not is_ray_dataset(self._train_data)
+        llm_dp = self.groups[adapter.llm_part].dp_size
         self.plan = BatchPlan(
-            num_samples=self._num_samples(self._train_data, self.groups["vision"].dp_size),
+            num_samples=self._num_samples(self._train_data, llm_dp),
             global_batch_size=self.loop_config.global_batch_size,
-            vision_dp=self.groups["vision"].dp_size,
-            text_dp=self.groups["text"].dp_size,
+            dp_sizes={name: g.dp_size for name, g in self.groups.items()},
             seed=self.loop_config.seed,
             shuffle=self.loop_config.shuffle,
         )
@@ -112,27 +110,27 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         )
 
     @staticmethod
-    def _validate_groups(groups: Mapping[str, ModuleGroup] | None) -> dict[str, ModuleGroup]:
+    def _validate_groups(groups, adapter) -> dict[str, ModuleGroup]:
+        parts = list(adapter.parts)
         if not isinstance(groups, Mapping):
-            raise ValueError('groups must be a dict {"vision": ModuleGroup, "text": ModuleGroup}.')
-        unknown = sorted(set(groups) - set(MODULES))
+            raise ValueError(f"groups must be a dict {{name: ModuleGroup}} over {parts}.")
+        unknown = sorted(set(groups) - set(parts))
         if unknown:
             raise ValueError(
-                f"Unknown module group(s) {unknown}; Qwen2.5-VL has groups {list(MODULES)}."
+                f"Unknown module group(s) {unknown}; {adapter.model_type} has groups {parts}."
             )
-        missing = [m for m in MODULES if m not in groups]
+        missing = [m for m in parts if m not in groups]
         if missing:
             raise ValueError(
-                f"Missing module group(s) {missing}: give a ModuleGroup for each of "
-                f"{list(MODULES)}."
+                f"Missing module group(s) {missing}: give a ModuleGroup for each of {parts}."
             )
         for name, g in groups.items():
             if not isinstance(g, ModuleGroup):
                 raise ValueError(f"groups[{name!r}] must be a ModuleGroup, got {type(g).__name__}.")
-        return {m: groups[m] for m in MODULES}
+        return {m: groups[m] for m in parts}
 
     @staticmethod
-    def _validate_datasets(datasets, hf_config, validate_samples: bool):
+    def _validate_datasets(datasets, adapter, validate_samples: bool):
         if not datasets or "train" not in datasets:
             raise ValueError('datasets={"train": ...} is required.')
         extra = sorted(set(datasets) - {"train"})
@@ -140,7 +138,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             raise ValueError(f"Only a 'train' dataset is supported, got extra keys {extra}.")
         data = datasets["train"]
         if is_ray_dataset(data):
-            return data  # streamed by the vision group; each row is validated when read
+            return data  # streamed by the LLM group; each row is validated when read
         if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
             raise ValueError(
                 "datasets['train'] must be a ray.data.Dataset or a map-style dataset (list of "
@@ -149,30 +147,24 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         if len(data) == 0:
             raise ValueError("datasets['train'] is empty.")
         if validate_samples:
-            merge = hf_config.vision_config.spatial_merge_size
             for i in range(len(data)):
-                validate_sample(
-                    data[i],
-                    image_token_id=hf_config.image_token_id,
-                    spatial_merge_size=merge,
-                    index=i,
-                )
+                adapter.validate_sample(data[i], i)
         return data
 
     @staticmethod
-    def _num_samples(data, vision_dp: int) -> int:
+    def _num_samples(data, reader_dp: int) -> int:
         if not is_ray_dataset(data):
             return len(data)
         n = data.count()
         if n == 0:
             raise ValueError("datasets['train'] is empty.")
-        return n - n % vision_dp  # streaming_split(equal=True) drops the remainder
+        return n - n % reader_dp  # streaming_split(equal=True) drops the remainder
 
     # ---- Ray Train hooks ------------------------------------------------------------
 
     def _create_default_callbacks(self):
         # Backend/accelerator setup is per group (added by the coordinator); data is read
-        # by the vision group, not sharded by Ray Train's DatasetsCallback.
+        # by the LLM group, not sharded by Ray Train's DatasetsCallback.
         dropped = (rc.AcceleratorSetupCallback, rc.BackendSetupCallback, rc.DatasetsCallback)
         return [c for c in super()._create_default_callbacks() if not isinstance(c, dropped)]
 
@@ -180,30 +172,27 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         args = LoopArgs(
             spec=self.model_spec,
             cfg=self.loop_config,
-            vision=self.groups["vision"],
-            text=self.groups["text"],
+            groups=self.groups,
             plan=self.plan,
-            image_token_id=self._hf_config.image_token_id,
-            spatial_merge_size=self._hf_config.vision_config.spatial_merge_size,
-            text_hidden=self._hf_config.text_config.hidden_size,
             dataset_ref=[ray.put(self._train_data)],
             resume_from_checkpoint=self.resume_from_checkpoint,
             samples_validated=self._samples_validated,
         )
-        loops = {"vision": vision_train_loop, "text": text_train_loop}
-        backends = {"vision": VisionBackendConfig, "text": TextBackendConfig}
         launches = {}
         for name, group in self.groups.items():
-            # vision: "sp" unless it is tensor parallel (the uniform-TP baseline); text: "tp"
-            sp_axis = name == "vision" and not isinstance(group.parallelism, TensorParallel)
-            mp_axis = "sp" if sp_axis else "tp"
-            backend = backends[name](
+            if name == self.adapter.llm_part:
+                loop = functools.partial(llm_train_loop, args)
+            else:
+                loop = functools.partial(encoder_train_loop, args, name)
+            mp_axis = "sp" if isinstance(group.parallelism, SequenceParallel) else "tp"
+            backend = ModuleBackendConfig(
+                module=name,
                 mesh_shape=(group.dp_size, group.model_parallel_size),
                 mesh_axes=("dp", mp_axis),
                 timeout_s=int(self.loop_config.collective_timeout_s),
             )
             fn = rc.construct_train_func(
-                functools.partial(loops[name], args),
+                loop,
                 config=None,
                 train_func_context=backend.train_func_context,
                 fn_arg_name="train_loop_per_worker",

@@ -2,6 +2,9 @@ import os
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray 2.60 turns 127.0.0.1 into the external interface address unless this is 0
+# (../shared/ray-train-notes.md): keep every node, worker and store on loopback.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import pytest  # noqa: E402
 import ray  # noqa: E402

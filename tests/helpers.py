@@ -20,13 +20,12 @@ def group(n: int, parallelism="none", cpus: float = 0.5, ac: bool = False) -> Mo
     )
 
 
-def run_layout(
-    spec, data, loop: dict, vision, text, storage, name, *, failures: int = 0, resume=None
-):
-    """Fit one layout, keeping every checkpoint (their metrics are the per-step history)."""
+def run_layout(spec, data, loop: dict, groups, storage, name, *, failures: int = 0, resume=None):
+    """Fit one layout (``groups``: name -> ModuleGroup), keeping every checkpoint (their
+    metrics are the per-step history)."""
     trainer = DisaggregatedTrainer(
         model=spec,
-        groups={"vision": vision, "text": text},
+        groups=groups,
         train_loop_config=loop,
         datasets={"train": data},
         run_config=RunConfig(
@@ -43,8 +42,9 @@ def run_layout(
 def checkpoint_state(checkpoint) -> dict[str, torch.Tensor]:
     """The full model (HF names) assembled from every group's DCP shards."""
     state = {}
-    for module in ("vision", "text"):
-        state.update(read_full(os.path.join(checkpoint.path, module))[0])
+    for module in sorted(os.listdir(checkpoint.path)):
+        if os.path.isfile(os.path.join(checkpoint.path, module, ".metadata")):
+            state.update(read_full(os.path.join(checkpoint.path, module))[0])
     return state
 
 
@@ -79,5 +79,11 @@ def assert_matches_reference(result, spec, data, loop: dict, rtol=1e-5):
         rtol=rtol,
         atol=0.0,
     )
-    assert_params_close(checkpoint_state(result.checkpoint), ref_model.state_dict(), rtol)
+    ref_state = {k: v for k, v in ref_model.state_dict().items()}
+    assert_params_close(checkpoint_state(result.checkpoint), ref_state, rtol)
     return losses
+
+
+def vt(vision, text) -> dict:
+    """The two groups of a vision-language model."""
+    return {"vision": vision, "text": text}

@@ -9,17 +9,19 @@ from tests.dist_utils import run_distributed
 def _activation_bytes(rank, world):
     from ray_disagg import Qwen2_5_VLSpec, tiny_qwen2_5_vl_config
     from ray_disagg._internal.memory import saved_activation_bytes
-    from ray_disagg._internal.ulysses import enable_ulysses, sp_vision_forward
+    from ray_disagg.examples_data import synthetic_samples
+    from ray_disagg.parallel.ulysses import enable_ulysses
 
     cfg = tiny_qwen2_5_vl_config(vision_depth=4, fullatt_block_indexes=(1, 3))
-    vision = Qwen2_5_VLSpec(config=cfg, seed=0).build_vision()
-    grid = torch.tensor([[1, 16, 16], [1, 16, 8], [1, 8, 8]])
-    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 4 * 4)
+    spec = Qwen2_5_VLSpec(config=cfg, seed=0)
+    adapter, vision = spec.adapter, spec.build_part("vision")
+    samples = synthetic_samples(cfg, 1, grids=[{"images": [(1, 16, 16), (1, 16, 8), (1, 8, 8)]}])
+    cpu = torch.device("cpu")
     with saved_activation_bytes(vision) as sp1:
-        vision(pixels, grid)
-    enable_ulysses(vision.visual, dist.group.WORLD)
+        adapter.encode(vision, "vision", samples, cpu)
+    enable_ulysses(vision.model.visual, adapter.sp_plan("vision"), dist.group.WORLD)
     with saved_activation_bytes(vision) as sp2:
-        sp_vision_forward(vision.visual, pixels, grid)
+        adapter.encode(vision, "vision", samples, cpu, sp=True)
     return sp1[0], sp2[0]
 
 

@@ -18,8 +18,9 @@ from ray_disagg import (
     VisionBackendConfig,
     tiny_qwen2_5_vl_config,
 )
-from ray_disagg.data import collate_text, count_label_tokens, text_item, validate_sample
+from ray_disagg.data import count_label_tokens
 from ray_disagg.examples_data import digits_samples, synthetic_samples
+from ray_disagg.models import get_adapter
 
 
 def test_module_group_defaults_and_degrees():
@@ -62,71 +63,72 @@ def test_backend_configs_name_their_axes():
 
 @pytest.mark.parametrize("nv,nt", list(itertools.product([1, 2, 4], [1, 2, 4])))
 def test_routing_sends_every_sample_once_in_order(nv, nt):
-    plan = BatchPlan(num_samples=40, global_batch_size=8, vision_dp=nv, text_dp=nt, shuffle=True)
+    dp = {"vision": nv, "text": nt}
+    plan = BatchPlan(num_samples=40, global_batch_size=8, dp_sizes=dp, shuffle=True)
     received = {t: [] for t in range(nt)}
     sent = []
     for v in range(nv):
-        lo, hi = plan.vision_span(v)
-        for t, a, b in plan.routes_from_vision(v):
+        lo, hi = plan.span("vision", v)
+        for t, a, b in plan.routes("vision", v, "text"):
             assert lo <= a < b <= hi
             received[t].append((v, a, b))
             sent.extend(range(a, b))
     assert sorted(sent) == list(range(8))
     for t in range(nt):
         # what text replica t receives, in vision order, is exactly its span, contiguous
-        assert received[t] == plan.routes_to_text(t)
+        assert received[t] == plan.routes("text", t, "vision")
         pos = [p for _, a, b in received[t] for p in range(a, b)]
-        assert pos == list(range(*plan.text_span(t)))
+        assert pos == list(range(*plan.span("text", t)))
 
 
 def test_epochs_cover_every_sample_once():
-    plan = BatchPlan(num_samples=10, global_batch_size=4, vision_dp=2, text_dp=1, shuffle=True)
+    plan = BatchPlan(num_samples=10, global_batch_size=4, dp_sizes={"a": 2}, shuffle=True)
     assert plan.steps_per_epoch == 2
     epoch0 = plan.global_indices(0) + plan.global_indices(1)
     assert len(set(epoch0)) == 8
     assert plan.global_indices(2) != plan.global_indices(0)  # reshuffled next epoch
-    assert plan.global_indices(0) == BatchPlan(10, 4, 1, 4, shuffle=True).global_indices(0)
+    assert plan.global_indices(0) == BatchPlan(10, 4, {"b": 4}, shuffle=True).global_indices(0)
 
 
 def test_batch_plan_errors():
     with pytest.raises(ValueError, match="not divisible by the text group's data-parallel size 4"):
-        BatchPlan(num_samples=10, global_batch_size=6, vision_dp=2, text_dp=4)
+        BatchPlan(num_samples=10, global_batch_size=6, dp_sizes={"vision": 2, "text": 4})
     with pytest.raises(ValueError, match="fewer than global_batch_size"):
-        BatchPlan(num_samples=3, global_batch_size=4, vision_dp=1, text_dp=1)
+        BatchPlan(num_samples=3, global_batch_size=4, dp_sizes={"vision": 1, "text": 1})
 
 
 def test_validate_sample_names_the_sample():
     cfg = tiny_qwen2_5_vl_config()
+    validate_sample = get_adapter(cfg).validate_sample
     (s,) = synthetic_samples(cfg, 1)
-    validate_sample(s, image_token_id=100, spatial_merge_size=2)
+    validate_sample(s)
     bad = dict(s, input_ids=np.concatenate([s["input_ids"], [100]]), labels=None, id="cat-17")
     with pytest.raises(SampleError, match=r"sample 'cat-17': 5 image tokens .* give 4 embeddings"):
-        validate_sample(bad, image_token_id=100, spatial_merge_size=2)
-    with pytest.raises(SampleError, match="needs 16"):
-        validate_sample(
-            dict(s, pixel_values=s["pixel_values"][:3]), image_token_id=100, spatial_merge_size=2
-        )
+        validate_sample(bad)
+    with pytest.raises(SampleError, match=r"needs \(16, 96\)"):
+        validate_sample(dict(s, pixel_values=s["pixel_values"][:3]))
     with pytest.raises(SampleError, match="both 'pixel_values' and 'image_grid_thw'"):
-        validate_sample(dict(s, pixel_values=None), image_token_id=100, spatial_merge_size=2)
+        validate_sample(dict(s, pixel_values=None))
 
 
 def test_collate_pads_right_and_counts_labels():
     cfg = tiny_qwen2_5_vl_config()
+    adapter = get_adapter(cfg)
     samples = synthetic_samples(cfg, 3, grids=[(1, 4, 4), None, (1, 8, 4)])
-    items = [text_item(s, cfg.image_token_id) for s in samples]
-    batch = collate_text(items)
-    assert batch.input_ids.shape == (3, max(len(s["input_ids"]) for s in samples))
-    assert batch.attention_mask.sum().item() == sum(len(s["input_ids"]) for s in samples)
-    assert batch.image_grid_thw.tolist() == [[1, 4, 4], [1, 8, 4]]
-    n = sum(count_label_tokens(it["labels"]) for it in items)
-    assert n == int((batch.labels[:, 1:] != -100).sum())
+    batch = adapter.collate_llm(samples)
+    assert batch["input_ids"].shape == (3, max(len(s["input_ids"]) for s in samples))
+    assert batch["attention_mask"].sum().item() == sum(len(s["input_ids"]) for s in samples)
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 8, 4]]
+    assert batch["video_grid_thw"] is None
+    n = sum(count_label_tokens(adapter.labels(s)) for s in samples)
+    assert n == int((batch["labels"][:, 1:] != -100).sum())
 
 
 def test_digits_samples_use_the_real_image_processor():
     cfg = tiny_qwen2_5_vl_config()
     samples = digits_samples(cfg, n=3)
     for s in samples:
-        validate_sample(s, image_token_id=100, spatial_merge_size=2)
+        get_adapter(cfg).validate_sample(s)
         assert s["image_grid_thw"].tolist() == [[1, 4, 4]]
         assert s["pixel_values"].shape == (16, 3 * 2 * 4 * 4)
     assert (s["labels"] != -100).sum() == 4  # "a handwritten <digit>" + eos

@@ -15,7 +15,7 @@ from ray_disagg import (
 )
 from ray_disagg._internal.reference import reference_batch, reference_train
 from ray_disagg.examples_data import synthetic_samples
-from tests.helpers import assert_params_close, checkpoint_state, group
+from tests.helpers import assert_params_close, checkpoint_state, group, vt
 from tests.helpers import run_layout as fit
 
 LOOP = {"max_steps": 4, "global_batch_size": 4, "checkpoint_every": 1, "eps": 1e-6, "seed": 5}
@@ -39,9 +39,9 @@ def test_text_worker_death_restarts_all_groups_and_matches_uninterrupted(
     marker = tmp_path / "killed"
     drill = {"group": "text", "step": 2, "marker": str(marker)}
     loop = dict(LOOP, extra={"inject_failure_once": drill})
-    result = fit(spec, data, loop, group(2), group(1), tmp_path, "ft", failures=1)
+    result = fit(spec, data, loop, vt(group(2), group(1)), tmp_path, "ft", failures=1)
     assert marker.exists()  # the text worker really died at step 2
-    clean = fit(spec, data, LOOP, group(2), group(1), tmp_path, "clean")
+    clean = fit(spec, data, LOOP, vt(group(2), group(1)), tmp_path, "clean")
     assert [int(s) for s in result.metrics_dataframe.sort_values("step")["step"]] == [1, 2, 3, 4]
     assert losses(result) == losses(clean)  # bit-identical on CPU
     got, ref = checkpoint_state(result.checkpoint), checkpoint_state(clean.checkpoint)
@@ -53,7 +53,7 @@ def test_failure_without_retries_names_the_group_and_rank(ray_start_4_cpus, setu
     drill = {"group": "vision", "step": 1, "rank": 1, "marker": str(tmp_path / "killed")}
     loop = dict(LOOP, extra={"inject_failure_once": drill})
     with pytest.raises(ray.train.TrainingFailedError, match="vision group rank 1"):
-        fit(spec, data, loop, group(2), group(1), tmp_path, "fail")
+        fit(spec, data, loop, vt(group(2), group(1)), tmp_path, "fail")
 
 
 def test_resume_into_another_layout_then_export_to_hugging_face(ray_start_4_cpus, setup, tmp_path):
@@ -62,14 +62,13 @@ def test_resume_into_another_layout_then_export_to_hugging_face(ray_start_4_cpus
         spec,
         data,
         dict(LOOP, max_steps=2),
-        group(2, SequenceParallel(size=2)),
-        group(2, TensorParallel(size=2)),
+        vt(group(2, SequenceParallel(size=2)), group(2, TensorParallel(size=2))),
         tmp_path,
         "layout-a",
     )
     # SP=2 / TP=2 checkpoint continues in a 1 + 1 layout
     second = fit(
-        spec, data, LOOP, group(1), group(1), tmp_path, "layout-b", resume=first.checkpoint
+        spec, data, LOOP, vt(group(1), group(1)), tmp_path, "layout-b", resume=first.checkpoint
     )
     ref_losses, _, ref_model = reference_train(spec, data, TrainLoopConfig(**LOOP))
     both = losses(first) + losses(second)
@@ -81,7 +80,7 @@ def test_resume_into_another_layout_then_export_to_hugging_face(ray_start_4_cpus
     exported = Qwen2_5_VLForConditionalGeneration.from_pretrained(out).eval()
     for k, v in exported.state_dict().items():
         assert torch.equal(v, state[k]), k
-    batch = reference_batch(data[:4], cfg)
+    batch = reference_batch(spec, data[:4])
     batch.pop("labels")
     with torch.no_grad():
         logits = exported(**batch).logits
@@ -94,7 +93,7 @@ def test_ray_data_ingest_uses_every_sample_once_per_epoch(ray_start_4_cpus, setu
     samples = synthetic_samples(cfg, 12, grids=[(1, 4, 4), (1, 8, 4)])
     ds = ray.data.from_items(samples)
     loop = dict(LOOP, max_steps=6, extra={"report_sample_ids": True})
-    result = fit(spec, ds, loop, group(2), group(2), tmp_path, "raydata")
+    result = fit(spec, ds, loop, vt(group(2), group(2)), tmp_path, "raydata")
     rows = result.metrics_dataframe.sort_values("step")
     per_step = [list(ids) for ids in rows["sample_ids"]]
     assert all(len(ids) == 4 for ids in per_step)

@@ -14,7 +14,7 @@ from ray_disagg import (
 )
 from ray_disagg._internal.reference import reference_train
 from ray_disagg.examples_data import synthetic_samples
-from tests.helpers import assert_matches_reference, checkpoint_state, group, run_layout
+from tests.helpers import assert_matches_reference, checkpoint_state, group, run_layout, vt
 
 # eps=1e-6 keeps AdamW from turning float noise in ~0 gradients into +-lr steps.
 LOOP = {
@@ -44,7 +44,7 @@ def test_data_parallel_layouts_match_single_process(ray_start_4_cpus, setup, tmp
         spec = Qwen2_5_VLSpec(pretrained_path=tmp_path / "hf")
     ac = (nv, nt) == (2, 2)  # activation checkpointing must not change the numbers
     result = run_layout(
-        spec, data, LOOP, group(nv, ac=ac), group(nt, ac=ac), tmp_path, f"dp-{nv}-{nt}"
+        spec, data, LOOP, vt(group(nv, ac=ac), group(nt, ac=ac)), tmp_path, f"dp-{nv}-{nt}"
     )
     assert_matches_reference(result, spec, data, LOOP)
     assert sorted(p.name for p in (tmp_path / f"dp-{nv}-{nt}").glob("checkpoint_0*")) == [
@@ -52,7 +52,7 @@ def test_data_parallel_layouts_match_single_process(ray_start_4_cpus, setup, tmp
         "checkpoint_000002",
         "checkpoint_000003",
     ]
-    for key in ("loss", "tokens_per_s", "vision_compute_s", "text_compute_s", "step_time_s"):
+    for key in ("loss", "tokens_per_s", "vision_compute_s", "text_compute_s", "images", "videos"):
         assert key in result.metrics
 
 
@@ -70,7 +70,7 @@ def test_data_parallel_layouts_match_single_process(ray_start_4_cpus, setup, tmp
 )
 def test_hybrid_layouts_match_single_process(ray_start_4_cpus, setup, tmp_path, vision, text):
     spec, data = setup
-    result = run_layout(spec, data, LOOP, vision(), text(), tmp_path, "hybrid")
+    result = run_layout(spec, data, LOOP, vt(vision(), text()), tmp_path, "hybrid")
     assert_matches_reference(result, spec, data, LOOP)
 
 
@@ -78,7 +78,7 @@ def test_bf16_autocast_trains_close_to_fp32(ray_start_4_cpus, setup, tmp_path):
     spec, data = setup
     loop = dict(LOOP, bf16=True)
     vision, text = group(2, SequenceParallel(size=2)), group(2, TensorParallel(size=2))
-    result = run_layout(spec, data, loop, vision, text, tmp_path, "bf16")
+    result = run_layout(spec, data, loop, vt(vision, text), tmp_path, "bf16")
     ref_losses, _, _ = reference_train(spec, data, TrainLoopConfig(**LOOP))
     losses = result.metrics_dataframe.sort_values("step")["loss"].tolist()
     # bf16 matmuls, fp32 master weights (checkpointed weights stay fp32)

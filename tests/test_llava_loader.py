@@ -11,7 +11,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from ray_disagg import Qwen2_5_VLSpec, tiny_qwen2_5_vl_config
 from ray_disagg._internal.reference import reference_batch
-from ray_disagg.data import validate_sample
+from ray_disagg.models import get_adapter
 from ray_disagg.llava import load_llava
 
 WORDS = ["[UNK]", "user:", "assistant:", "which", "digit", "is", "this", "?", "a", "seven", "hi"]
@@ -68,7 +68,7 @@ def test_llava_jsonl_to_samples(tmp_path):
     ((_, gh, gw),) = b["image_grid_thw"]
     assert gh * gw * 4 * 4 <= 32 * 32 < 48 * 40  # 48x40 px resized down to max_pixels
     for s in (a, b, t):
-        validate_sample(s, image_token_id=cfg.image_token_id, spatial_merge_size=2)
+        get_adapter(cfg).validate_sample(s)
     ids, labels = np.asarray(a["input_ids"]), np.asarray(a["labels"])
     assert (ids == cfg.image_token_id).sum() == 4
     # labels only on the assistant turn ("a seven"), not on "assistant:" or the user turn
@@ -77,5 +77,5 @@ def test_llava_jsonl_to_samples(tmp_path):
 
     # the samples feed the real HF model
     model = Qwen2_5_VLSpec(config=cfg).build_full()
-    loss = model(**reference_batch([ds[i] for i in range(3)], cfg)).loss
+    loss = model(**reference_batch(Qwen2_5_VLSpec(config=cfg), [ds[i] for i in range(3)])).loss
     assert torch.isfinite(loss)

@@ -9,7 +9,7 @@ from tests.dist_utils import run_distributed
 
 
 def _vocab_ce(rank, world):
-    from ray_disagg._internal.tensor_parallel import VocabParallelCrossEntropy
+    from ray_disagg.parallel.tensor_parallel import VocabParallelCrossEntropy
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(7, 12, generator=g)
@@ -39,49 +39,58 @@ def test_vocab_parallel_cross_entropy_matches_torch(world):
         torch.testing.assert_close(o["grad"], o["ref_grad"][:, r * v : (r + 1) * v])
 
 
-def _tp_text(rank, world):
+def _tp_text(rank, world, model_type):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from ray_disagg import Qwen2_5_VLSpec, tiny_qwen2_5_vl_config
-    from ray_disagg._internal.reference import reference_batch
-    from ray_disagg._internal.tensor_parallel import parallelize_text
+    from ray_disagg import ADAPTERS, HFModelSpec
     from ray_disagg.examples_data import synthetic_samples
+    from ray_disagg.models.base import lm_loss
+    from ray_disagg.parallel.tensor_parallel import all_reduce_partial_grads, parallelize_text
 
-    cfg = tiny_qwen2_5_vl_config()
-    spec = Qwen2_5_VLSpec(config=cfg, seed=2)
+    cfg = ADAPTERS[model_type].tiny_config()
+    spec = HFModelSpec(config=cfg, seed=2)
+    adapter = spec.adapter
     samples = synthetic_samples(cfg, 3, grids=[(1, 4, 4), None, (1, 8, 4)])
-    b = reference_batch(samples, cfg)
-    n_img = int((b["input_ids"] == cfg.image_token_id).sum())
-    emb = torch.randn(
-        n_img, cfg.text_config.hidden_size, generator=torch.Generator().manual_seed(1)
-    )
-    args = (b["input_ids"], b["attention_mask"], b["labels"])
+    batch = adapter.collate_llm(samples)
+    g = torch.Generator().manual_seed(1)
+    n_img = int((batch["input_ids"] == cfg.image_token_id).sum())
+    received = {
+        c.name: torch.randn(n_img if c.name.startswith("image") else 0, c.width, generator=g)
+        for c in adapter.crossings("vision")
+    }
 
-    def run(part):
-        e = emb.clone().requires_grad_()
-        loss = part(*args, e, b["image_grid_thw"], 10.0)
+    def run(part, tp_group=None, vocab_start=0):
+        got = {k: v.clone().requires_grad_() for k, v in received.items() if v.shape[0]}
+        hidden = adapter.llm_hidden(part, batch, got)
+        lm_head = adapter.llm_modules(part)[1]
+        loss = lm_loss(hidden, lm_head, batch["labels"], 10.0, tp_group, vocab_start)
         loss.backward()
+        if tp_group is not None:
+            all_reduce_partial_grads(part.parameters(), tp_group)
         grads = {}
         for n, p in part.named_parameters():
             g = p.grad
             grads[n] = g.full_tensor() if isinstance(g, DTensor) else g
-        return loss.detach(), e.grad, grads
+        return loss.detach(), {k: v.grad for k, v in got.items()}, grads
 
-    dense = run(spec.build_text())
+    dense = run(spec.build_part("text"))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    part = spec.build_text()
-    parallelize_text(part, mesh)
-    sharded = run(part)
+    part = spec.build_part("text")
+    sharded = run(part, *parallelize_text(part, adapter.llm_modules(part)[0], mesh))
     return {"dense": dense, "tp": sharded}
 
 
-def test_tp_text_part_matches_dense_including_embedding_gradient():
-    out = run_distributed(_tp_text, 2)
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_tp_text_part_matches_dense_including_crossing_gradients(model_type):
+    out = run_distributed(_tp_text, 2, model_type)
     for o in out:
         (dl, de, dg), (tl, te, tg) = o["dense"], o["tp"]
         torch.testing.assert_close(tl, dl, rtol=1e-6, atol=0)
-        # the gradient sent back to the vision group: full, not a per-rank partial sum
-        torch.testing.assert_close(te, de, rtol=1e-5, atol=1e-7)
+        # the gradients sent back to the vision group (embeddings and DeepStack features):
+        # full, not per-rank partial sums
+        assert sorted(te) == sorted(de)
+        for k in de:
+            torch.testing.assert_close(te[k], de[k], rtol=1e-5, atol=1e-7, msg=k)
         for name, g in dg.items():
             torch.testing.assert_close(tg[name], g, rtol=1e-5, atol=1e-6, msg=name)

@@ -1,4 +1,5 @@
-"""Tier 2: Ulysses sequence parallelism (gloo, real processes) equals the HF vision tower."""
+"""Tier 2: Ulysses sequence parallelism (gloo, real processes) equals each family's HF tower
+(outputs, DeepStack features and parameter gradients), with ragged and empty slices."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from tests.dist_utils import run_distributed
 
 
 def _round_trip(rank, world, seq_lens):
-    from ray_disagg._internal.ulysses import GatherToLeader, HeadsToSeq, SeqToHeads
+    from ray_disagg.parallel.ulysses import GatherToLeader, HeadsToSeq, SeqToHeads
 
     torch.manual_seed(rank)
     heads, d = 4, 3
@@ -34,46 +35,60 @@ def test_all_to_all_round_trip_and_gather(seq_lens):
     assert out[1]["g"].shape[0] == 0
 
 
-def _sp_tower(rank, world, grids, seed, heads):
-    from ray_disagg import Qwen2_5_VLSpec, tiny_qwen2_5_vl_config
-    from ray_disagg._internal.ulysses import enable_ulysses, sp_vision_forward
+def _sp_tower(rank, world, model_type, spec, seed, heads):
+    from ray_disagg import HFModelSpec
+    from ray_disagg.examples_data import synthetic_samples
+    from ray_disagg.models import ADAPTERS
+    from ray_disagg.parallel.ulysses import enable_ulysses
 
-    cfg = tiny_qwen2_5_vl_config(vision_heads=heads, vision_hidden=8 * heads, window_size=16)
-    vision = Qwen2_5_VLSpec(config=cfg, seed=seed).build_vision()
-    grid = torch.tensor(grids)
+    cfg = ADAPTERS[model_type].tiny_config(vision_heads=heads, vision_hidden=8 * heads)
+    model = HFModelSpec(config=cfg, seed=seed).build_part("vision")
+    adapter = ADAPTERS[model_type](cfg)
+    samples = synthetic_samples(cfg, 1, seed=seed, grids=[spec])
+    cpu = torch.device("cpu")
+    ref = adapter.encode(model, "vision", samples, cpu)
     g = torch.Generator().manual_seed(seed)
-    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 4 * 4, generator=g)
-    upstream = torch.randn(int(grid.prod(-1).sum()) // 4, cfg.text_config.hidden_size, generator=g)
+    upstream = {k: torch.randn(v.shape, generator=g) for k, v in ref.items()}
+    torch.autograd.backward([ref[k] for k in ref], [upstream[k] for k in ref])
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
 
-    ref = vision(pixels, grid)
-    (ref * upstream).sum().backward()
-    ref_grads = {n: p.grad.clone() for n, p in vision.named_parameters()}
-    vision.zero_grad(set_to_none=True)
-
-    enable_ulysses(vision.visual, dist.group.WORLD)
-    out = sp_vision_forward(vision.visual, pixels, grid)
-    out.backward(upstream if rank == 0 else torch.zeros_like(out))
+    tower = adapter.part_roots(model, "vision")[0]
+    enable_ulysses(tower, adapter.sp_plan("vision"), dist.group.WORLD)
+    out = adapter.encode(model, "vision", samples, cpu, sp=True)
+    assert sorted(out) == sorted(ref)
+    grads_in = [upstream[k] if rank == 0 else torch.zeros_like(out[k]) for k in out]
+    torch.autograd.backward([out[k] for k in out], grads_in)
     grads = {
         n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
-        for n, p in vision.named_parameters()
+        for n, p in model.named_parameters()
     }
     for v in grads.values():
         dist.all_reduce(v)  # SP ranks hold partial gradients of the replicated weights
-    return {"ref": ref.detach(), "out": out.detach(), "ref_grads": ref_grads, "grads": grads}
+    return {
+        "ref": {k: v.detach() for k, v in ref.items()},
+        "out": {k: v.detach() for k, v in out.items()},
+        "ref_grads": ref_grads,
+        "grads": grads,
+    }
 
 
-@pytest.mark.parametrize(
-    "world,heads,grids",
-    [
-        (2, 4, [[1, 8, 8], [1, 4, 8], [1, 12, 4]]),  # ragged images, several windows each
-        (2, 4, [[1, 4, 4]]),  # one image, one window: rank 1 holds nothing
-        (3, 6, [[1, 8, 16], [1, 4, 4]]),
-    ],
-)
-def test_sp_vision_tower_matches_hf(world, heads, grids):
-    out = run_distributed(_sp_tower, world, grids, 11, heads)
-    torch.testing.assert_close(out[0]["out"], out[0]["ref"], rtol=1e-5, atol=1e-6)
-    for r in range(1, world):
-        assert out[r]["out"].shape[0] == 0
-    for name, ref in out[0]["ref_grads"].items():
-        torch.testing.assert_close(out[0]["grads"][name], ref, rtol=1e-4, atol=1e-6, msg=name)
+CASES = [
+    # ragged images and a 2-frame video, several windows / merge units each
+    (2, 4, {"images": [(1, 8, 8), (1, 4, 8), (1, 12, 4)], "videos": [(2, 4, 8)]}),
+    (2, 4, {"images": [(1, 4, 4)]}),  # one window / merge unit: rank 1 holds nothing
+    (3, 6, {"images": [(1, 8, 16), (1, 4, 4)]}),
+]
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("world,heads,spec", CASES, ids=["ragged+video", "tiny", "sp3"])
+def test_sp_tower_matches_hf(model_type, world, heads, spec):
+    out = run_distributed(_sp_tower, world, model_type, spec, 11, heads)
+    for key, ref in out[0]["ref"].items():  # embeddings and DeepStack features
+        torch.testing.assert_close(out[0]["out"][key], ref, rtol=1e-5, atol=1e-6, msg=key)
+        for r in range(1, world):
+            assert out[r]["out"][key].shape[0] == 0
+    for name, ref in out[0]["ref_grads"].items():  # summed fp32 gradients: relative norm
+        err = float((out[0]["grads"][name] - ref).norm() / ref.norm().clamp_min(1e-12))
+        assert err < 1e-5, f"{name}: relative error {err:.1e}"

@@ -24,22 +24,19 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ray_disagg._internal.tensor_parallel import merge_split_qkv
-from ray_disagg.model import hf_key
+from ray_disagg.parallel.tensor_parallel import merge_split_qkv
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def sharded_state(model, optimizer) -> dict[str, torch.Tensor]:
     """This rank's tensors for ``dcp.save`` (see module docstring)."""
-    from ray_disagg.model import hf_state_dict
-
-    out = {f"model.{k}": v.detach() for k, v in hf_state_dict(model).items()}
+    out = {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
     inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1: this rank's shard
     for name, p in model.named_parameters():
         st = inner.state.get(p)
         if st:
-            key = f"optim.{hf_key(model, name)}"
+            key = f"optim.{name}"
             for f in _STATE_KEYS:
                 out[f"{key}.{f}"] = st[f]
             out[f"{key}.step"] = st["step"].detach().reshape(1).float().cpu()
@@ -81,7 +78,7 @@ def read_full(directory: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]
 def _hf_full_tensor(source: dict[str, torch.Tensor], part, name: str) -> torch.Tensor:
     """The full tensor for ``part``'s parameter ``name``, slicing HF's fused qkv for a
     :class:`SplitQKV` part."""
-    key = hf_key(part, name)
+    key = name
     if key in source:
         return source[key]
     head, _, tail = key.rpartition(".qkv.")

@@ -1,9 +1,9 @@
-"""Where the vision group's data-parallel leaders read their samples (the one place a
-sample is read; the text group gets the text fields from them).
+"""Where the LLM group's data-parallel leaders read their samples (the one place a sample
+is read; each encoder group gets its fields from them).
 
 - map-style data (list, ``datasets.Dataset``): the leaders index the shared dataset with
   the deterministic :class:`~ray_disagg.data.BatchPlan` (same batches as the reference);
-- a Ray Data ``Dataset``: vision rank 0 makes ``streaming_split(vision_dp, equal=True)``
+- a Ray Data ``Dataset``: LLM rank 0 makes ``streaming_split(llm_dp, equal=True)``
   at the start of every run attempt and each leader streams its split; each epoch every
   row is used at most once (the rows that do not fill a last local batch are dropped).
 """
@@ -14,19 +14,17 @@ import numpy as np
 import ray
 import torch.distributed as dist
 
-from ray_disagg.data import validate_sample
-
 
 def is_ray_dataset(data) -> bool:
     return isinstance(data, ray.data.Dataset)
 
 
 class MapStyleSource:
-    def __init__(self, dataset, plan):
-        self.dataset, self.plan = dataset, plan
+    def __init__(self, dataset, plan, group: str):
+        self.dataset, self.plan, self.group = dataset, plan, group
 
     def take(self, step: int, dp_rank: int) -> list[tuple[int, dict]]:
-        lo, hi = self.plan.vision_span(dp_rank)
+        lo, hi = self.plan.span(self.group, dp_rank)
         return [(i, self.dataset[i]) for i in self.plan.global_indices(step)[lo:hi]]
 
 
@@ -53,27 +51,23 @@ def _from_row(row) -> dict:
     return {k: (np.asarray(v) if isinstance(v, list) else v) for k, v in dict(row).items()}
 
 
-def make_source(data, plan, dp_rank: int, is_leader: bool):
-    """Collective over the vision group when ``data`` is a Ray Dataset."""
+def make_source(data, plan, dp_rank: int, is_leader: bool, group: str):
+    """Collective over the reading group when ``data`` is a Ray Dataset."""
     if not is_ray_dataset(data):
-        return MapStyleSource(data, plan) if is_leader else None
-    box = [data.streaming_split(plan.vision_dp, equal=True) if dist.get_rank() == 0 else None]
+        return MapStyleSource(data, plan, group) if is_leader else None
+    dp = plan.dp_sizes[group]
+    box = [data.streaming_split(dp, equal=True) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    per_step = plan.global_batch_size // plan.vision_dp
+    per_step = plan.global_batch_size // dp
     return StreamSource(box[0][dp_rank], per_step) if is_leader else None
 
 
 def read_samples(source, step, dp_rank, args) -> list[dict]:
-    """This step's samples of vision replica ``dp_rank``, validated unless the driver
-    already validated the whole (map-style) dataset before the run."""
+    """This step's samples of replica ``dp_rank``, validated unless the driver already
+    validated the whole (map-style) dataset before the run."""
     samples = []
     for index, sample in source.take(step, dp_rank):
         if not args.samples_validated:
-            validate_sample(
-                sample,
-                image_token_id=args.image_token_id,
-                spatial_merge_size=args.spatial_merge_size,
-                index=index,
-            )
+            args.adapter.validate_sample(sample, index)
         samples.append(sample)
     return samples

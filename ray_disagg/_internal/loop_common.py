@@ -1,4 +1,4 @@
-"""Pieces shared by the vision and text training loops: optimizer, global clipping, the
+"""Pieces shared by the encoder and LLM training loops: optimizer, global clipping, the
 per-step stats exchange, metrics, checkpoints and ``ray.train.report``."""
 
 from __future__ import annotations
@@ -16,18 +16,55 @@ import torch
 from ray_disagg._internal.side_group import SideGroup
 from ray_disagg.config import ModuleGroup, TrainLoopConfig
 from ray_disagg.data import BatchPlan
-from ray_disagg.model import Qwen2_5_VLSpec
+from ray_disagg.model import HFModelSpec
 
-# Layout of the float64 vector that every rank all-reduces (SUM) over the side group once a
-# step. Each slot is filled by exactly the ranks named in the comment, others give 0.
-VISION_SQ, TEXT_SQ = 0, 1  # squared grad norm: each group's rank 0
-LOSS, LABEL_TOKENS, TEXT_TOKENS = 2, 3, 4  # text data-parallel leaders
-VISION_TIME, TEXT_TIME = 5, 6  # compute seconds: each group's rank 0
-IMAGES = 7  # vision data-parallel leaders
-VISION_WAIT, TEXT_WAIT = 8, 9  # seconds blocked on the other group: each group's rank 0
-CYCLE_TIME = 10  # wall seconds since the previous step's exchange: vision rank 0
-VISION_PEAK_MB, TEXT_PEAK_MB = 11, 12  # peak memory of the process: each group's rank 0
-NUM_STATS = 13
+
+class StatsLayout:
+    """Slots of the float64 vector every rank all-reduces (SUM) over the side group once a
+    step. Each slot is filled by exactly one rank (or by one rank per data-parallel
+    replica for the batch sums); the others give 0.
+
+    - ``loss``, ``label_tokens``, ``llm_tokens``: the LLM group's data-parallel leaders;
+    - ``cycle``: wall seconds since the previous exchange, the LLM group's rank 0;
+    - ``<group>_{sq,time,wait,peak}``: squared grad norm, compute and wait seconds, peak
+      memory (MB) of each group, from its rank 0;
+    - counters (``images``, ``videos``, ``audios``): the encoder groups' DP leaders.
+    """
+
+    def __init__(self, groups: list[str], counters: list[str]):
+        self.groups, self.counters = list(groups), list(counters)
+        names = ["loss", "label_tokens", "llm_tokens", "cycle"]
+        names += [f"{g}_{k}" for g in groups for k in ("sq", "time", "wait", "peak")]
+        names += list(counters)
+        self.index = {n: i for i, n in enumerate(names)}
+
+    def new(self) -> torch.Tensor:
+        return torch.zeros(len(self.index), dtype=torch.float64)
+
+    def metrics(self, stats, step: int, epoch: int, lr: float, mean_step_time: float) -> dict:
+        s = {n: float(stats[i]) for n, i in self.index.items()}
+        cycle = max(s["cycle"], 1e-9)
+        out = {
+            "step": step + 1,
+            "epoch": epoch,
+            "loss": s["loss"],
+            "grad_norm": sum(s[f"{g}_sq"] for g in self.groups) ** 0.5,
+            "lr": lr,
+            "label_tokens": int(s["label_tokens"]),
+            "step_time_s": s["cycle"],
+            "mean_step_time_s": mean_step_time,
+            "tokens_per_s": s["llm_tokens"] / cycle,
+        }
+        for g in self.groups:
+            out[f"{g}_grad_norm"] = s[f"{g}_sq"] ** 0.5
+            out[f"{g}_compute_s"] = s[f"{g}_time"]
+            out[f"{g}_wait_s"] = s[f"{g}_wait"]
+            out[f"{g}_peak_memory_mb"] = s[f"{g}_peak"]
+        out.update({c: int(s[c]) for c in self.counters})
+        return out
+
+    def total_norm(self, stats) -> float:
+        return float(sum(stats[self.index[f"{g}_sq"]] for g in self.groups)) ** 0.5
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -43,17 +80,27 @@ def peak_memory_mb(device: torch.device) -> float:
 class LoopArgs:
     """Everything a worker's loop needs (pickled into the train function)."""
 
-    spec: Qwen2_5_VLSpec
+    spec: HFModelSpec
     cfg: TrainLoopConfig
-    vision: ModuleGroup
-    text: ModuleGroup
+    groups: dict[str, ModuleGroup]  # in the adapter's part order, the LLM part last
     plan: BatchPlan
-    image_token_id: int
-    spatial_merge_size: int
-    text_hidden: int
     dataset_ref: list | None = None  # [ObjectRef]: a list keeps Ray from resolving it early
     resume_from_checkpoint: object = None
     samples_validated: bool = False  # the driver checked every sample before the run
+
+    @property
+    def adapter(self):
+        return self.spec.adapter
+
+    @property
+    def stats(self) -> StatsLayout:
+        a = self.adapter
+        counters = [c for p in a.encoder_parts for c in a.counter_names(p)]
+        return StatsLayout(list(self.groups), counters)
+
+    def leader_side_rank(self, side, group: str, dp_rank: int) -> int:
+        """Side rank of the model-parallel rank 0 of replica ``dp_rank`` of ``group``."""
+        return side.rank_of(group, dp_rank * self.groups[group].model_parallel_size)
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainLoopConfig, zero1: bool):
@@ -95,13 +142,14 @@ class StepTimer:
         self.excluded = 0.0
         self.cycles: list[float] = []
 
-    def exchange(self, side: SideGroup, stats: torch.Tensor, is_vision_rank0: bool) -> torch.Tensor:
+    def exchange(self, side: SideGroup, stats: torch.Tensor, layout, is_timer: bool):
         now = time.perf_counter()
-        if is_vision_rank0:
-            stats[CYCLE_TIME] = now - self.last_exchange - self.excluded
+        cycle = layout.index["cycle"]
+        if is_timer:
+            stats[cycle] = now - self.last_exchange - self.excluded
         self.last_exchange, self.excluded = now, 0.0
         stats = side.all_reduce_sum(stats)
-        self.cycles.append(float(stats[CYCLE_TIME]))
+        self.cycles.append(float(stats[cycle]))
         return stats
 
     @property
@@ -109,37 +157,6 @@ class StepTimer:
         """Mean step time without the first (warm-up) step."""
         steady = self.cycles[1:] or self.cycles
         return sum(steady) / len(steady)
-
-
-def new_stats() -> torch.Tensor:
-    return torch.zeros(NUM_STATS, dtype=torch.float64)
-
-
-def metrics_from_stats(
-    stats: torch.Tensor, step: int, epoch: int, lr: float, mean_step_time: float
-) -> dict:
-    s = stats.tolist()
-    cycle = max(s[CYCLE_TIME], 1e-9)
-    return {
-        "step": step + 1,
-        "epoch": epoch,
-        "loss": s[LOSS],
-        "grad_norm": (s[VISION_SQ] + s[TEXT_SQ]) ** 0.5,
-        "vision_grad_norm": s[VISION_SQ] ** 0.5,
-        "text_grad_norm": s[TEXT_SQ] ** 0.5,
-        "lr": lr,
-        "label_tokens": int(s[LABEL_TOKENS]),
-        "images": int(s[IMAGES]),
-        "step_time_s": s[CYCLE_TIME],
-        "mean_step_time_s": mean_step_time,
-        "tokens_per_s": s[TEXT_TOKENS] / cycle,
-        "vision_compute_s": s[VISION_TIME],
-        "text_compute_s": s[TEXT_TIME],
-        "vision_wait_s": s[VISION_WAIT],
-        "text_wait_s": s[TEXT_WAIT],
-        "vision_peak_memory_mb": s[VISION_PEAK_MB],
-        "text_peak_memory_mb": s[TEXT_PEAK_MB],
-    }
 
 
 @dataclass
@@ -180,8 +197,7 @@ def report(metrics: dict, step: int, *, writer: ShardWriter, model=None, optimiz
 
 
 def maybe_report(
-    cfg: TrainLoopConfig,
-    steps_per_epoch: int,
+    args: LoopArgs,
     stats,
     step: int,
     writer,
@@ -194,14 +210,14 @@ def maybe_report(
 
     At checkpoint steps every rank first joins the collectives that gather the model
     (tensor parallel) and the optimizer state (ZeRO-1)."""
+    cfg = args.cfg
     ckpt = is_checkpoint_step(cfg, step)
     if ckpt or (step + 1) % cfg.report_every == 0:
         t0 = time.perf_counter()
-        metrics = metrics_from_stats(
-            stats, step, step // steps_per_epoch, cfg.lr, timer.mean_step_time
-        )
+        epoch = step // args.plan.steps_per_epoch
+        metrics = args.stats.metrics(stats, step, epoch, cfg.lr, timer.mean_step_time)
         metrics.update(extra_metrics or {})
-        if writer.module == "vision" and writer.lead:
+        if writer.module == args.adapter.llm_part and writer.lead:
             print(
                 f"[ray_disagg] step {step + 1}/{cfg.max_steps} loss {metrics['loss']:.4f} "
                 f"grad_norm {metrics['grad_norm']:.3f} step_time {metrics['step_time_s']:.3f}s "

@@ -8,27 +8,19 @@ import time
 import torch
 
 from ray_disagg.config import TrainLoopConfig
-from ray_disagg.data import BatchPlan, collate_text, collate_vision, text_item
-from ray_disagg.model import Qwen2_5_VLSpec
+from ray_disagg.data import BatchPlan
+from ray_disagg.model import HFModelSpec
 
 
-def reference_batch(samples, config) -> dict:
-    items = [text_item(s, config.image_token_id) for s in samples]
-    batch = collate_text(items, config.text_config.pad_token_id or 0)
-    pixels, grid = collate_vision(samples)
-    return {
-        "input_ids": batch.input_ids,
-        "attention_mask": batch.attention_mask,
-        "labels": batch.labels,
-        "pixel_values": pixels,
-        "image_grid_thw": grid,
-        "mm_token_type_ids": (batch.input_ids == config.image_token_id).int(),
-    }
+def reference_batch(spec: HFModelSpec, samples) -> dict:
+    """Keyword arguments of the HF model's forward (with ``labels``) for ``samples``."""
+    return spec.adapter.reference_inputs(samples)
 
 
-def reference_train(spec: Qwen2_5_VLSpec, dataset, cfg: TrainLoopConfig):
-    """Train ``spec``'s full HF model for ``cfg.max_steps`` on the same global batches as
-    ``DisaggregatedTrainer``; returns ``(losses, step_times_s, model)``."""
+def reference_train(spec: HFModelSpec, dataset, cfg: TrainLoopConfig):
+    """Train ``spec``'s full HF model (``...ForConditionalGeneration(..., labels=...)``)
+    for ``cfg.max_steps`` on the same global batches as ``DisaggregatedTrainer``; returns
+    ``(losses, step_times_s, model)``."""
     model = spec.build_full()
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
@@ -36,15 +28,13 @@ def reference_train(spec: Qwen2_5_VLSpec, dataset, cfg: TrainLoopConfig):
     plan = BatchPlan(
         num_samples=len(dataset),
         global_batch_size=cfg.global_batch_size,
-        vision_dp=1,
-        text_dp=1,
         seed=cfg.seed,
         shuffle=cfg.shuffle,
     )
     losses, times = [], []
     for step in range(cfg.max_steps):
         t0 = time.perf_counter()
-        batch = reference_batch([dataset[i] for i in plan.global_indices(step)], model.config)
+        batch = reference_batch(spec, [dataset[i] for i in plan.global_indices(step)])
         loss = model(**batch).loss
         loss.backward()
         if cfg.max_grad_norm is not None:

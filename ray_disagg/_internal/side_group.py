@@ -1,9 +1,10 @@
-"""The side process group that spans the vision and text groups.
+"""The side process group that spans all module groups.
 
 Each module group has its own default ``torch.distributed`` group (set up by its Ray Train
 backend). Activations and gradients cross between groups over a second, separate gloo
-group built from a ``TCPStore`` that the coordinator asks vision rank 0 to host. Side
-ranks are ``[vision 0..Nv-1, text 0..Nt-1]``.
+group built from a ``TCPStore`` that the coordinator asks the first group's rank 0 to
+host. Side ranks are the groups' ranks in group order (e.g. ``[vision 0..Nv-1, text
+0..Nt-1]``).
 """
 
 from __future__ import annotations

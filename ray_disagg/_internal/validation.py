@@ -1,38 +1,32 @@
-"""Checks of a parallel layout against the model config, run on the driver before any
-worker starts. Every error names the setting to change."""
+"""Checks of a parallel layout against the model, run on the driver before any worker
+starts. Every error names the setting to change."""
 
 from __future__ import annotations
 
 from ray_disagg.config import DataParallel, ModuleGroup, SequenceParallel, TensorParallel
 
 
-def _divides(size: int, value: int, what: str, kind: str, group: str) -> None:
-    if value % size:
-        raise ValueError(
-            f"{kind}(size={size}) in the {group} group does not divide {what}={value}; "
-            f"choose a size that divides {value}."
-        )
-
-
-def validate_layout(hf_config, groups: dict[str, ModuleGroup]) -> None:
-    v, t = hf_config.vision_config, hf_config.text_config
-    vp, tp = groups["vision"].parallelism, groups["text"].parallelism
-    if isinstance(vp, SequenceParallel):
-        _divides(vp.size, v.num_heads, "vision num_heads", "SequenceParallel", "vision")
-    elif isinstance(vp, TensorParallel):
-        _divides(vp.size, v.num_heads, "vision num_heads", "TensorParallel", "vision")
-        _divides(
-            vp.size, v.intermediate_size, "vision intermediate_size", "TensorParallel", "vision"
-        )
-    elif not isinstance(vp, DataParallel):
-        raise ValueError(f"Unsupported vision parallelism {vp!r}.")
-    if isinstance(tp, SequenceParallel):
-        raise ValueError(
-            "SequenceParallel is for the vision group; use TensorParallel(size=N) or "
-            "'none' for the text group."
-        )
-    if isinstance(tp, TensorParallel):
-        _divides(tp.size, t.num_attention_heads, "num_attention_heads", "TensorParallel", "text")
-        _divides(tp.size, t.num_key_value_heads, "num_key_value_heads", "TensorParallel", "text")
-        _divides(tp.size, t.intermediate_size, "intermediate_size", "TensorParallel", "text")
-        _divides(tp.size, t.vocab_size, "vocab_size", "TensorParallel", "text")
+def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
+    for part, group in groups.items():
+        p = group.parallelism
+        kind = type(p).__name__
+        if isinstance(p, DataParallel):
+            continue
+        allowed = adapter.sp_parts if isinstance(p, SequenceParallel) else adapter.tp_parts
+        if isinstance(p, TensorParallel) and part != adapter.llm_part:
+            allowed = allowed if adapter.vision_tp_plan() is not None else ()
+        if part not in allowed:
+            raise ValueError(
+                f"{kind} is not supported for the {part!r} group of {adapter.model_type}; "
+                f"groups that support it: {list(allowed)}. Use 'none' (data parallel) or "
+                f"another parallelism for {part!r}."
+            )
+        sizes = dict(adapter.head_counts(part))
+        if isinstance(p, SequenceParallel):
+            sizes = {k: v for k, v in sizes.items() if "heads" in k}
+        for what, value in sizes.items():
+            if value % p.size:
+                raise ValueError(
+                    f"{kind}(size={p.size}) in the {part} group does not divide "
+                    f"{what}={value}; choose a size that divides {value}."
+                )

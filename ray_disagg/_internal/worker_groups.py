@@ -5,7 +5,7 @@ owns a real ``WorkerGroup`` per module (own placement group, resources, backend 
 default process group) and exposes the few methods the controller calls, so Ray Train's
 own state machine, failure policy and checkpoint manager run unchanged:
 
-- poll: the union of every group's worker statuses (vision ranks first, then text), so a
+- poll: the union of every group's worker statuses (in group order), so a
   report is consolidated, and a checkpoint registered, only when every worker of every
   group has reported it;
 - shutdown/abort: all groups together, so no peer stays blocked in a cross-group recv.
@@ -139,7 +139,7 @@ class ModuleWorkerGroups:
         )
 
     def _connect_side_group(self, run_attempt_id: str, timeout_s: float) -> None:
-        host = self._groups["vision"].get_workers()[0]
+        host = next(iter(self._groups.values())).get_workers()[0]
         addr, port = ray.get(host.execute_async(runtime.host_side_store, timeout_s))
         offsets, sizes, off = {}, {}, 0
         for name, wg in self._groups.items():

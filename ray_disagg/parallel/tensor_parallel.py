@@ -26,6 +26,7 @@ __all__ = [
     "parallelize_vision",
     "merge_split_qkv",
     "grad_sq_norm",
+    "all_reduce_partial_grads",
     "local",
 ]
 
@@ -38,6 +39,17 @@ _LAYER_PLAN = {
     "mlp.up_proj": ColwiseParallel,
     "mlp.down_proj": RowwiseParallel,
 }
+
+
+_PER_HEAD_NORMS = ("q_norm", "k_norm")
+
+
+def all_reduce_partial_grads(params, tp_group) -> None:
+    """Sum over ``tp_group`` the gradients of replicated parameters that see only this
+    rank's heads (marked by :func:`parallelize_text`)."""
+    for p in params:
+        if getattr(p, "_tp_partial_grad", False) and p.grad is not None:
+            dist.all_reduce(p.grad, group=tp_group)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -85,11 +97,18 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def parallelize_text(part, tp_mesh) -> None:
-    """Shard a :class:`~ray_disagg.model.TextPart` in place over the 1-D ``tp_mesh``."""
-    lm = part.language_model
+def parallelize_text(part, lm, tp_mesh) -> tuple[dist.ProcessGroup, int]:
+    """Shard the LLM part in place over the 1-D ``tp_mesh``: the decoder ``lm`` (with
+    ``.layers`` and ``.embed_tokens``) and ``part.lm_head``. Returns the tp group and the
+    first vocab row of this rank's logits (for :class:`VocabParallelCrossEntropy`)."""
     for layer in lm.layers:
         parallelize_module(layer, tp_mesh, {name: style() for name, style in _LAYER_PLAN.items()})
+        # per-head norms (Qwen3 q_norm/k_norm) see only this rank's heads: their weight
+        # gradients are partial sums over the tp ranks
+        for name, mod in layer.named_modules():
+            if name.rsplit(".", 1)[-1] in _PER_HEAD_NORMS:
+                for p in mod.parameters():
+                    p._tp_partial_grad = True
     # vocab-parallel embedding: row shards of the table, partial lookups summed
     parallelize_module(
         lm,
@@ -100,8 +119,8 @@ def parallelize_text(part, tp_mesh) -> None:
     parallelize_module(
         part, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True)}
     )
-    part.tp_group = tp_mesh.get_group()
-    part.vocab_start = tp_mesh.get_local_rank() * (part.lm_head.weight.shape[0] // tp_mesh.size())
+    vocab_start = tp_mesh.get_local_rank() * (part.lm_head.weight.shape[0] // tp_mesh.size())
+    return tp_mesh.get_group(), vocab_start
 
 
 class SplitQKV(torch.nn.Module):
@@ -140,21 +159,16 @@ def merge_split_qkv(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def parallelize_vision(visual, tp_mesh) -> None:
-    """Shard every vision block in place: attention by heads, the MLP by its width; patch
-    embedding and merger stay replicated."""
-    plan = {
-        "attn.qkv.q": ColwiseParallel(),
-        "attn.qkv.k": ColwiseParallel(),
-        "attn.qkv.v": ColwiseParallel(),
-        "attn.proj": RowwiseParallel(),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
-    }
+def parallelize_vision(visual, plan: dict[str, str], tp_mesh) -> None:
+    """Shard every block of a vision tower in place with ``plan`` (block-relative module
+    name -> ``"colwise"``/``"rowwise"``, from the family adapter): attention by heads, the
+    MLP by its width; patch embedding and merger stay replicated. A fused ``attn.qkv`` is
+    split first (:class:`SplitQKV`) when the plan names ``attn.qkv.q``."""
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for blk in visual.blocks:
-        blk.attn.qkv = SplitQKV(blk.attn.qkv)
-        parallelize_module(blk, tp_mesh, plan)
+        if "attn.qkv.q" in plan:
+            blk.attn.qkv = SplitQKV(blk.attn.qkv)
+        parallelize_module(blk, tp_mesh, {name: styles[s]() for name, s in plan.items()})
         blk.attn.num_heads //= tp_mesh.size()
 
 

@@ -47,10 +47,24 @@ def _buckets(grads: list[torch.Tensor]):
 
 
 def all_reduce_gradients(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
-    """In-place SUM all-reduce of the gradients over ``group``, in flat buckets."""
+    """In-place SUM all-reduce of the gradients over ``group``, in flat buckets.
+
+    A parameter that got no gradient on any rank of ``group`` (e.g. the vision tower in a
+    step whose batch has no image) keeps ``grad=None``, so the optimizer skips it, as
+    single-process training does."""
+    params = [p for p in params if p.requires_grad]
+    had = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(had, group=group)
     grads = [_local(p.grad) for p in ensure_grads(params)]
-    if dist.get_world_size(group) == 1:
-        return
+    if dist.get_world_size(group) > 1:
+        _sum_in_buckets(grads, group)
+    for p, h in zip(params, had.tolist()):
+        if not h:
+            p.grad = None
+
+
+def _sum_in_buckets(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     for bucket in _buckets(grads):
         flat = torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, group=group)

@@ -1,0 +1,101 @@
+"""Training loop of an encoder group's workers (vision, audio, ...).
+
+Encoder replica ``d`` (its model-parallel rank 0) receives, from every LLM replica routed
+to it, the encoder fields of its slice of the global batch, shares them with its SP/TP
+peers, runs the encoder part, sends each LLM replica the crossing tensors of the samples
+routed to it, receives their gradients back and finishes backward, the gradient
+reduction and the optimizer step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ray_disagg._internal import loop_common as lc
+from ray_disagg._internal.stage import Stage
+from ray_disagg.parallel import tensor_parallel as tp
+from ray_disagg.parallel import ulysses
+
+
+def _row_offsets(adapter, part, samples) -> dict[str, list[int]]:
+    """Per crossing, the first row of each sample (and the end)."""
+    rows = [adapter.crossing_rows(part, s) for s in samples]
+    out = {}
+    for c in adapter.crossings(part):
+        counts = [r[c.name] for r in rows]
+        out[c.name] = [sum(counts[:k]) for k in range(len(counts) + 1)]
+    return out
+
+
+def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
+    st = Stage(args, part)
+    adapter, cfg, plan, side = st.adapter, st.cfg, args.plan, st.side
+    llm = adapter.llm_part
+    model = st.build()
+    tower = adapter.part_roots(model, part)[0]
+    if st.is_sp:
+        ulysses.enable_ulysses(tower, adapter.sp_plan(part), st.mp_mesh.get_group())
+    if st.is_tp:
+        tp.parallelize_vision(tower, adapter.vision_tp_plan(), st.mp_mesh)
+    start = st.setup_optimizer(model)
+    crossings = adapter.crossings(part)
+
+    for step in range(start, cfg.max_steps):
+        lc.maybe_inject_failure(cfg, part, st.group_rank, step)
+        routes = plan.routes(part, st.dp_rank, llm) if st.leader else []
+        t_wait = time.perf_counter()
+        samples = []
+        for t, _lo, _hi in routes:
+            meta = side.recv_object(args.leader_side_rank(side, llm, t))
+            if meta["step"] != step:
+                raise RuntimeError(f"{part} group got step {meta['step']} inputs at step {step}")
+            samples += meta["samples"]
+        t_wait = time.perf_counter() - t_wait
+        t0 = time.perf_counter()
+        samples = st.broadcast_object(samples)
+        with torch.autocast(st.device.type, torch.bfloat16, enabled=cfg.bf16):
+            outputs = adapter.encode(model, part, samples, st.device, sp=st.is_sp or None)
+        offsets = _row_offsets(adapter, part, samples)
+        t_compute = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        base = plan.span(part, st.dp_rank)[0]
+        for t, lo, hi in routes:
+            dst = args.leader_side_rank(side, llm, t)
+            rows = {
+                c.name: offsets[c.name][hi - base] - offsets[c.name][lo - base] for c in crossings
+            }
+            side.send_object({"step": step, "rows": rows}, dst)
+            for c in crossings:
+                if rows[c.name]:
+                    a, b = offsets[c.name][lo - base], offsets[c.name][hi - base]
+                    side.send(outputs[c.name][a:b].detach().float(), dst)
+        grads = {c.name: [] for c in crossings}
+        for t, lo, hi in routes:
+            src = args.leader_side_rank(side, llm, t)
+            for c in crossings:
+                n = offsets[c.name][hi - base] - offsets[c.name][lo - base]
+                if n:
+                    grads[c.name].append(side.recv((n, c.width), torch.float32, src))
+        t_wait += time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        outs, out_grads = [], []
+        for name, out in outputs.items():
+            # sp: non-leaders hold an empty slice but must join the backward;
+            # tp: every rank holds the replicated output and needs the full gradient
+            grad = torch.cat(grads[name]) if st.leader else torch.zeros(out.shape)
+            if st.is_tp:
+                dist.broadcast(grad, src=st.mp_src, group=st.mp_mesh.get_group())
+            outs.append(out)
+            out_grads.append(grad.to(st.device, out.dtype))
+        if outs:
+            torch.autograd.backward(outs, out_grads)
+        stats = st.layout.new()
+        if st.leader:
+            for name, n in adapter.item_counts(part, samples).items():
+                stats[st.layout.index[name]] = n
+        st.finish(step, stats, t_compute + time.perf_counter() - t2, t_wait)

@@ -1,0 +1,89 @@
+"""What every group's loop shares: its mesh and side group, model setup (activation
+checkpointing, optimizer, restore) and the end of a step (gradient reduction, the stats
+exchange, global clipping, the optimizer step, reporting)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ray_disagg._internal import loop_common as lc
+from ray_disagg._internal.runtime import get_runtime
+from ray_disagg.parallel import tensor_parallel as tp
+from ray_disagg.parallel.data_parallel import all_reduce_gradients
+
+
+class Stage:
+    """One worker of group ``part`` (mesh axes ``("dp", <mp axis>)``)."""
+
+    def __init__(self, args: lc.LoopArgs, part: str):
+        self.args, self.part, self.cfg = args, part, args.cfg
+        self.adapter = args.adapter
+        self.rt = get_runtime()
+        self.device = self.rt.device
+        self.side = self.rt.wait_side_group(self.cfg.collective_timeout_s)
+        mesh = self.rt.mesh
+        self.dp_mesh = mesh["dp"]
+        self.mp_axis = mesh.mesh_dim_names[1]  # "sp" or "tp"
+        self.mp_mesh = mesh[self.mp_axis]
+        self.dp_rank, self.group_rank = self.dp_mesh.get_local_rank(), mesh.get_rank()
+        self.mp_size, self.mp_rank = self.mp_mesh.size(), self.mp_mesh.get_local_rank()
+        self.leader = self.mp_rank == 0  # reads/receives samples and talks to other groups
+        self.mp_src = self.group_rank - self.mp_rank
+        self.layout = args.stats
+        self.timer = lc.StepTimer()
+        self.is_tp = self.mp_axis == "tp" and self.mp_size > 1
+        self.is_sp = self.mp_axis == "sp" and self.mp_size > 1
+
+    def build(self) -> torch.nn.Module:
+        model = self.args.spec.build_part(self.part).to(self.device)
+        if self.args.groups[self.part].activation_checkpointing:
+            for root in self.adapter.part_roots(model, self.part):
+                root.gradient_checkpointing_enable({"use_reentrant": False})
+        return model
+
+    def setup_optimizer(self, model: torch.nn.Module) -> int:
+        """Optimizer, checkpoint writer and restore; returns the step to start from."""
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        zero1 = getattr(self.args.groups[self.part].parallelism, "zero1", False)
+        self.opt = lc.build_optimizer(self.params, self.cfg, zero1=zero1)
+        lead = self.group_rank == 0
+        hf_config = self.args.spec.load_config() if self.part == self.adapter.llm_part else None
+        self.writer = lc.ShardWriter(self.part, lead=lead, hf_config=hf_config)
+        return lc.restore(model, self.opt, self.part, self.args)
+
+    def broadcast_object(self, obj):
+        """``obj`` of the model-parallel leader, on every rank of its mp group."""
+        if self.mp_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.mp_src, group=self.mp_mesh.get_group())
+        return box[0]
+
+    def finish(self, step: int, stats, t_compute: float, t_wait: float, extra=None) -> None:
+        t0 = time.perf_counter()
+        # tp: replicas of a shard differ in samples only; dp x sp: replicas hold different
+        # samples and sp ranks partial sums of the replicated weights
+        reduce = self.dp_mesh.get_group() if self.mp_axis == "tp" else dist.group.WORLD
+        all_reduce_gradients(self.params, reduce)
+        if self.is_tp:
+            tp.all_reduce_partial_grads(self.params, self.mp_mesh.get_group())
+        sq = tp.grad_sq_norm(self.params, self.mp_mesh.get_group() if self.is_tp else None)
+        ix = self.layout.index
+        if self.group_rank == 0:
+            stats[ix[f"{self.part}_sq"]] = sq
+            stats[ix[f"{self.part}_time"]] = t_compute + time.perf_counter() - t0
+            stats[ix[f"{self.part}_wait"]] = t_wait
+            stats[ix[f"{self.part}_peak"]] = lc.peak_memory_mb(self.device)
+        is_timer = self.part == self.adapter.llm_part and self.group_rank == 0
+        stats = self.timer.exchange(self.side, stats, self.layout, is_timer)
+        total_norm = self.layout.total_norm(stats)
+        lc.scale_grads(self.params, lc.clip_coef(total_norm, self.cfg.max_grad_norm))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        lc.maybe_report(
+            self.args, stats, step, self.writer, self.timer, self.model, self.opt, extra
+        )

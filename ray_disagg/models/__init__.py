@@ -1,0 +1,45 @@
+"""Model-family adapters, looked up by ``config.model_type``.
+
+Adding a family = one new file with a :class:`~ray_disagg.models.base.ModelAdapter`
+subclass, registered in ``ADAPTERS`` below.
+"""
+
+from __future__ import annotations
+
+from ray_disagg.models.base import IGNORE_INDEX, Crossing, ModelAdapter, SampleError
+from ray_disagg.models.qwen2_5_omni import (
+    Qwen2_5OmniThinkerAdapter,
+    tiny_qwen2_5_omni_thinker_config,
+)
+from ray_disagg.models.qwen2_5_vl import Qwen2_5_VLAdapter, tiny_qwen2_5_vl_config
+from ray_disagg.models.qwen2_vl import Qwen2VLAdapter, tiny_qwen2_vl_config
+from ray_disagg.models.qwen3_vl import Qwen3VLAdapter, tiny_qwen3_vl_config
+
+__all__ = [
+    "ADAPTERS",
+    "IGNORE_INDEX",
+    "Crossing",
+    "ModelAdapter",
+    "SampleError",
+    "get_adapter",
+    "tiny_qwen2_5_omni_thinker_config",
+    "tiny_qwen2_5_vl_config",
+    "tiny_qwen2_vl_config",
+    "tiny_qwen3_vl_config",
+]
+
+ADAPTERS: dict[str, type[ModelAdapter]] = {
+    a.model_type: a
+    for a in (Qwen2VLAdapter, Qwen2_5_VLAdapter, Qwen3VLAdapter, Qwen2_5OmniThinkerAdapter)
+}
+
+
+def get_adapter(config) -> ModelAdapter:
+    """The adapter of ``config.model_type``; ``ValueError`` listing the supported types."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ADAPTERS:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; supported model types: "
+            f"{sorted(ADAPTERS)}."
+        )
+    return ADAPTERS[model_type](config)

@@ -1,0 +1,214 @@
+"""What every model-family adapter declares: a multimodal model as data.
+
+An adapter says which Hugging Face submodules each part (= module group) holds, which
+named tensors each encoder part sends to the LLM part ("crossings") and how many rows of
+each a sample produces, how the LLM part consumes them, how samples are validated and
+batched, and the parallel plans of its parts. The runtime (trainer, loops, routing,
+checkpoints, export, the single-process reference) is driven only by this interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["IGNORE_INDEX", "Crossing", "ModelAdapter", "SampleError", "sample_name"]
+
+IGNORE_INDEX = -100
+
+
+class SampleError(ValueError):
+    """A training sample is inconsistent (e.g. image tokens vs image patches)."""
+
+
+def sample_name(sample: dict, index: int | None) -> str:
+    sid = sample.get("id")
+    return f"sample {sid!r}" if sid is not None else f"sample at index {index}"
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """One tensor an encoder part sends to the LLM part: ``(rows, width)`` float rows in
+    sample order; its gradient (same shape) comes back."""
+
+    name: str
+    width: int
+
+
+def tensor_or_none(rows: list, dtype=np.int64) -> torch.Tensor | None:
+    """Concatenate per-sample arrays (skipping ``None``) into one tensor."""
+    parts = [torch.as_tensor(np.asarray(r, dtype=dtype)) for r in rows if r is not None]
+    if not parts:
+        return None
+    return torch.cat(parts) if parts[0].ndim else torch.stack(parts)
+
+
+class ModelAdapter:
+    """Base class of the per-family adapters (one file each under ``ray_disagg.models``).
+
+    Subclasses set the class attributes and implement the hooks below; instances hold the
+    family's HF config.
+    """
+
+    model_type: ClassVar[str]
+    """``config.model_type`` this adapter handles."""
+    config_class: ClassVar[type]
+    hf_class: ClassVar[type]
+    """The HF ``...ForConditionalGeneration`` class (the single-process reference)."""
+    encoder_parts: ClassVar[tuple[str, ...]] = ("vision",)
+    llm_part: ClassVar[str] = "text"
+    part_modules: ClassVar[dict[str, tuple[str, ...]]]
+    """Part name -> dotted paths (in ``hf_class``) of the submodules the part holds."""
+    sp_parts: ClassVar[tuple[str, ...]] = ()
+    """Parts that support Ulysses ``SequenceParallel``."""
+    tp_parts: ClassVar[tuple[str, ...]] = ("text",)
+    """Parts that support ``TensorParallel``."""
+
+    def __init__(self, config):
+        self.config = config
+
+    # ---- parts ------------------------------------------------------------------------
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return (*self.encoder_parts, self.llm_part)
+
+    def build_full(self, seed: int, attn_implementation: str = "sdpa") -> nn.Module:
+        config = self.config_class.from_dict(self.config.to_dict())
+        config._attn_implementation = attn_implementation
+        torch.manual_seed(seed)
+        return self.hf_class(config).float().train()
+
+    def prune(self, model: nn.Module, part: str) -> nn.Module:
+        """Keep only ``part``'s submodules in ``model`` (state-dict keys stay HF keys)."""
+        keep = set(self.part_modules[part])
+        for other, paths in self.part_modules.items():
+            if other == part:
+                continue
+            for path in paths:
+                if path in keep:
+                    continue
+                owner, _, attr = path.rpartition(".")
+                setattr(model.get_submodule(owner) if owner else model, attr, None)
+        return model
+
+    def part_roots(self, module: nn.Module, part: str) -> list[nn.Module]:
+        """The part's HF submodules (activation checkpointing is enabled on them)."""
+        return [module.get_submodule(p) for p in self.part_modules[part]]
+
+    # ---- samples ----------------------------------------------------------------------
+
+    def validate_sample(self, sample: dict, index: int | None = None) -> None:
+        """Raise :class:`SampleError` naming the sample if its fields disagree."""
+        name = sample_name(sample, index)
+        if "input_ids" not in sample:
+            raise SampleError(f"{name} has no 'input_ids'.")
+        ids = np.asarray(sample["input_ids"])
+        if ids.ndim != 1 or ids.size < 2:
+            raise SampleError(f"{name}: 'input_ids' must be a 1-D sequence of >= 2 tokens.")
+        labels = sample.get("labels")
+        if labels is not None and np.asarray(labels).shape != ids.shape:
+            raise SampleError(f"{name}: 'labels' and 'input_ids' have different lengths.")
+        self.validate_modalities(sample, ids, name)
+
+    def validate_modalities(self, sample: dict, ids: np.ndarray, name: str) -> None:
+        raise NotImplementedError
+
+    def placeholder_ids(self) -> tuple[int, ...]:
+        """Token ids that are replaced by encoder outputs (never a loss target by default)."""
+        raise NotImplementedError
+
+    def labels(self, sample: dict) -> np.ndarray:
+        if sample.get("labels") is not None:
+            return np.asarray(sample["labels"], dtype=np.int64)
+        ids = np.asarray(sample["input_ids"], dtype=np.int64)
+        labels = ids.copy()
+        labels[np.isin(ids, self.placeholder_ids())] = IGNORE_INDEX
+        return labels
+
+    def crossings(self, part: str) -> tuple[Crossing, ...]:
+        raise NotImplementedError
+
+    def crossing_rows(self, part: str, sample: dict) -> dict[str, int]:
+        """Rows of each of ``part``'s crossings that ``sample`` produces."""
+        raise NotImplementedError
+
+    def encoder_fields(self, part: str) -> tuple[str, ...]:
+        """Sample keys the encoder ``part`` reads."""
+        raise NotImplementedError
+
+    def llm_fields(self) -> tuple[str, ...]:
+        """Sample keys (besides ``input_ids``/``labels``) the LLM part reads."""
+        raise NotImplementedError
+
+    def item_counts(self, part: str, samples: Sequence[dict]) -> dict[str, int]:
+        """Counters reported in the metrics (e.g. ``{"images": 3, "videos": 1}``)."""
+        return {}
+
+    def counter_names(self, part: str) -> tuple[str, ...]:
+        return ()
+
+    # ---- compute ----------------------------------------------------------------------
+
+    def encode(self, module: nn.Module, part: str, samples: Sequence[dict], device, sp=None):
+        """Run encoder ``part`` on ``samples``: a dict crossing name -> rows in sample order
+        (on SP ranks other than 0, tensors with 0 rows that are still in the graph)."""
+        raise NotImplementedError
+
+    def llm_hidden(self, module: nn.Module, batch: dict, received: dict) -> torch.Tensor:
+        """Final hidden states ``(B, T, H)`` of the LLM part given the crossings."""
+        raise NotImplementedError
+
+    def collate_llm(self, items: Sequence[dict]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def reference_inputs(self, samples: Sequence[dict]) -> dict[str, Any]:
+        """Keyword arguments of ``hf_class.forward`` (with ``labels``) for ``samples``."""
+        raise NotImplementedError
+
+    # ---- parallel plans ---------------------------------------------------------------
+
+    def llm_modules(self, module: nn.Module) -> tuple[nn.Module, nn.Module]:
+        """``(decoder with .layers and .embed_tokens, lm_head)`` of the LLM part."""
+        raise NotImplementedError
+
+    def sp_plan(self, part: str):
+        """The :class:`~ray_disagg._internal.ulysses.TowerPlan` of an SP-capable part."""
+        raise NotImplementedError
+
+    def head_counts(self, part: str) -> dict[str, int]:
+        """Sizes a model-parallel degree must divide, by name (``num_heads``, ...)."""
+        raise NotImplementedError
+
+    def vision_tp_plan(self) -> dict[str, str] | None:
+        """Block-relative TP plan of the tower (the uniform-TP baseline), or ``None``."""
+        return None
+
+
+def lm_loss(
+    hidden: torch.Tensor,
+    lm_head: nn.Module,
+    labels: torch.Tensor,
+    num_label_tokens: float,
+    tp_group=None,
+    vocab_start: int = 0,
+) -> torch.Tensor:
+    """``sum(token CE after the causal shift) / num_label_tokens``; with ``tp_group`` the
+    logits are vocab-sharded and the cross-entropy is vocab-parallel."""
+    logits = lm_head(hidden[:, :-1]).float().flatten(0, 1)
+    targets = labels[:, 1:].flatten()
+    if tp_group is not None:
+        from ray_disagg.parallel.tensor_parallel import VocabParallelCrossEntropy
+
+        per_token = VocabParallelCrossEntropy.apply(
+            logits, targets, vocab_start, IGNORE_INDEX, tp_group
+        )
+        return per_token.sum() / num_label_tokens
+    loss_sum = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss_sum / num_label_tokens

@@ -1,0 +1,320 @@
+"""Qwen2.5-Omni thinker: the Qwen2.5-VL vision side (windowed tower with separate q/k/v,
+mrope LLM whose video positions scale with ``video_second_per_grid``) plus a Whisper-like
+``audio`` part (``model.audio_tower``) whose embeddings cross to the text part as
+``audio_embeds``. The text part scatters them into the audio placeholders itself (HF's
+thinker has no precomputed-audio input) and passes ``feature_attention_mask`` only so that
+HF's ``get_rope_index`` knows each audio's length."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
+
+from ray_disagg.models.base import Crossing, SampleError, tensor_or_none
+from ray_disagg.models.qwen_vl import MODALITIES, QwenVLAdapter, WindowOrderPlan, mrope_section
+
+__all__ = ["Qwen2_5OmniThinkerAdapter", "audio_rows", "tiny_qwen2_5_omni_thinker_config"]
+
+AUDIO_FIELDS = ("input_features", "feature_attention_mask")
+
+
+def tiny_qwen2_5_omni_thinker_config(
+    *,
+    vocab_size: int = 128,
+    text_hidden: int = 64,
+    text_layers: int = 2,
+    text_heads: int = 4,
+    text_kv_heads: int = 2,
+    vision_hidden: int = 32,
+    vision_depth: int = 2,
+    vision_heads: int = 4,
+    patch_size: int = 4,
+    window_size: int = 16,
+    fullatt_block_indexes: tuple[int, ...] = (1,),
+    audio_hidden: int = 32,
+    audio_layers: int = 2,
+    audio_heads: int = 4,
+    num_mel_bins: int = 8,
+    n_window: int = 4,
+    **overrides: Any,
+) -> Qwen2_5OmniThinkerConfig:
+    """A tiny Qwen2.5-Omni thinker config for CPU tests (no download).
+
+    Token ids: 100 image, 101 video, 102 / 103 vision start / end, 104 audio, 105 / 106
+    audio start / end. ``vision_start_token_id`` is not a declared thinker field but HF's
+    ``get_rope_index`` reads it, so it is set as an extra attribute. The audio tower
+    attends in chunks of ``2 * n_window`` mel frames.
+
+    Example:
+        >>> cfg = tiny_qwen2_5_omni_thinker_config()
+        >>> cfg.audio_token_id, cfg.vision_start_token_id, cfg.audio_config.num_mel_bins
+        (104, 102, 8)
+    """
+    head_dim = text_hidden // text_heads
+    if head_dim % 2:
+        raise ValueError("text_hidden / text_heads must be even for rotary embeddings.")
+    kwargs: dict[str, Any] = dict(
+        image_token_index=100,
+        video_token_index=101,
+        vision_start_token_id=102,
+        vision_end_token_id=103,
+        audio_token_index=104,
+        audio_start_token_id=105,
+        audio_end_token_id=106,
+    )
+    kwargs.update(overrides)
+    return Qwen2_5OmniThinkerConfig(
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_size=text_hidden,
+            intermediate_size=2 * text_hidden,
+            num_hidden_layers=text_layers,
+            num_attention_heads=text_heads,
+            num_key_value_heads=text_kv_heads,
+            max_position_embeddings=1024,
+            rope_parameters={
+                "rope_type": "default",
+                "mrope_section": mrope_section(head_dim),
+                "rope_theta": 1e4,
+            },
+            pad_token_id=0,
+        ),
+        vision_config=dict(
+            depth=vision_depth,
+            hidden_size=vision_hidden,
+            intermediate_size=2 * vision_hidden,
+            num_heads=vision_heads,
+            out_hidden_size=text_hidden,
+            patch_size=patch_size,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=window_size,
+            fullatt_block_indexes=list(fullatt_block_indexes),
+            in_channels=3,
+        ),
+        audio_config=dict(
+            num_mel_bins=num_mel_bins,
+            encoder_layers=audio_layers,
+            encoder_attention_heads=audio_heads,
+            encoder_ffn_dim=2 * audio_hidden,
+            d_model=audio_hidden,
+            n_window=n_window,
+            output_dim=text_hidden,
+            max_source_positions=max(64, n_window),
+        ),
+        **kwargs,
+    )
+
+
+def audio_rows(frames) -> np.ndarray:
+    """Embeddings (= audio tokens) the audio tower makes of audios of ``frames`` mel frames
+    (``Qwen2_5OmniAudioEncoder._get_feat_extract_output_lengths``)."""
+    after_cnn = (np.asarray(frames, dtype=np.int64) - 1) // 2 + 1
+    return (after_cnn - 2) // 2 + 1
+
+
+class Qwen2_5OmniThinkerAdapter(QwenVLAdapter):
+    """Three parts: ``vision`` (images, videos), ``audio`` and ``text``."""
+
+    model_type = "qwen2_5_omni_thinker"
+    config_class = Qwen2_5OmniThinkerConfig
+    hf_class = Qwen2_5OmniThinkerForConditionalGeneration
+    encoder_parts = ("vision", "audio")
+    part_modules = {
+        "vision": ("model.visual",),
+        "audio": ("model.audio_tower",),
+        "text": ("model.language_model", "lm_head"),
+    }
+    sp_parts = ("vision",)
+    tp_parts = ("text",)
+    tower_plan = WindowOrderPlan()
+    llm_extra_fields = ("video_second_per_grid",)
+    tiny_config = staticmethod(tiny_qwen2_5_omni_thinker_config)
+
+    # ---- samples ----------------------------------------------------------------------
+
+    def placeholder_ids(self):
+        return (*super().placeholder_ids(), self.config.audio_token_id)
+
+    def placeholder_tokens(self, modality, grid):
+        """For ``modality == "audio"``, ``grid`` is the audio's number of mel frames."""
+        if modality != "audio":
+            return super().placeholder_tokens(modality, grid)
+        c = self.config
+        n = int(audio_rows(grid))
+        return [c.audio_start_token_id, *[c.audio_token_id] * n, c.audio_end_token_id]
+
+    def synthetic_inputs(self, spec, rng):
+        """Also ``spec["audios"]``: a list of mel-frame counts (random log-mel features)."""
+        fields, tokens = super().synthetic_inputs(spec, rng)
+        frames = [int(f) for f in spec.get("audios") or []]
+        if frames:
+            mel, longest = self.config.audio_config.num_mel_bins, max(frames)
+            mask = (np.arange(longest)[None] < np.asarray(frames)[:, None]).astype(np.int64)
+            feats = rng.standard_normal((len(frames), mel, longest)).astype(np.float32)
+            fields["input_features"] = feats * mask[:, None]
+            fields["feature_attention_mask"] = mask
+            for f in frames:
+                tokens += self.placeholder_tokens("audio", f)
+        return fields, tokens
+
+    def audio_lengths(self, sample: dict) -> np.ndarray:
+        """Mel frames of each of the sample's audios (empty when it has none)."""
+        mask = sample.get("feature_attention_mask")
+        return np.zeros(0, np.int64) if mask is None else np.asarray(mask).sum(-1).reshape(-1)
+
+    def validate_modalities(self, sample, ids, name):
+        super().validate_modalities(sample, ids, name)
+        if self._grid(sample, "video_grid_thw") is not None and (
+            sample.get("video_second_per_grid") is None
+        ):
+            raise SampleError(
+                f"{name} has videos but no 'video_second_per_grid' (one value per video: "
+                "temporal_patch_size / fps, as the Qwen2.5-Omni processor gives)."
+            )
+        feats, mask = (sample.get(k) for k in AUDIO_FIELDS)
+        if (feats is None) != (mask is None):
+            raise SampleError(f"{name}: give both {AUDIO_FIELDS} or neither.")
+        c = self.config
+        n_audios = 0
+        if feats is not None:
+            fshape, mshape, mel = np.shape(feats), np.shape(mask), c.audio_config.num_mel_bins
+            if (
+                len(fshape) != 3
+                or fshape[1] != mel
+                or len(mshape) != 2
+                or ((mshape[0], mshape[1]) != (fshape[0], fshape[2]))
+            ):
+                raise SampleError(
+                    f"{name}: input_features {tuple(fshape)} / feature_attention_mask "
+                    f"{tuple(mshape)} must be (num_audios, {mel}, frames) / (num_audios, "
+                    "frames), as the Qwen2.5-Omni feature extractor gives."
+                )
+            n_audios = fshape[0]
+            if (audio_rows(self.audio_lengths(sample)) < 1).any():
+                raise SampleError(f"{name}: every audio needs >= 3 mel frames in its mask.")
+        n_starts = int((ids == c.audio_start_token_id).sum())
+        if n_starts != n_audios:
+            raise SampleError(
+                f"{name}: {n_starts} audio-start tokens (id {c.audio_start_token_id}) but "
+                f"{n_audios} audios; wrap each audio's tokens in audio start/end tokens."
+            )
+        n_tokens, n_emb = int((ids == c.audio_token_id).sum()), self.audio_tokens(sample)
+        if n_tokens != n_emb:
+            raise SampleError(
+                f"{name}: {n_tokens} audio tokens (id {c.audio_token_id}) in input_ids but its "
+                f"audios give {n_emb} embeddings; expand each audio placeholder to "
+                "((frames - 1) // 2 + 1 - 2) // 2 + 1 tokens as the Qwen2.5-Omni processor does."
+            )
+
+    def audio_tokens(self, sample: dict) -> int:
+        return int(audio_rows(self.audio_lengths(sample)).sum())
+
+    def crossings(self, part):
+        if part == "audio":
+            return (Crossing("audio_embeds", self.config.text_config.hidden_size),)
+        return super().crossings(part)
+
+    def crossing_rows(self, part, sample):
+        if part == "audio":
+            return {"audio_embeds": self.audio_tokens(sample)}
+        return super().crossing_rows(part, sample)
+
+    def encoder_fields(self, part):
+        return AUDIO_FIELDS if part == "audio" else super().encoder_fields(part)
+
+    def llm_fields(self):
+        return (*super().llm_fields(), "feature_attention_mask")
+
+    def counter_names(self, part):
+        return ("audios",) if part == "audio" else super().counter_names(part)
+
+    def item_counts(self, part, samples):
+        if part == "audio":
+            return {"audios": sum(len(self.audio_lengths(s)) for s in samples)}
+        return super().item_counts(part, samples)
+
+    # ---- compute ----------------------------------------------------------------------
+
+    def collate_audio(self, samples) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(input_features, feature_attention_mask)`` of all audios in sample order,
+        frames right-padded to the longest (padded frames are masked out)."""
+        masks = [np.asarray(s["feature_attention_mask"]) for s in samples if _has_audio(s)]
+        if not masks:
+            return None, None
+        longest = max(m.shape[-1] for m in masks)
+        pad = [(0, 0)] * 2
+        masks = [np.pad(m, [pad[0], (0, longest - m.shape[-1])]) for m in masks]
+        if any("input_features" not in s for s in samples if _has_audio(s)):
+            return None, tensor_or_none(masks)  # the LLM part gets the masks only
+        feats = [np.asarray(s["input_features"]) for s in samples if _has_audio(s)]
+        feats = [np.pad(f, [*pad, (0, longest - f.shape[-1])]) for f in feats]
+        return tensor_or_none(feats, np.float32), tensor_or_none(masks)
+
+    def encode(self, module, part, samples, device, sp=None):
+        if part != "audio":
+            return super().encode(module, part, samples, device, sp)
+        if sp is not None:
+            raise ValueError("the audio part does not support sequence parallelism.")
+        feats, mask = self.collate_audio(samples)
+        if feats is None:
+            return {}
+        tower = module.get_submodule(self.part_modules["audio"][0])
+        feats, mask = feats.to(device), mask.to(device)
+        # as Qwen2_5OmniThinkerModel.get_audio_features: keep only the unmasked frames
+        lengths = mask.sum(-1)
+        flat = feats.permute(0, 2, 1)[mask.bool()].permute(1, 0)
+        after_cnn, _ = tower._get_feat_extract_output_lengths(lengths)
+        out = tower(flat, feature_lens=lengths, aftercnn_lens=after_cnn)
+        return {"audio_embeds": out.last_hidden_state}
+
+    def collate_llm(self, items):
+        batch = super().collate_llm(items)
+        batch.pop("mm_token_type_ids")  # the Omni thinker has none
+        batch["feature_attention_mask"] = self.collate_audio(items)[1]
+        return batch
+
+    def llm_hidden(self, module, batch, received):
+        inner = module.model
+        ids = batch["input_ids"]
+        embeds = inner.get_input_embeddings()(ids)
+        audio = received.get("audio_embeds")
+        if audio is not None:
+            _, _, audio_mask = inner.get_placeholder_mask(ids, inputs_embeds=embeds)
+            if int(audio_mask[..., 0].sum()) != audio.shape[0]:
+                raise ValueError(
+                    f"{int(audio_mask[..., 0].sum())} audio tokens but {audio.shape[0]} rows."
+                )
+            embeds = embeds.masked_scatter(audio_mask, audio.to(embeds.device, embeds.dtype))
+        mm = {m: self.encoder_output(received, m) for m in MODALITIES}
+        mm = {k: v for k, v in mm.items() if v is not None}
+        out = inner(**self.llm_kwargs(batch), inputs_embeds=embeds, mm_encoder_outputs=mm or None)
+        return out.last_hidden_state
+
+    def reference_inputs(self, samples):
+        kwargs = super().reference_inputs(samples)
+        feats, mask = self.collate_audio(samples)
+        if feats is not None:
+            kwargs.update(input_features=feats, feature_attention_mask=mask)
+        return kwargs
+
+    # ---- parallel plans ---------------------------------------------------------------
+
+    def sp_plan(self, part):
+        if part != "vision":
+            raise ValueError(f"part {part!r} does not support sequence parallelism.")
+        return self.tower_plan
+
+    def head_counts(self, part):
+        if part == "audio":
+            return {
+                "audio encoder_attention_heads": self.config.audio_config.encoder_attention_heads
+            }
+        return super().head_counts(part)
+
+
+def _has_audio(sample: dict) -> bool:
+    return sample.get("feature_attention_mask") is not None

@@ -1,0 +1,87 @@
+"""Qwen2-VL: every vision block attends over whole images/frames in natural order
+(LayerNorm, ``fc1``/``fc2``); mrope LLM without time scaling."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+from ray_disagg.models.qwen_vl import NaturalOrderPlan, QwenVLAdapter, mrope_section
+
+__all__ = ["Qwen2VLAdapter", "tiny_qwen2_vl_config"]
+
+
+def tiny_qwen2_vl_config(
+    *,
+    vocab_size: int = 128,
+    text_hidden: int = 64,
+    text_layers: int = 2,
+    text_heads: int = 4,
+    text_kv_heads: int = 2,
+    vision_hidden: int = 32,
+    vision_depth: int = 2,
+    vision_heads: int = 4,
+    patch_size: int = 4,
+    **overrides: Any,
+) -> Qwen2VLConfig:
+    """A tiny Qwen2-VL config for CPU tests (ids 100-103: image, video, vision start/end).
+
+    Example:
+        >>> tiny_qwen2_vl_config().vision_config.embed_dim
+        32
+    """
+    head_dim = text_hidden // text_heads
+    return Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_size=text_hidden,
+            intermediate_size=2 * text_hidden,
+            num_hidden_layers=text_layers,
+            num_attention_heads=text_heads,
+            num_key_value_heads=text_kv_heads,
+            max_position_embeddings=1024,
+            rope_parameters={
+                "rope_type": "default",
+                "mrope_section": mrope_section(head_dim),
+                "rope_theta": 1e4,
+            },
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=0,
+        ),
+        vision_config=dict(
+            depth=vision_depth,
+            embed_dim=vision_hidden,
+            hidden_size=text_hidden,
+            mlp_ratio=2,
+            num_heads=vision_heads,
+            patch_size=patch_size,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_channels=3,
+        ),
+        image_token_id=100,
+        video_token_id=101,
+        vision_start_token_id=102,
+        vision_end_token_id=103,
+        **overrides,
+    )
+
+
+class Qwen2VLAdapter(QwenVLAdapter):
+    model_type = "qwen2_vl"
+    config_class = Qwen2VLConfig
+    hf_class = Qwen2VLForConditionalGeneration
+    tower_plan = NaturalOrderPlan()
+    tiny_config = staticmethod(tiny_qwen2_vl_config)
+
+    def vision_tp_plan(self):
+        return {
+            "attn.qkv.q": "colwise",
+            "attn.qkv.k": "colwise",
+            "attn.qkv.v": "colwise",
+            "attn.proj": "rowwise",
+            "mlp.fc1": "colwise",
+            "mlp.fc2": "rowwise",
+        }

@@ -1,0 +1,319 @@
+"""What the Qwen vision-language families share (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, and the
+Qwen2.5-Omni thinker's vision side): a ``vision`` part (``model.visual``) whose images and
+videos cross to the ``text`` part (``model.language_model`` + ``lm_head``) as
+``image_embeds`` / ``video_embeds``. The text part lets HF's own ``...Model.forward`` do the
+masked scatter and ``get_rope_index`` from the precomputed encoder outputs.
+
+A family file subclasses :class:`QwenVLAdapter` and sets its classes, tiny config, tower
+plan and, where it differs, the crossings (DeepStack) and the extra LLM kwargs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+from transformers.vision_utils import (
+    get_vision_attention_seqlens,
+    get_vision_position_ids,
+    get_vision_window_index,
+)
+
+from ray_disagg.models.base import (
+    IGNORE_INDEX,
+    Crossing,
+    ModelAdapter,
+    SampleError,
+    tensor_or_none,
+)
+from ray_disagg.parallel.ulysses import TowerPlan, merge_unit, sp_tower_forward
+
+__all__ = ["QwenVLAdapter", "NaturalOrderPlan", "WindowOrderPlan", "mrope_section"]
+
+# modality -> (pixel key, grid key, token-id config attribute, mm_token_type id)
+MODALITIES = {
+    "image": ("pixel_values", "image_grid_thw", "image_token_id", 1),
+    "video": ("pixel_values_videos", "video_grid_thw", "video_token_id", 2),
+}
+
+
+def mrope_section(head_dim: int) -> list[int]:
+    """An ``mrope_section`` (t, h, w) summing to ``head_dim / 2``."""
+    half = head_dim // 2
+    return [half - 2 * (half // 3), half // 3, half // 3]
+
+
+class NaturalOrderPlan(TowerPlan):
+    """Every block attends over whole images/frames in natural patch order (Qwen2-VL)."""
+
+    def full_attention_modules(self, tower):
+        return [blk.attn for blk in tower.blocks]
+
+    def full_cu_seqlens(self, tower, grid_thw):
+        return get_vision_attention_seqlens(grid_thw, tower.config)[0]
+
+    def local_kwargs(self, tower, grid_thw, index, lo, hi):
+        pos = get_vision_position_ids(grid_thw, tower.spatial_merge_size)
+        return {
+            "position_ids": pos[index],
+            "cu_seqlens": torch.tensor([0, hi - lo], dtype=torch.int32),
+        }
+
+
+class WindowOrderPlan(TowerPlan):
+    """Qwen2.5-VL: the tower attends in window order; windowed blocks stay local (slices
+    are cut on window boundaries), the ``fullatt_block_indexes`` blocks are all-to-all."""
+
+    def _windows(self, tower, grid_thw):
+        return get_vision_window_index(
+            grid_thw, tower.spatial_merge_size, tower.window_size, tower.patch_size
+        )
+
+    def full_attention_modules(self, tower):
+        return [tower.blocks[i].attn for i in tower.fullatt_block_indexes]
+
+    def order(self, tower, grid_thw):
+        window_index, _ = self._windows(tower, grid_thw)
+        unit = merge_unit(tower)
+        return (window_index[:, None] * unit + torch.arange(unit)).reshape(-1)
+
+    def cuts(self, tower, grid_thw):
+        return [int(c) for c in self._windows(tower, grid_thw)[1].tolist()]
+
+    def full_cu_seqlens(self, tower, grid_thw):
+        # window order keeps each image's (and frame's) patches together
+        return get_vision_attention_seqlens(grid_thw, tower.config)[0]
+
+    def local_kwargs(self, tower, grid_thw, index, lo, hi):
+        cuts = self.cuts(tower, grid_thw)
+        local = sorted({lo, hi} | {c for c in cuts if lo <= c <= hi})
+        pos = get_vision_position_ids(grid_thw, tower.spatial_merge_size)
+        return {
+            "position_ids": pos[index],
+            "cu_seqlens": torch.tensor([0, hi - lo], dtype=torch.int32),
+            "window_index": torch.arange((hi - lo) // merge_unit(tower)),
+            "cu_window_seqlens": torch.tensor([c - lo for c in local], dtype=torch.int32),
+        }
+
+    def restore(self, tower, grid_thw):
+        return torch.argsort(self._windows(tower, grid_thw)[0])
+
+
+class QwenVLAdapter(ModelAdapter):
+    """Shared logic of the Qwen VL families (see module docstring)."""
+
+    encoder_parts = ("vision",)
+    part_modules = {"vision": ("model.visual",), "text": ("model.language_model", "lm_head")}
+    sp_parts = ("vision",)
+    tp_parts = ("vision", "text")
+    tower_plan: TowerPlan = NaturalOrderPlan()
+    llm_extra_fields: tuple[str, ...] = ()
+    """Per-video sample fields the LLM's rope needs besides the grids (Qwen2.5-VL:
+    ``second_per_grid_ts``)."""
+
+    # ---- samples ----------------------------------------------------------------------
+
+    @property
+    def merge(self) -> int:
+        return self.config.vision_config.spatial_merge_size
+
+    def patch_dim(self) -> int:
+        v = self.config.vision_config
+        return v.in_channels * v.temporal_patch_size * v.patch_size**2
+
+    def placeholder_ids(self):
+        return tuple(getattr(self.config, MODALITIES[m][2]) for m in MODALITIES)
+
+    def placeholder_tokens(self, modality: str, grid) -> list[int]:
+        """The token ids that stand for one image/video of ``grid`` in ``input_ids``."""
+        c = self.config
+        n = int(np.prod(grid)) // self.merge**2
+        return [
+            c.vision_start_token_id,
+            *[getattr(c, MODALITIES[modality][2])] * n,
+            c.vision_end_token_id,
+        ]
+
+    def synthetic_inputs(self, spec: dict, rng) -> tuple[dict, list[int]]:
+        """Random encoder inputs for ``spec`` (``{"images": [grid...], "videos": [...]}``)
+        and the placeholder tokens they need (see ``examples_data.synthetic_samples``)."""
+        fields, tokens = {}, []
+        for modality, (pix_key, grid_key, _, _) in MODALITIES.items():
+            grids = spec.get(f"{modality}s") or []
+            if not grids:
+                continue
+            rows = [rng.standard_normal((int(np.prod(g)), self.patch_dim())) for g in grids]
+            fields[pix_key] = np.concatenate(rows).astype(np.float32)
+            fields[grid_key] = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+            for g in grids:
+                tokens += self.placeholder_tokens(modality, g)
+            if modality == "video":
+                for key in self.llm_extra_fields:
+                    fields[key] = np.full(len(grids), 0.5, dtype=np.float32)
+        return fields, tokens
+
+    def _grid(self, sample: dict, key: str) -> np.ndarray | None:
+        grid = sample.get(key)
+        return None if grid is None else np.asarray(grid, dtype=np.int64).reshape(-1, 3)
+
+    def tokens(self, sample: dict, modality: str) -> int:
+        grid = self._grid(sample, MODALITIES[modality][1])
+        return 0 if grid is None else int(grid.prod(-1).sum()) // self.merge**2
+
+    def validate_modalities(self, sample, ids, name):
+        for modality, (pix_key, grid_key, tok_attr, _) in MODALITIES.items():
+            grid, pixels = self._grid(sample, grid_key), sample.get(pix_key)
+            if (grid is None) != (pixels is None):
+                raise SampleError(f"{name}: give both '{pix_key}' and '{grid_key}' or neither.")
+            if grid is not None:
+                if (grid[:, 1:] % self.merge).any():
+                    raise SampleError(
+                        f"{name}: {grid_key} {grid.tolist()} has h or w not divisible by "
+                        f"spatial_merge_size={self.merge}."
+                    )
+                n_patches = int(grid.prod(-1).sum())
+                shape = np.shape(pixels)
+                if len(shape) != 2 or tuple(shape) != (n_patches, self.patch_dim()):
+                    raise SampleError(
+                        f"{name}: {pix_key} has shape {tuple(shape)} but {grid_key} "
+                        f"{grid.tolist()} needs ({n_patches}, {self.patch_dim()}) = (patches, "
+                        "in_channels * temporal_patch_size * patch_size^2)."
+                    )
+            token_id = getattr(self.config, tok_attr)
+            n_tokens, n_emb = int((ids == token_id).sum()), self.tokens(sample, modality)
+            if n_tokens != n_emb:
+                raise SampleError(
+                    f"{name}: {n_tokens} {modality} tokens (id {token_id}) in input_ids but its "
+                    f"{modality}s give {n_emb} embeddings; expand each {modality} placeholder "
+                    "to t*h*w/merge^2 tokens as the Qwen processor does."
+                )
+        for key in self.llm_extra_fields:
+            videos = self._grid(sample, "video_grid_thw")
+            n_videos = 0 if videos is None else len(videos)
+            if sample.get(key) is not None and len(np.ravel(sample[key])) != n_videos:
+                raise SampleError(f"{name}: '{key}' needs one value per video.")
+
+    def crossings(self, part):
+        width = self.config.text_config.hidden_size
+        return tuple(Crossing(f"{m}_embeds", width) for m in MODALITIES)
+
+    def crossing_rows(self, part, sample):
+        return {c.name: self.tokens(sample, c.name.split("_")[0]) for c in self.crossings(part)}
+
+    def encoder_fields(self, part):
+        return tuple(k for m in MODALITIES.values() for k in m[:2])
+
+    def llm_fields(self):
+        return ("image_grid_thw", "video_grid_thw", *self.llm_extra_fields)
+
+    def counter_names(self, part):
+        return ("images", "videos")
+
+    def item_counts(self, part, samples):
+        out = {}
+        for name, (_, grid_key, _, _) in zip(("images", "videos"), MODALITIES.values()):
+            grids = [self._grid(s, grid_key) for s in samples]
+            out[name] = sum(0 if g is None else len(g) for g in grids)
+        return out
+
+    # ---- compute ----------------------------------------------------------------------
+
+    def _collate_modality(self, samples, modality):
+        pix_key, grid_key, _, _ = MODALITIES[modality]
+        pixels = tensor_or_none([s.get(pix_key) for s in samples], np.float32)
+        grids = tensor_or_none([self._grid(s, grid_key) for s in samples])
+        return pixels, grids
+
+    def tower_outputs(self, tower, pixels, grid, sp) -> list[torch.Tensor]:
+        """``[merged embeddings, *extra outputs]`` of one tower call."""
+        if sp is not None:
+            return sp_tower_forward(tower, pixels, grid)
+        out = tower(pixels.to(tower.dtype), grid_thw=grid)
+        return [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+
+    def encode(self, module, part, samples, device, sp=None):
+        tower = module.get_submodule(self.part_modules["vision"][0])
+        out = {}
+        for modality in MODALITIES:
+            pixels, grid = self._collate_modality(samples, modality)
+            if grid is None:
+                continue
+            outputs = self.tower_outputs(tower, pixels.to(device), grid.to(device), sp)
+            out[f"{modality}_embeds"] = outputs[0]
+            for i, extra in enumerate(outputs[1:]):
+                out[f"{modality}_deepstack_{i}"] = extra
+        return out
+
+    def encoder_output(self, received: dict, modality: str):
+        emb = received.get(f"{modality}_embeds")
+        if emb is None:
+            return None
+        return BaseModelOutputWithPooling(pooler_output=(emb,))
+
+    def collate_llm(self, items):
+        pad = self.config.text_config.pad_token_id or 0
+        length = max(len(it["input_ids"]) for it in items)
+        ids = torch.full((len(items), length), pad, dtype=torch.long)
+        labels = torch.full((len(items), length), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(items), length), dtype=torch.long)
+        for row, it in enumerate(items):
+            n = len(it["input_ids"])
+            ids[row, :n] = torch.as_tensor(np.asarray(it["input_ids"], dtype=np.int64))
+            labels[row, :n] = torch.as_tensor(self.labels(it))
+            mask[row, :n] = 1
+        types = torch.zeros_like(ids, dtype=torch.int32)
+        for _, _, tok_attr, type_id in MODALITIES.values():
+            types[ids == getattr(self.config, tok_attr)] = type_id
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        batch["mm_token_type_ids"] = types
+        for m in MODALITIES.values():
+            batch[m[1]] = tensor_or_none([self._grid(it, m[1]) for it in items])
+        for key in self.llm_extra_fields:
+            vals = [np.ravel(it[key]) for it in items if it.get(key) is not None]
+            batch[key] = (
+                torch.as_tensor(np.concatenate(vals), dtype=torch.float32) if vals else None
+            )
+        return batch
+
+    def llm_kwargs(self, batch: dict) -> dict[str, Any]:
+        keys = ("input_ids", "attention_mask", "mm_token_type_ids", *self.llm_fields())
+        return {k: batch[k] for k in keys if batch.get(k) is not None}
+
+    def llm_hidden(self, module, batch, received):
+        mm = {m: self.encoder_output(received, m) for m in MODALITIES}
+        mm = {k: v for k, v in mm.items() if v is not None}
+        out = module.model(**self.llm_kwargs(batch), mm_encoder_outputs=mm or None)
+        return out.last_hidden_state
+
+    def reference_inputs(self, samples: Sequence[dict]):
+        batch = self.collate_llm(samples)
+        kwargs = {k: v for k, v in batch.items() if v is not None}
+        for modality in MODALITIES:
+            pixels, grid = self._collate_modality(samples, modality)
+            if grid is not None:
+                kwargs[MODALITIES[modality][0]] = pixels
+        return kwargs
+
+    # ---- parallel plans ---------------------------------------------------------------
+
+    def llm_modules(self, module):
+        return module.model.language_model, module.lm_head
+
+    def sp_plan(self, part):
+        return self.tower_plan
+
+    def head_counts(self, part):
+        if part == "vision":
+            v = self.config.vision_config
+            width = getattr(v, "intermediate_size", None) or int(v.embed_dim * v.mlp_ratio)
+            return {"vision num_heads": v.num_heads, "vision MLP width": width}
+        t = self.config.text_config
+        return {
+            "num_attention_heads": t.num_attention_heads,
+            "num_key_value_heads": t.num_key_value_heads,
+            "intermediate_size": t.intermediate_size,
+            "vocab_size": t.vocab_size,
+        }

@@ -1,0 +1,73 @@
+"""Tier 3, per model family: DisaggregatedTrainer on a real Ray cluster equals the family's
+own single-process ``...ForConditionalGeneration(..., labels=...)`` with AdamW (losses of 3
+steps and parameters afterwards, fp32, 1e-5 relative), on samples mixing several images
+of different aspect ratios, videos, text-only samples (and audio for Qwen2.5-Omni), for an
+SP layout of the tower, a TP layout of the LLM and an M:N layout."""
+
+import os
+
+import pytest
+
+from ray_disagg import ADAPTERS, HFModelSpec, SequenceParallel, TensorParallel
+from ray_disagg.examples_data import synthetic_samples
+from tests.helpers import assert_matches_reference, group, run_layout
+
+LOOP = {"max_steps": 3, "global_batch_size": 4, "lr": 1e-3, "eps": 1e-6, "seed": 3}
+VISION = [
+    {"images": [(1, 4, 4), (1, 8, 4)]},
+    None,
+    {"videos": [(2, 4, 8)], "images": [(1, 4, 8)]},
+    (1, 8, 8),
+    {"videos": [(2, 8, 4)]},
+    {"images": [(1, 4, 12), (1, 8, 8), (1, 4, 4)]},
+]
+AUDIO = [
+    {"images": [(1, 4, 8)], "audios": [40]},
+    {"audios": [24, 17]},
+    None,
+    {"videos": [(2, 4, 4)], "audios": [30]},
+    {"images": [(1, 8, 4), (1, 4, 4)]},
+    {"audios": [33]},
+]
+
+
+def sp_tp(parts):
+    return {
+        p: group(2, SequenceParallel(size=2))
+        if p == "vision"
+        else group(2, TensorParallel(size=2))
+        if p == "text"
+        else group(1)
+        for p in parts
+    }
+
+
+def m_to_n(parts):
+    return {p: group(2) if p == "vision" else group(1) for p in parts}
+
+
+CASES = [
+    ("qwen2_vl", sp_tp),
+    ("qwen2_vl", m_to_n),
+    ("qwen3_vl", sp_tp),
+    ("qwen3_vl", m_to_n),
+    ("qwen2_5_vl", m_to_n),  # video (second_per_grid_ts) on Qwen2.5-VL
+    ("qwen2_5_omni_thinker", sp_tp),  # three groups: vision SP2, audio 1, text TP2
+    ("qwen2_5_omni_thinker", m_to_n),
+]
+
+
+@pytest.mark.parametrize("model_type,layout", CASES, ids=[f"{m}-{f.__name__}" for m, f in CASES])
+def test_family_layout_matches_hf(ray_start_4_cpus, tmp_path, model_type, layout):
+    cfg = ADAPTERS[model_type].tiny_config()
+    spec = HFModelSpec(config=cfg, seed=7)
+    grids = AUDIO if "audio" in spec.adapter.parts else VISION
+    data = synthetic_samples(cfg, 12, grids=grids)
+    groups = layout(spec.adapter.parts)
+    result = run_layout(spec, data, dict(LOOP, checkpoint_every=1), groups, tmp_path, "fam")
+    assert_matches_reference(result, spec, data, dict(LOOP, checkpoint_every=1))
+    for part in spec.adapter.parts:  # metrics are named by the group
+        assert f"{part}_compute_s" in result.metrics and f"{part}_grad_norm" in result.metrics
+    assert sorted(os.listdir(result.checkpoint.path)) == sorted(
+        [*spec.adapter.parts, "config.json"]
+    )
