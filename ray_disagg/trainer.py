@@ -179,7 +179,11 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             samples_validated=self._samples_validated,
         )
         launches = {}
-        for name, group in self.groups.items():
+        # The LLM group first: the union's rank 0 is then the LLM group's rank 0, whose
+        # metrics (with the data-derived ones, e.g. sample_ids) the Result keeps.
+        llm = self.adapter.llm_part
+        for name in [llm, *(n for n in self.groups if n != llm)]:
+            group = self.groups[name]
             if name == self.adapter.llm_part:
                 loop = functools.partial(llm_train_loop, args)
             else:

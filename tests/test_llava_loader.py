@@ -11,8 +11,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from ray_disagg import Qwen2_5_VLSpec, tiny_qwen2_5_vl_config
 from ray_disagg._internal.reference import reference_batch
-from ray_disagg.models import get_adapter
 from ray_disagg.llava import load_llava
+from ray_disagg.models import get_adapter
 
 WORDS = ["[UNK]", "user:", "assistant:", "which", "digit", "is", "this", "?", "a", "seven", "hi"]
 

@@ -6,11 +6,13 @@ from ray.train import ScalingConfig
 
 from ray_disagg import (
     DisaggregatedTrainer,
+    HFModelSpec,
     ModuleGroup,
     Qwen2_5_VLSpec,
     SampleError,
     SequenceParallel,
     TensorParallel,
+    tiny_qwen2_5_omni_thinker_config,
     tiny_qwen2_5_vl_config,
 )
 from ray_disagg.examples_data import synthetic_samples
@@ -91,8 +93,38 @@ def test_tp_size_must_divide_kv_heads():
 
 
 def test_sp_not_for_text_group():
-    with pytest.raises(ValueError, match="SequenceParallel is for the vision group"):
+    with pytest.raises(
+        ValueError,
+        match=r"SequenceParallel is not supported for the 'text' group of qwen2_5_vl; "
+        r"groups that support it: \['vision'\]",
+    ):
         make({"vision": g(), "text": g(2, SequenceParallel(size=2))})
+
+
+def test_groups_are_the_families_parts():
+    cfg = tiny_qwen2_5_omni_thinker_config()
+    data = synthetic_samples(cfg, 8, grids=[{"audios": [20]}, (1, 4, 4)])
+    with pytest.raises(ValueError, match=r"Missing module group\(s\) \['audio'\]"):
+        DisaggregatedTrainer(
+            model=HFModelSpec(config=cfg),
+            groups={"vision": g(), "text": g()},
+            train_loop_config=LOOP,
+            datasets={"train": data},
+        )
+    with pytest.raises(ValueError, match="TensorParallel is not supported for the 'audio' group"):
+        DisaggregatedTrainer(
+            model=HFModelSpec(config=cfg),
+            groups={"vision": g(), "audio": g(2, TensorParallel(size=2)), "text": g()},
+            train_loop_config=LOOP,
+            datasets={"train": data},
+        )
+    trainer = DisaggregatedTrainer(
+        model=HFModelSpec(config=cfg),
+        groups={"vision": g(2), "audio": g(), "text": g(2)},
+        train_loop_config=LOOP,
+        datasets={"train": data},
+    )
+    assert trainer.plan.dp_sizes == {"vision": 2, "audio": 1, "text": 2}
 
 
 def test_spec_needs_config_or_local_path(tmp_path):
