@@ -13,6 +13,7 @@ import statistics
 import tempfile
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1
 
 import ray  # noqa: E402
 import torch  # noqa: E402

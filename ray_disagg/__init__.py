@@ -24,7 +24,7 @@ from ray_disagg.models import (
     tiny_qwen2_vl_config,
     tiny_qwen3_vl_config,
 )
-from ray_disagg.trainer import DisaggregatedTrainer
+from ray_disagg.trainer import DisaggregatedTrainer, load_metrics
 
 __version__ = "0.1.0"
 
@@ -45,6 +45,7 @@ __all__ = [
     "VisionBackendConfig",
     "export_hf",
     "get_adapter",
+    "load_metrics",
     "tiny_qwen2_5_omni_thinker_config",
     "tiny_qwen2_5_vl_config",
     "tiny_qwen2_vl_config",

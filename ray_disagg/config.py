@@ -7,6 +7,7 @@ driver, before any Ray worker starts.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -145,6 +146,12 @@ class ModuleGroup:
         return self.num_workers // self.model_parallel_size
 
 
+def _check_float(name: str, value, ok, what: str) -> None:
+    valid = isinstance(value, int | float) and not isinstance(value, bool)
+    if not valid or not math.isfinite(value) or not ok(value):
+        raise ValueError(f"train_loop_config[{name!r}]={value!r}: must be {what}.")
+
+
 @dataclass(kw_only=True)
 class TrainLoopConfig:
     """Hyper-parameters of the built-in training loop (``train_loop_config=`` accepts a dict).
@@ -190,6 +197,11 @@ class TrainLoopConfig:
     collective_timeout_s: float = 300.0
     """Timeout of cross-group transfers and collectives: a stuck peer raises instead of hanging."""
 
+    skip_nonfinite_steps: bool = False
+    """A step whose loss or global gradient norm is not finite is never applied. By default
+    it raises ``FloatingPointError`` naming the step and its samples; with ``True`` it is
+    skipped (no optimizer step on any group) and counted in the ``skipped_steps`` metric."""
+
     bf16: bool = False
     """Run forward/backward under bf16 autocast with fp32 master weights."""
 
@@ -208,15 +220,23 @@ class TrainLoopConfig:
                 f"train_loop_config['checkpoint_every']={self.checkpoint_every!r}: "
                 "must be None or an int >= 1."
             )
-        if self.lr <= 0:
-            raise ValueError(f"train_loop_config['lr']={self.lr!r}: must be > 0.")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+        _check_float("lr", self.lr, lambda v: v > 0, "a finite float > 0")
+        _check_float("eps", self.eps, lambda v: v > 0, "a finite float > 0")
+        _check_float("weight_decay", self.weight_decay, lambda v: v >= 0, "a finite float >= 0")
+        if self.max_grad_norm is not None:
+            _check_float("max_grad_norm", self.max_grad_norm, lambda v: v > 0, "> 0 or None")
+        _check_float(
+            "collective_timeout_s", self.collective_timeout_s, lambda v: v > 0, "seconds > 0"
+        )
+        self.collective_timeout_s = float(self.collective_timeout_s)
+        betas = tuple(self.betas) if isinstance(self.betas, list | tuple) else ()
+        if len(betas) != 2:
             raise ValueError(
-                f"train_loop_config['max_grad_norm']={self.max_grad_norm!r}: must be > 0 or None."
+                f"train_loop_config['betas']={self.betas!r}: must be two floats in [0, 1)."
             )
-        if self.collective_timeout_s <= 0:
-            raise ValueError("train_loop_config['collective_timeout_s'] must be > 0.")
-        self.betas = tuple(self.betas)
+        for b in betas:
+            _check_float("betas", b, lambda v: 0 <= v < 1, "two floats in [0, 1)")
+        self.betas = betas
 
     @classmethod
     def from_any(cls, value: TrainLoopConfig | dict[str, Any] | None) -> TrainLoopConfig:

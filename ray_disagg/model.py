@@ -8,6 +8,7 @@ submodules removed, so its state-dict keys are the HF keys (``model.visual.*``,
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -79,7 +80,7 @@ class HFModelSpec:
             return self.config
         return AutoConfig.from_pretrained(self.pretrained_path, local_files_only=True)
 
-    @property
+    @functools.cached_property
     def adapter(self) -> ModelAdapter:
         return get_adapter(self.load_config())
 

@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
 import threading
 from collections.abc import Mapping
 from typing import Any
 
+import pandas as pd
 import ray
 from ray.train import Checkpoint, Result, RunConfig, ScalingConfig
 
 from ray_disagg._internal import ray_compat as rc
+from ray_disagg._internal.checkpointing import check_compatible
 from ray_disagg._internal.controller import DisaggregatedController
 from ray_disagg._internal.encoder_loop import encoder_train_loop
 from ray_disagg._internal.ingest import is_ray_dataset
 from ray_disagg._internal.llm_loop import llm_train_loop
 from ray_disagg._internal.loop_common import LoopArgs
+from ray_disagg._internal.resources import (
+    PlacementGroupJanitor,
+    check_cluster_capacity,
+    demand_lines,
+)
 from ray_disagg._internal.validation import validate_layout
 from ray_disagg._internal.worker_groups import GroupLaunch
 from ray_disagg.backend import ModuleBackendConfig
@@ -23,7 +32,37 @@ from ray_disagg.config import ModuleGroup, SequenceParallel, TrainLoopConfig
 from ray_disagg.data import BatchPlan
 from ray_disagg.model import HFModelSpec
 
-__all__ = ["DisaggregatedTrainer"]
+__all__ = ["DisaggregatedTrainer", "load_metrics"]
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def metrics_path(run_config: RunConfig) -> str | None:
+    """``<storage_path>/<name>/metrics.jsonl`` for local (or mounted) storage, else ``None``."""
+    storage = run_config.storage_path
+    if "://" in str(storage):
+        return None
+    return os.path.join(os.path.expanduser(str(storage)), run_config.name, METRICS_FILE)
+
+
+def load_metrics(source) -> pd.DataFrame:
+    """Every reported step of a run as a DataFrame (one row per step, sorted): ``source``
+    is a ``ray.train.Result``, a run directory or its ``metrics.jsonl``.
+
+    ``Result.metrics_dataframe`` holds only the steps that wrote a checkpoint; this holds
+    them all.
+
+    Example:
+        >>> df = load_metrics(result)  # doctest: +SKIP
+        >>> df[["step", "loss"]]  # doctest: +SKIP
+    """
+    path = os.fspath(source.path if isinstance(source, Result) else source)  # the run dir
+    if os.path.isdir(path):
+        path = os.path.join(path, METRICS_FILE)
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    by_step = {r["step"]: r for r in rows}  # a restart redoes steps: keep the last
+    return pd.DataFrame([by_step[s] for s in sorted(by_step)])
 
 
 def _not_called(*_args, **_kwargs):
@@ -39,6 +78,11 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
     parallelism and torch process group; encoder outputs flow to the LLM group and their
     gradients back every step. ``fit()`` returns one ``ray.train.Result`` whose checkpoint
     holds one directory of shards per group plus the HF ``config.json``.
+
+    Before any worker starts, the groups' total demand is compared with the cluster: an
+    infeasible one is a ``ValueError`` (``wait_for_resources=True`` waits instead, for an
+    autoscaling cluster); a start that waits longer than ``start_timeout_s`` raises.
+    Every group's placement group is removed when ``fit()`` ends, however it ends.
 
     Restarts (``FailureConfig(max_failures=K)``) and a rerun with the same
     ``RunConfig(name=..., storage_path=...)`` continue from the latest checkpoint;
@@ -75,6 +119,8 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         run_config: RunConfig | None = None,
         resume_from_checkpoint: Checkpoint | None = None,
         validate_samples: bool = True,
+        wait_for_resources: bool = False,
+        start_timeout_s: float = 600.0,
     ):
         if not isinstance(model, HFModelSpec):
             raise ValueError(
@@ -83,6 +129,9 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             )
         self.model_spec = model
         self.adapter = adapter = model.adapter
+        if not start_timeout_s > 0:
+            raise ValueError(f"start_timeout_s={start_timeout_s!r}: must be > 0 seconds.")
+        self.wait_for_resources, self.start_timeout_s = wait_for_resources, start_timeout_s
         if resume_from_checkpoint is not None and not isinstance(
             resume_from_checkpoint, Checkpoint
         ):
@@ -90,6 +139,9 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         self.resume_from_checkpoint = resume_from_checkpoint
         self.groups = self._validate_groups(groups, adapter)
         self.loop_config = TrainLoopConfig.from_any(train_loop_config)
+        if resume_from_checkpoint is not None:
+            with resume_from_checkpoint.as_directory() as root:
+                check_compatible(root, model.load_config(), self.loop_config.max_steps)
         validate_layout(adapter, self.groups)
         self._train_data = self._validate_datasets(datasets, adapter, validate_samples)
         self._samples_validated = validate_samples and not is_ray_dataset(self._train_data)
@@ -177,6 +229,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             dataset_ref=[ray.put(self._train_data)],
             resume_from_checkpoint=self.resume_from_checkpoint,
             samples_validated=self._samples_validated,
+            metrics_path=metrics_path(self.run_config),
         )
         launches = {}
         # The LLM group first: the union's rank 0 is then the LLM group's rank 0, whose
@@ -193,7 +246,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
                 module=name,
                 mesh_shape=(group.dp_size, group.model_parallel_size),
                 mesh_axes=("dp", mp_axis),
-                timeout_s=int(self.loop_config.collective_timeout_s),
+                timeout_s=self.loop_config.collective_timeout_s,
             )
             fn = rc.construct_train_func(
                 loop,
@@ -210,13 +263,22 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         return launches
 
     def _initialize_and_run_controller(self, **controller_init_kwargs) -> Result:
-        controller = rc.run_controller_actor(
-            DisaggregatedController,
-            launches=self._launches(),
-            side_timeout_s=self.loop_config.collective_timeout_s,
-            **controller_init_kwargs,
-        )
-        if threading.current_thread() is threading.main_thread():
-            self._register_sigint_handler(controller)
-        ray.get(controller.run.remote())
-        return ray.get(controller.get_result.remote())
+        check_cluster_capacity(self.groups, self.wait_for_resources)
+        janitor = PlacementGroupJanitor.remote()  # the driver's: outlives a dead coordinator
+        try:
+            controller = rc.run_controller_actor(
+                DisaggregatedController,
+                launches=self._launches(),
+                side_timeout_s=self.loop_config.collective_timeout_s,
+                start_timeout_s=self.start_timeout_s,
+                demand=demand_lines(self.groups),
+                janitor=janitor,
+                **controller_init_kwargs,
+            )
+            if threading.current_thread() is threading.main_thread():
+                self._register_sigint_handler(controller)
+            ray.get(controller.run.remote())
+            return ray.get(controller.get_result.remote())
+        finally:  # success, failure, a dead coordinator or an interrupt
+            ray.get(janitor.release.remote(), timeout=60)
+            ray.kill(janitor)

@@ -31,15 +31,19 @@ AUDIO = [
 ]
 
 
-def sp_tp(parts):
-    return {
-        p: group(2, SequenceParallel(size=2))
-        if p == "vision"
-        else group(2, TensorParallel(size=2))
-        if p == "text"
-        else group(1)
-        for p in parts
-    }
+def sp_tp(parts, ac: bool = False):
+    def one(p):
+        if p == "vision":
+            return group(2, SequenceParallel(size=2), ac=ac)
+        if p == "text":
+            return group(2, TensorParallel(size=2), ac=ac)
+        return group(1)
+
+    return {p: one(p) for p in parts}
+
+
+def sp_tp_ac(parts):  # activation checkpointing must not change the numbers
+    return sp_tp(parts, ac=True)
 
 
 def m_to_n(parts):
@@ -49,9 +53,9 @@ def m_to_n(parts):
 CASES = [
     ("qwen2_vl", sp_tp),
     ("qwen2_vl", m_to_n),
-    ("qwen3_vl", sp_tp),
+    ("qwen3_vl", sp_tp_ac),  # DeepStack through SP, TP and recomputation
     ("qwen3_vl", m_to_n),
-    ("qwen2_5_vl", m_to_n),  # video (second_per_grid_ts) on Qwen2.5-VL
+    ("qwen2_5_vl", sp_tp),  # videos (second_per_grid_ts) through window-order SP
     ("qwen2_5_omni_thinker", sp_tp),  # three groups: vision SP2, audio 1, text TP2
     ("qwen2_5_omni_thinker", m_to_n),
 ]

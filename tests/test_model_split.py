@@ -69,6 +69,8 @@ def test_parts_reproduce_the_hf_model(model_type):
             assert grads[name] is None or not grads[name].any(), name
             continue
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    names = [c.name for p in adapter.encoder_parts for c in adapter.crossings(p)]
+    assert len(names) == len(set(names))  # crossing names are unique across encoder parts
     for part, out in outs.items():  # every crossing is declared, with its width
         widths = {c.name: c.width for c in adapter.crossings(part)}
         for name, t in out.items():
@@ -87,6 +89,12 @@ def test_bad_samples_name_the_sample(model_type):
     missing["labels"] = good["labels"][keep]
     with pytest.raises(SampleError, match="'short'.*image tokens"):
         adapter.validate_sample(missing)
+    two = synthetic_samples(cfg, 1, grids=[{"images": [(1, 4, 4), (1, 4, 4)]}])[0]
+    ids = two["input_ids"]
+    join = (ids != cfg.vision_end_token_id) & (ids != cfg.vision_start_token_id)
+    glued = dict(two, id="glued", input_ids=ids[join], labels=two["labels"][join])
+    with pytest.raises(SampleError, match="'glued'.*image tokens form 1 run.*need 2"):
+        adapter.validate_sample(glued)
     wrong_dim = dict(good, id="dim", pixel_values=np.zeros((16, 5), np.float32))
     with pytest.raises(SampleError, match="'dim'.*pixel_values"):
         adapter.validate_sample(wrong_dim)

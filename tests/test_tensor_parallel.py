@@ -77,7 +77,9 @@ def _tp_text(rank, world, model_type):
     dense = run(spec.build_part("text"))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     part = spec.build_part("text")
-    sharded = run(part, *parallelize_text(part, adapter.llm_modules(part)[0], mesh))
+    lm, lm_head = adapter.llm_modules(part)
+    plan, norms = adapter.llm_tp_plan(), adapter.per_head_norms
+    sharded = run(part, *parallelize_text(part, lm, lm_head, mesh, plan, norms))
     return {"dense": dense, "tp": sharded}
 
 

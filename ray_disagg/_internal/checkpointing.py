@@ -129,3 +129,65 @@ def trained_steps(root: str) -> int:
     """Optimizer steps done when the checkpoint under ``root`` was written."""
     with open(os.path.join(root, "trainer_state.json")) as f:
         return int(json.load(f)["step"])
+
+
+# Config fields that do not change the model's tensors or numerics.
+_IGNORED_CONFIG_KEYS = {
+    "_attn_implementation_autoset",
+    "_name_or_path",
+    "architectures",
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "_attn_implementation",
+}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if k in _IGNORED_CONFIG_KEYS:
+            continue
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_compatible(root: str, config, max_steps: int) -> int:
+    """Before any weight is loaded: the checkpoint under ``root`` must hold the run's model
+    (same config, compared field by field) and be before ``max_steps``. Returns its step."""
+    if os.path.isfile(os.path.join(root, "config.json")):
+        with open(os.path.join(root, "config.json")) as f:
+            saved_type = json.load(f).get("model_type")
+        if saved_type != config.model_type:
+            raise ValueError(
+                f"The checkpoint at {root} is a {saved_type!r} model but this run trains "
+                f"{config.model_type!r}; resume with the family it was trained with."
+            )
+        saved = _flat(type(config).from_pretrained(root, local_files_only=True).to_dict())
+        current = _flat(config.to_dict())
+        diff = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+        if diff:
+            shown = ", ".join(
+                f"{k}: checkpoint {saved.get(k)!r} vs run {current.get(k)!r}" for k in diff[:8]
+            )
+            raise ValueError(
+                f"The checkpoint at {root} holds a different model than this run ({shown}). "
+                "Resume with the model config the checkpoint was trained with, or start a new "
+                "run (a new RunConfig(name=...), no resume_from_checkpoint)."
+            )
+    steps = [
+        trained_steps(os.path.join(root, d))
+        for d in sorted(os.listdir(root))
+        if os.path.isfile(os.path.join(root, d, "trainer_state.json"))
+    ]
+    step = max(steps, default=0)
+    if step >= max_steps:
+        raise ValueError(
+            f"The checkpoint at {root} is already at step {step} and max_steps={max_steps}: "
+            "there is nothing left to train. Raise train_loop_config['max_steps'] to continue "
+            "training from it, or start a new run."
+        )
+    return step

@@ -39,7 +39,7 @@ def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
     if st.is_sp:
         ulysses.enable_ulysses(tower, adapter.sp_plan(part), st.mp_mesh.get_group())
     if st.is_tp:
-        tp.parallelize_vision(tower, adapter.vision_tp_plan(), st.mp_mesh)
+        tp.parallelize_vision(tower, adapter.tower_tp_plan(part), st.mp_mesh)
     start = st.setup_optimizer(model)
     crossings = adapter.crossings(part)
 
@@ -98,4 +98,5 @@ def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
         if st.leader:
             for name, n in adapter.item_counts(part, samples).items():
                 stats[st.layout.index[name]] = n
-        st.finish(step, stats, t_compute + time.perf_counter() - t2, t_wait)
+        ids = [s.get("id") for s in samples]
+        st.finish(step, stats, t_compute + time.perf_counter() - t2, t_wait, sample_ids=ids)

@@ -92,8 +92,10 @@ def llm_train_loop(args: lc.LoopArgs) -> None:
     model = st.build()
     tp_group, vocab_start = None, 0
     if st.is_tp:
-        decoder, _ = adapter.llm_modules(model)
-        tp_group, vocab_start = tp.parallelize_text(model, decoder, st.mp_mesh)
+        decoder, lm_head = adapter.llm_modules(model)
+        tp_group, vocab_start = tp.parallelize_text(
+            model, decoder, lm_head, st.mp_mesh, adapter.llm_tp_plan(), adapter.per_head_norms
+        )
     start = st.setup_optimizer(model)
     data = ray.get(args.dataset_ref[0])
     source = ingest.make_source(data, plan, st.dp_rank, st.leader, st.part)
@@ -143,4 +145,5 @@ def llm_train_loop(args: lc.LoopArgs) -> None:
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, ids)
             extra = {"sample_ids": [i for part in gathered for i in part]}
-        st.finish(step, stats, t_compute, t_wait, extra)
+        ids = [_plain(it.get("id")) for it in items]
+        st.finish(step, stats, t_compute, t_wait, extra, sample_ids=ids)

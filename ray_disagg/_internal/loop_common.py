@@ -87,6 +87,7 @@ class LoopArgs:
     dataset_ref: list | None = None  # [ObjectRef]: a list keeps Ray from resolving it early
     resume_from_checkpoint: object = None
     samples_validated: bool = False  # the driver checked every sample before the run
+    metrics_path: str | None = None  # <run dir>/metrics.jsonl: every reported step
 
     @property
     def adapter(self):
@@ -224,11 +225,21 @@ def maybe_report(
                 f"tokens/s {metrics['tokens_per_s']:.0f}",
                 flush=True,
             )
+        if args.metrics_path and writer.lead and writer.module == args.adapter.llm_part:
+            append_metrics(args.metrics_path, metrics)
         if ckpt:
             report(metrics, step, writer=writer, model=model, optimizer=optimizer)
         else:
             report(metrics, step, writer=writer)
         timer.excluded += time.perf_counter() - t0
+
+
+def append_metrics(path: str, metrics: dict) -> None:
+    """One JSON line per reported step (a restarted run appends the steps it redoes;
+    :func:`ray_disagg.load_metrics` keeps the last line of each step)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(metrics, default=float) + "\n")
 
 
 def restore(model, optimizer, module: str, args: LoopArgs) -> int:
@@ -240,6 +251,7 @@ def restore(model, optimizer, module: str, args: LoopArgs) -> int:
     if ckpt is None:
         return 0
     with ckpt.as_directory() as root:
+        checkpointing.check_compatible(root, args.spec.load_config(), args.cfg.max_steps)
         module_dir = os.path.join(root, module)
         model_state, optimizer_state = checkpointing.read_full(module_dir)
         checkpointing.load_model(model, model_state)
@@ -248,13 +260,19 @@ def restore(model, optimizer, module: str, args: LoopArgs) -> int:
 
 
 def maybe_inject_failure(cfg: TrainLoopConfig, module: str, group_rank: int, step: int) -> None:
-    """Fault drill: ``extra={"inject_failure_once": {"group", "step", "marker"[, "rank"]}}``
-    kills that worker's process at the start of that step, once (the marker file records
-    that it happened), to exercise ``FailureConfig`` restarts."""
+    """Fault drill: ``extra={"inject_failure_once": {"group", "step", "marker"[, "rank",
+    "kill"]}}`` kills that worker's process at the start of that step, once (the marker
+    file records that it happened), to exercise ``FailureConfig`` restarts; with
+    ``"kill": "coordinator"`` that worker kills the coordinator instead."""
     drill = cfg.extra.get("inject_failure_once")
     if not drill or drill["group"] != module or drill["step"] != step:
         return
     if group_rank == drill.get("rank", 0) and not os.path.exists(drill["marker"]):
         with open(drill["marker"], "w") as f:
             f.write(f"{module} rank {group_rank} killed at step {step}\n")
+        if drill.get("kill") == "coordinator":  # the controller actor, not this worker
+            from ray_disagg._internal.ray_compat import kill_controller
+
+            kill_controller()
+            time.sleep(600)  # dies with its owner, the coordinator
         os._exit(1)

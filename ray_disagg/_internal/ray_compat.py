@@ -21,6 +21,7 @@ from ray.train.v2._internal.constants import (
     get_env_vars_to_propagate,
     is_v2_enabled,
 )
+from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 from ray.train.v2._internal.execution.checkpoint.report_handler import ReportCallbackHandler
 from ray.train.v2._internal.execution.context import TrainRunContext
 from ray.train.v2._internal.execution.controller import TrainController
@@ -54,6 +55,7 @@ __all__ = [
     "WorkerGroupContext",
     "WorkerGroupError",
     "WorkerGroupPollStatus",
+    "WorkerGroupStartupTimeoutError",
     "WorkingDirectorySetupCallback",
     "_TorchBackend",
     "construct_train_func",
@@ -63,6 +65,7 @@ __all__ = [
     "is_v2_enabled",
     "run_controller_actor",
     "group_train_run_context",
+    "kill_controller",
 ]
 
 
@@ -102,3 +105,10 @@ def run_controller_actor(controller_cls, **controller_kwargs):
     )(controller_cls)
     controller = actor_cls.remote(**controller_kwargs)
     return controller
+
+
+def kill_controller() -> None:
+    """From a worker: kill the run's controller actor (a fault drill)."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    ray.kill(get_train_context().controller_actor, no_restart=True)

@@ -4,6 +4,8 @@ exchange, global clipping, the optimizer step, reporting)."""
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 
 import torch
@@ -13,6 +15,8 @@ from ray_disagg._internal import loop_common as lc
 from ray_disagg._internal.runtime import get_runtime
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.parallel.data_parallel import all_reduce_gradients
+
+logger = logging.getLogger(__name__)
 
 
 class Stage:
@@ -36,12 +40,14 @@ class Stage:
         self.timer = lc.StepTimer()
         self.is_tp = self.mp_axis == "tp" and self.mp_size > 1
         self.is_sp = self.mp_axis == "sp" and self.mp_size > 1
+        self.skipped = 0  # steps not applied (no label token, or non-finite with skipping)
 
     def build(self) -> torch.nn.Module:
         model = self.args.spec.build_part(self.part).to(self.device)
         if self.args.groups[self.part].activation_checkpointing:
             for root in self.adapter.part_roots(model, self.part):
-                root.gradient_checkpointing_enable({"use_reentrant": False})
+                if hasattr(root, "gradient_checkpointing_enable"):  # not e.g. an lm_head
+                    root.gradient_checkpointing_enable({"use_reentrant": False})
         return model
 
     def setup_optimizer(self, model: torch.nn.Module) -> int:
@@ -63,7 +69,9 @@ class Stage:
         dist.broadcast_object_list(box, src=self.mp_src, group=self.mp_mesh.get_group())
         return box[0]
 
-    def finish(self, step: int, stats, t_compute: float, t_wait: float, extra=None) -> None:
+    def finish(
+        self, step: int, stats, t_compute: float, t_wait: float, extra=None, sample_ids=()
+    ) -> None:
         t0 = time.perf_counter()
         # tp: replicas of a shard differ in samples only; dp x sp: replicas hold different
         # samples and sp ranks partial sums of the replicated weights
@@ -81,9 +89,35 @@ class Stage:
         is_timer = self.part == self.adapter.llm_part and self.group_rank == 0
         stats = self.timer.exchange(self.side, stats, self.layout, is_timer)
         total_norm = self.layout.total_norm(stats)
-        lc.scale_grads(self.params, lc.clip_coef(total_norm, self.cfg.max_grad_norm))
-        self.opt.step()
+        if self._should_apply(step, stats, total_norm, sample_ids):
+            lc.scale_grads(self.params, lc.clip_coef(total_norm, self.cfg.max_grad_norm))
+            self.opt.step()
+        else:
+            self.skipped += 1
         self.opt.zero_grad(set_to_none=True)
+        extra = {**(extra or {}), "skipped_steps": self.skipped}
         lc.maybe_report(
             self.args, stats, step, self.writer, self.timer, self.model, self.opt, extra
+        )
+
+    def _should_apply(self, step: int, stats, total_norm: float, sample_ids) -> bool:
+        """Every rank of every group decides alike, from the exchanged stats: a batch with
+        no label token is skipped (its loss is reported as NaN); a non-finite loss or
+        gradient norm raises, or is skipped with ``skip_nonfinite_steps``."""
+        ix = self.layout.index
+        if stats[ix["label_tokens"]] == 0:
+            stats[ix["loss"]] = float("nan")
+            if self.group_rank == 0 and self.part == self.adapter.llm_part:
+                logger.warning("step %d: the global batch has no label token; skipped", step + 1)
+            return False
+        loss = float(stats[ix["loss"]])
+        if math.isfinite(loss) and math.isfinite(total_norm):
+            return True
+        if self.cfg.skip_nonfinite_steps:
+            return False
+        raise FloatingPointError(
+            f"step {step + 1}: loss {loss} / global grad norm {total_norm} is not finite; the "
+            f"step was not applied. Samples of this {self.part} worker: {list(sample_ids)}. "
+            "Check these samples (e.g. NaN pixels) or set "
+            "train_loop_config={'skip_nonfinite_steps': True} to skip such steps."
         )

@@ -14,7 +14,7 @@ def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
             continue
         allowed = adapter.sp_parts if isinstance(p, SequenceParallel) else adapter.tp_parts
         if isinstance(p, TensorParallel) and part != adapter.llm_part:
-            allowed = allowed if adapter.vision_tp_plan() is not None else ()
+            allowed = allowed if adapter.tower_tp_plan(part) is not None else ()
         if part not in allowed:
             raise ValueError(
                 f"{kind} is not supported for the {part!r} group of {adapter.model_type}; "

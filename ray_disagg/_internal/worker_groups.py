@@ -93,6 +93,7 @@ class ModuleWorkerGroups:
         run_attempt_id: str,
         callbacks: list,
         side_timeout_s: float,
+        janitor=None,
     ) -> ModuleWorkerGroups:
         union = [c for c in callbacks if isinstance(c, _UNION_CALLBACKS)]
         shared = [
@@ -104,6 +105,9 @@ class ModuleWorkerGroups:
         try:
             for name, launch in launches.items():
                 started[name] = cls._start_group(launch, train_run_context, run_attempt_id, shared)
+                if janitor is not None:  # removes it should the coordinator die
+                    state = started[name].get_worker_group_state()
+                    ray.get(janitor.register.remote(state.placement_group_handle.placement_group))
             groups = cls(started, union)
             groups._connect_side_group(run_attempt_id, side_timeout_s)
         except BaseException:

@@ -115,7 +115,26 @@ class ModelAdapter:
         labels = sample.get("labels")
         if labels is not None and np.asarray(labels).shape != ids.shape:
             raise SampleError(f"{name}: 'labels' and 'input_ids' have different lengths.")
+        vocab = self.vocab_size
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.size:
+            raise SampleError(
+                f"{name}: input_ids {sorted(set(bad.tolist()))[:5]} are outside the "
+                f"vocabulary [0, {vocab}); tokenize with the model's tokenizer."
+            )
+        if labels is not None:
+            lab = np.asarray(labels)
+            bad = lab[((lab < 0) | (lab >= vocab)) & (lab != IGNORE_INDEX)]
+            if bad.size:
+                raise SampleError(
+                    f"{name}: labels {sorted(set(bad.tolist()))[:5]} are neither in "
+                    f"[0, {vocab}) nor {IGNORE_INDEX} (no loss)."
+                )
         self.validate_modalities(sample, ids, name)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.text_config.vocab_size
 
     def validate_modalities(self, sample: dict, ids: np.ndarray, name: str) -> None:
         raise NotImplementedError
@@ -186,8 +205,15 @@ class ModelAdapter:
         """Sizes a model-parallel degree must divide, by name (``num_heads``, ...)."""
         raise NotImplementedError
 
-    def vision_tp_plan(self) -> dict[str, str] | None:
-        """Block-relative TP plan of the tower (the uniform-TP baseline), or ``None``."""
+    per_head_norms: ClassVar[tuple[str, ...]] = ()
+    """Decoder-layer modules applied per attention head (their TP gradients are partial)."""
+
+    def llm_tp_plan(self) -> dict[str, str]:
+        """Decoder-layer-relative module name -> ``"colwise"``/``"rowwise"``."""
+        raise NotImplementedError
+
+    def tower_tp_plan(self, part: str) -> dict[str, str] | None:
+        """Block-relative TP plan of an encoder part (the uniform-TP baseline), or ``None``."""
         return None
 
 

@@ -86,7 +86,7 @@ class Qwen2_5_VLAdapter(QwenVLAdapter):
     llm_extra_fields = ("second_per_grid_ts",)
     tiny_config = staticmethod(tiny_qwen2_5_vl_config)
 
-    def vision_tp_plan(self):
+    def tower_tp_plan(self, part):
         return {
             "attn.qkv.q": "colwise",
             "attn.qkv.k": "colwise",

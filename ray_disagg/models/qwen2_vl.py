@@ -76,7 +76,7 @@ class Qwen2VLAdapter(QwenVLAdapter):
     tower_plan = NaturalOrderPlan()
     tiny_config = staticmethod(tiny_qwen2_vl_config)
 
-    def vision_tp_plan(self):
+    def tower_tp_plan(self, part):
         return {
             "attn.qkv.q": "colwise",
             "attn.qkv.k": "colwise",

@@ -97,6 +97,7 @@ class Qwen3VLAdapter(QwenVLAdapter):
     config_class = Qwen3VLConfig
     hf_class = Qwen3VLForConditionalGeneration
     tower_plan = Qwen3VLPlan()
+    per_head_norms = ("q_norm", "k_norm")
     tiny_config = staticmethod(tiny_qwen3_vl_config)
 
     @property
@@ -110,6 +111,9 @@ class Qwen3VLAdapter(QwenVLAdapter):
             out.append(Crossing(f"{m}_embeds", width))
             out += [Crossing(f"{m}_deepstack_{i}", width) for i in range(self.deepstack_levels)]
         return tuple(out)
+
+    def placeholder_runs(self, modality, grid):
+        return int(grid[:, 0].sum()) if modality == "video" else len(grid)
 
     def placeholder_tokens(self, modality, grid):
         if modality != "video":
@@ -125,7 +129,7 @@ class Qwen3VLAdapter(QwenVLAdapter):
         deep = [(received[f"{modality}_deepstack_{i}"],) for i in range(self.deepstack_levels)]
         return BaseModelOutputWithDeepstackFeatures(pooler_output=(emb,), deepstack_features=deep)
 
-    def vision_tp_plan(self):
+    def tower_tp_plan(self, part):
         return {
             "attn.qkv.q": "colwise",
             "attn.qkv.k": "colwise",

@@ -127,6 +127,10 @@ class QwenVLAdapter(ModelAdapter):
     def placeholder_ids(self):
         return tuple(getattr(self.config, MODALITIES[m][2]) for m in MODALITIES)
 
+    def placeholder_runs(self, modality: str, grid: np.ndarray) -> int:
+        """Separate runs of placeholder tokens that ``grid``'s images/videos make."""
+        return len(grid)
+
     def placeholder_tokens(self, modality: str, grid) -> list[int]:
         """The token ids that stand for one image/video of ``grid`` in ``input_ids``."""
         c = self.config
@@ -183,6 +187,14 @@ class QwenVLAdapter(ModelAdapter):
                         "in_channels * temporal_patch_size * patch_size^2)."
                     )
             token_id = getattr(self.config, tok_attr)
+            runs = int(((ids == token_id) & ~np.r_[False, ids[:-1] == token_id]).sum())
+            expected = 0 if grid is None else self.placeholder_runs(modality, grid)
+            if runs != expected and (ids == token_id).sum() == self.tokens(sample, modality):
+                raise SampleError(
+                    f"{name}: its {modality} tokens form {runs} run(s) but its {modality}s need "
+                    f"{expected}; separate them with vision start/end tokens as the processor "
+                    "does (the LLM's rope positions each run as one image/frame)."
+                )
             n_tokens, n_emb = int((ids == token_id).sum()), self.tokens(sample, modality)
             if n_tokens != n_emb:
                 raise SampleError(
@@ -235,16 +247,28 @@ class QwenVLAdapter(ModelAdapter):
         return [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
 
     def encode(self, module, part, samples, device, sp=None):
+        """One tower call on the images and then the videos of ``samples`` (what HF's two
+        calls compute: attention, windows and positions are per image/frame), split back
+        into ``<modality>_embeds`` (and ``<modality>_deepstack_<i>``)."""
         tower = module.get_submodule(self.part_modules["vision"][0])
-        out = {}
+        pixels, grids, tokens = [], [], {}
         for modality in MODALITIES:
-            pixels, grid = self._collate_modality(samples, modality)
-            if grid is None:
-                continue
-            outputs = self.tower_outputs(tower, pixels.to(device), grid.to(device), sp)
-            out[f"{modality}_embeds"] = outputs[0]
-            for i, extra in enumerate(outputs[1:]):
-                out[f"{modality}_deepstack_{i}"] = extra
+            pix, grid = self._collate_modality(samples, modality)
+            if grid is not None:
+                pixels.append(pix)
+                grids.append(grid)
+                tokens[modality] = int(grid.prod(-1).sum()) // self.merge**2
+        if not grids:
+            return {}
+        grid = torch.cat(grids).to(device)
+        outputs = self.tower_outputs(tower, torch.cat(pixels).to(device), grid, sp)
+        full = outputs[0].shape[0] == sum(tokens.values())  # SP ranks but 0 hold no rows
+        sizes = list(tokens.values()) if full else [0] * len(tokens)
+        out = {}
+        for level, output in enumerate(outputs):
+            for modality, rows in zip(tokens, output.split(sizes)):
+                name = f"{modality}_embeds" if level == 0 else f"{modality}_deepstack_{level - 1}"
+                out[name] = rows
         return out
 
     def encoder_output(self, received: dict, modality: str):
@@ -271,8 +295,13 @@ class QwenVLAdapter(ModelAdapter):
         batch["mm_token_type_ids"] = types
         for m in MODALITIES.values():
             batch[m[1]] = tensor_or_none([self._grid(it, m[1]) for it in items])
-        for key in self.llm_extra_fields:
-            vals = [np.ravel(it[key]) for it in items if it.get(key) is not None]
+        for key in self.llm_extra_fields:  # per video; HF's default 1.0 where not given
+            vals = []
+            for it in items:
+                videos = self._grid(it, "video_grid_thw")
+                if videos is not None:
+                    given = it.get(key)
+                    vals.append(np.ones(len(videos)) if given is None else np.ravel(given))
             batch[key] = (
                 torch.as_tensor(np.concatenate(vals), dtype=torch.float32) if vals else None
             )
@@ -301,6 +330,17 @@ class QwenVLAdapter(ModelAdapter):
 
     def llm_modules(self, module):
         return module.model.language_model, module.lm_head
+
+    def llm_tp_plan(self):
+        return {
+            "self_attn.q_proj": "colwise",
+            "self_attn.k_proj": "colwise",
+            "self_attn.v_proj": "colwise",
+            "self_attn.o_proj": "rowwise",
+            "mlp.gate_proj": "colwise",
+            "mlp.up_proj": "colwise",
+            "mlp.down_proj": "rowwise",
+        }
 
     def sp_plan(self, part):
         return self.tower_plan

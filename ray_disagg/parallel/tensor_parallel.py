@@ -1,8 +1,9 @@
-"""Megatron-style tensor parallelism of the Qwen2 decoder with DTensor, plus a
-vocab-parallel embedding, lm_head and cross-entropy (no rank ever holds full-vocab logits).
+"""Megatron-style tensor parallelism of a decoder with DTensor, plus a vocab-parallel
+embedding, lm_head and cross-entropy (no rank ever holds full-vocab logits).
 
-Plan per decoder layer: q/k/v/gate/up column-wise (each rank holds a slice of the heads /
-of the MLP width), o/down row-wise (partial sums all-reduced); norms stay replicated.
+The per-layer plan comes from the family adapter (Qwen: q/k/v/gate/up column-wise, each
+rank holding a slice of the heads / of the MLP width; o/down row-wise, partial sums
+all-reduced); norms stay replicated.
 The input embeddings enter the layers replicated; in backward, the column-wise layers'
 ``Replicate`` input turns their partial input gradients into the full sum, so the gradient
 w.r.t. the image embeddings is complete on every tp rank.
@@ -30,18 +31,7 @@ __all__ = [
     "local",
 ]
 
-_LAYER_PLAN = {
-    "self_attn.q_proj": ColwiseParallel,
-    "self_attn.k_proj": ColwiseParallel,
-    "self_attn.v_proj": ColwiseParallel,
-    "self_attn.o_proj": RowwiseParallel,
-    "mlp.gate_proj": ColwiseParallel,
-    "mlp.up_proj": ColwiseParallel,
-    "mlp.down_proj": RowwiseParallel,
-}
-
-
-_PER_HEAD_NORMS = ("q_norm", "k_norm")
+_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
 def all_reduce_partial_grads(params, tp_group) -> None:
@@ -97,16 +87,20 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def parallelize_text(part, lm, tp_mesh) -> tuple[dist.ProcessGroup, int]:
-    """Shard the LLM part in place over the 1-D ``tp_mesh``: the decoder ``lm`` (with
-    ``.layers`` and ``.embed_tokens``) and ``part.lm_head``. Returns the tp group and the
+def parallelize_text(
+    part, lm, lm_head, tp_mesh, layer_plan: dict[str, str], per_head_norms=()
+) -> tuple[dist.ProcessGroup, int]:
+    """Shard the LLM part in place over the 1-D ``tp_mesh``: each of the decoder ``lm``'s
+    ``.layers`` with ``layer_plan`` (layer-relative module name -> ``"colwise"`` /
+    ``"rowwise"``, from the family adapter), ``lm.embed_tokens`` vocab-parallel and the
+    ``lm_head`` module vocab-sharded. Parameters of the modules named in ``per_head_norms``
+    (e.g. Qwen3's ``q_norm``/``k_norm``) see only this rank's heads: their gradients are
+    partial sums (see :func:`all_reduce_partial_grads`). Returns the tp group and the
     first vocab row of this rank's logits (for :class:`VocabParallelCrossEntropy`)."""
     for layer in lm.layers:
-        parallelize_module(layer, tp_mesh, {name: style() for name, style in _LAYER_PLAN.items()})
-        # per-head norms (Qwen3 q_norm/k_norm) see only this rank's heads: their weight
-        # gradients are partial sums over the tp ranks
+        parallelize_module(layer, tp_mesh, {n: _STYLES[s]() for n, s in layer_plan.items()})
         for name, mod in layer.named_modules():
-            if name.rsplit(".", 1)[-1] in _PER_HEAD_NORMS:
+            if name.rsplit(".", 1)[-1] in per_head_norms:
                 for p in mod.parameters():
                     p._tp_partial_grad = True
     # vocab-parallel embedding: row shards of the table, partial lookups summed
@@ -116,10 +110,11 @@ def parallelize_text(part, lm, tp_mesh) -> tuple[dist.ProcessGroup, int]:
         {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())},
     )
     # vocab-parallel lm_head: each rank produces only its slice of the logits
+    head_name = next(n for n, m in part.named_modules() if m is lm_head)
     parallelize_module(
-        part, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True)}
+        part, tp_mesh, {head_name: ColwiseParallel(output_layouts=Shard(-1), use_local_output=True)}
     )
-    vocab_start = tp_mesh.get_local_rank() * (part.lm_head.weight.shape[0] // tp_mesh.size())
+    vocab_start = tp_mesh.get_local_rank() * (lm_head.weight.shape[0] // tp_mesh.size())
     return tp_mesh.get_group(), vocab_start
 
 
@@ -164,11 +159,10 @@ def parallelize_vision(visual, plan: dict[str, str], tp_mesh) -> None:
     name -> ``"colwise"``/``"rowwise"``, from the family adapter): attention by heads, the
     MLP by its width; patch embedding and merger stay replicated. A fused ``attn.qkv`` is
     split first (:class:`SplitQKV`) when the plan names ``attn.qkv.q``."""
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for blk in visual.blocks:
         if "attn.qkv.q" in plan:
             blk.attn.qkv = SplitQKV(blk.attn.qkv)
-        parallelize_module(blk, tp_mesh, {name: styles[s]() for name, s in plan.items()})
+        parallelize_module(blk, tp_mesh, {name: _STYLES[s]() for name, s in plan.items()})
         blk.attn.num_heads //= tp_mesh.size()
 
 
