@@ -23,8 +23,8 @@ LOOP = {"max_steps": 3, "global_batch_size": 4, "shuffle": False, "eps": 1e-6}
 def setup():
     cfg = tiny_qwen2_5_vl_config()
     data = synthetic_samples(cfg, 12, grids=[(1, 4, 4), (1, 8, 4), None])
-    data[5] = dict(data[5], id="nan-pixel", pixel_values=data[5]["pixel_values"].copy())
-    data[5]["pixel_values"][0, 0] = np.nan  # step 2
+    data[4] = dict(data[4], id="nan-pixel", pixel_values=data[4]["pixel_values"].copy())
+    data[4]["pixel_values"][0, 0] = np.nan  # step 2
     for i in range(8, 12):  # step 3: no label token at all
         data[i] = dict(data[i], labels=np.full_like(data[i]["labels"], -100))
     return HFModelSpec(config=cfg, seed=1), data
@@ -85,4 +85,5 @@ def test_dead_coordinator_leaks_no_placement_group(ray_start_4_cpus, setup, tmp_
 def test_infeasible_resources_fail_on_the_driver(ray_start_4_cpus, setup, tmp_path):
     spec, data = setup
     with pytest.raises(ValueError, match=r"CPU: the groups need 9 together, the cluster has 4"):
-        run_layout(spec, data, LOOP, vt(group(8, cpus=1.0), group(1, cpus=1.0)), tmp_path, "big")
+        loop = dict(LOOP, global_batch_size=8)
+        run_layout(spec, data, loop, vt(group(8, cpus=1.0), group(1, cpus=1.0)), tmp_path, "big")

@@ -14,7 +14,13 @@ import torch
 from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
 
 from ray_disagg.models.base import Crossing, SampleError, tensor_or_none
-from ray_disagg.models.qwen_vl import MODALITIES, QwenVLAdapter, WindowOrderPlan, mrope_section
+from ray_disagg.models.qwen_vl import (
+    MODALITIES,
+    QwenVLAdapter,
+    WindowOrderPlan,
+    tiny_text_config,
+    tiny_window_tower,
+)
 
 __all__ = ["Qwen2_5OmniThinkerAdapter", "audio_rows", "tiny_qwen2_5_omni_thinker_config"]
 
@@ -53,9 +59,6 @@ def tiny_qwen2_5_omni_thinker_config(
         >>> cfg.audio_token_id, cfg.vision_start_token_id, cfg.audio_config.num_mel_bins
         (104, 102, 8)
     """
-    head_dim = text_hidden // text_heads
-    if head_dim % 2:
-        raise ValueError("text_hidden / text_heads must be even for rotary embeddings.")
     kwargs: dict[str, Any] = dict(
         image_token_index=100,
         video_token_index=101,
@@ -67,33 +70,21 @@ def tiny_qwen2_5_omni_thinker_config(
     )
     kwargs.update(overrides)
     return Qwen2_5OmniThinkerConfig(
-        text_config=dict(
+        text_config=tiny_text_config(
             vocab_size=vocab_size,
-            hidden_size=text_hidden,
-            intermediate_size=2 * text_hidden,
-            num_hidden_layers=text_layers,
-            num_attention_heads=text_heads,
-            num_key_value_heads=text_kv_heads,
-            max_position_embeddings=1024,
-            rope_parameters={
-                "rope_type": "default",
-                "mrope_section": mrope_section(head_dim),
-                "rope_theta": 1e4,
-            },
-            pad_token_id=0,
+            hidden=text_hidden,
+            layers=text_layers,
+            heads=text_heads,
+            kv_heads=text_kv_heads,
         ),
-        vision_config=dict(
+        vision_config=tiny_window_tower(
+            hidden=vision_hidden,
             depth=vision_depth,
-            hidden_size=vision_hidden,
-            intermediate_size=2 * vision_hidden,
-            num_heads=vision_heads,
-            out_hidden_size=text_hidden,
+            heads=vision_heads,
+            out_hidden=text_hidden,
             patch_size=patch_size,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
             window_size=window_size,
-            fullatt_block_indexes=list(fullatt_block_indexes),
-            in_channels=3,
+            fullatt=fullatt_block_indexes,
         ),
         audio_config=dict(
             num_mel_bins=num_mel_bins,

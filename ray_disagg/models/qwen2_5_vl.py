@@ -7,7 +7,12 @@ from typing import Any
 
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from ray_disagg.models.qwen_vl import QwenVLAdapter, WindowOrderPlan, mrope_section
+from ray_disagg.models.qwen_vl import (
+    QwenVLAdapter,
+    WindowOrderPlan,
+    tiny_text_config,
+    tiny_window_tower,
+)
 
 __all__ = ["Qwen2_5_VLAdapter", "tiny_qwen2_5_vl_config"]
 
@@ -36,39 +41,24 @@ def tiny_qwen2_5_vl_config(
         >>> cfg.vision_config.hidden_size, cfg.text_config.hidden_size
         (32, 64)
     """
-    head_dim = text_hidden // text_heads
-    if head_dim % 2:
-        raise ValueError("text_hidden / text_heads must be even for rotary embeddings.")
     return Qwen2_5_VLConfig(
-        text_config=dict(
+        text_config=tiny_text_config(
             vocab_size=vocab_size,
-            hidden_size=text_hidden,
-            intermediate_size=2 * text_hidden,
-            num_hidden_layers=text_layers,
-            num_attention_heads=text_heads,
-            num_key_value_heads=text_kv_heads,
-            max_position_embeddings=1024,
-            rope_parameters={
-                "rope_type": "default",
-                "mrope_section": mrope_section(head_dim),
-                "rope_theta": 1e4,
-            },
+            hidden=text_hidden,
+            layers=text_layers,
+            heads=text_heads,
+            kv_heads=text_kv_heads,
             bos_token_id=None,
             eos_token_id=None,
-            pad_token_id=0,
         ),
-        vision_config=dict(
+        vision_config=tiny_window_tower(
+            hidden=vision_hidden,
             depth=vision_depth,
-            hidden_size=vision_hidden,
-            intermediate_size=2 * vision_hidden,
-            num_heads=vision_heads,
-            out_hidden_size=text_hidden,
+            heads=vision_heads,
+            out_hidden=text_hidden,
             patch_size=patch_size,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
             window_size=window_size,
-            fullatt_block_indexes=list(fullatt_block_indexes),
-            in_channels=3,
+            fullatt=fullatt_block_indexes,
         ),
         image_token_id=100,
         video_token_id=101,

@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-from ray_disagg.models.qwen_vl import NaturalOrderPlan, QwenVLAdapter, mrope_section
+from ray_disagg.models.qwen_vl import NaturalOrderPlan, QwenVLAdapter, tiny_text_config
 
 __all__ = ["Qwen2VLAdapter", "tiny_qwen2_vl_config"]
 
@@ -31,24 +31,15 @@ def tiny_qwen2_vl_config(
         >>> tiny_qwen2_vl_config().vision_config.embed_dim
         32
     """
-    head_dim = text_hidden // text_heads
     return Qwen2VLConfig(
-        text_config=dict(
+        text_config=tiny_text_config(
             vocab_size=vocab_size,
-            hidden_size=text_hidden,
-            intermediate_size=2 * text_hidden,
-            num_hidden_layers=text_layers,
-            num_attention_heads=text_heads,
-            num_key_value_heads=text_kv_heads,
-            max_position_embeddings=1024,
-            rope_parameters={
-                "rope_type": "default",
-                "mrope_section": mrope_section(head_dim),
-                "rope_theta": 1e4,
-            },
+            hidden=text_hidden,
+            layers=text_layers,
+            heads=text_heads,
+            kv_heads=text_kv_heads,
             bos_token_id=None,
             eos_token_id=None,
-            pad_token_id=0,
         ),
         vision_config=dict(
             depth=vision_depth,

@@ -12,7 +12,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDe
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
 from ray_disagg.models.base import Crossing
-from ray_disagg.models.qwen_vl import MODALITIES, NaturalOrderPlan, QwenVLAdapter, mrope_section
+from ray_disagg.models.qwen_vl import MODALITIES, NaturalOrderPlan, QwenVLAdapter, tiny_text_config
 
 __all__ = ["Qwen3VLAdapter", "tiny_qwen3_vl_config"]
 
@@ -37,24 +37,15 @@ def tiny_qwen3_vl_config(
         >>> tiny_qwen3_vl_config().vision_config.deepstack_visual_indexes
         [0, 1]
     """
-    head_dim = text_hidden // text_heads
     return Qwen3VLConfig(
-        text_config=dict(
+        text_config=tiny_text_config(
             vocab_size=vocab_size,
-            hidden_size=text_hidden,
-            intermediate_size=2 * text_hidden,
-            num_hidden_layers=text_layers,
-            num_attention_heads=text_heads,
-            num_key_value_heads=text_kv_heads,
-            head_dim=head_dim,
-            max_position_embeddings=1024,
-            rope_parameters={
-                "rope_type": "default",
-                "mrope_section": mrope_section(head_dim),
-                "mrope_interleaved": True,
-                "rope_theta": 1e4,
-            },
-            pad_token_id=0,
+            hidden=text_hidden,
+            layers=text_layers,
+            heads=text_heads,
+            kv_heads=text_kv_heads,
+            head_dim=text_hidden // text_heads,
+            rope={"mrope_interleaved": True},
         ),
         vision_config=dict(
             depth=vision_depth,
