@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -116,8 +115,3 @@ class Qwen2_5_VLSpec(HFModelSpec):
         super().__post_init__()
         if self.adapter.model_type != "qwen2_5_vl":
             raise ValueError("Qwen2_5_VLSpec needs a Qwen2.5-VL config; use HFModelSpec.")
-
-
-def hf_state_dict(part: nn.Module) -> dict[str, Any]:
-    """The part's tensors under HF key names (parts keep HF names)."""
-    return dict(part.state_dict())

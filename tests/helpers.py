@@ -79,8 +79,7 @@ def assert_matches_reference(result, spec, data, loop: dict, rtol=1e-5):
         rtol=rtol,
         atol=0.0,
     )
-    ref_state = {k: v for k, v in ref_model.state_dict().items()}
-    assert_params_close(checkpoint_state(result.checkpoint), ref_state, rtol)
+    assert_params_close(checkpoint_state(result.checkpoint), ref_model.state_dict(), rtol)
     return losses
 
 

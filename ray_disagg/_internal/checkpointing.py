@@ -75,13 +75,12 @@ def read_full(directory: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]
     return model, optim
 
 
-def _hf_full_tensor(source: dict[str, torch.Tensor], part, name: str) -> torch.Tensor:
-    """The full tensor for ``part``'s parameter ``name``, slicing HF's fused qkv for a
-    :class:`SplitQKV` part."""
-    key = name
-    if key in source:
-        return source[key]
-    head, _, tail = key.rpartition(".qkv.")
+def _hf_full_tensor(source: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The full tensor of a part's parameter ``name`` (parts hold HF names), slicing HF's
+    fused qkv for a :class:`SplitQKV` part."""
+    if name in source:
+        return source[name]
+    head, _, tail = name.rpartition(".qkv.")
     which, field = tail.split(".", 1)
     fused = source[f"{head}.qkv.{field}"]
     third = fused.shape[0] // 3
@@ -100,7 +99,7 @@ def load_model(part, source: dict[str, torch.Tensor]) -> None:
     """Copy full HF-named tensors into the (possibly sharded) ``part``."""
     with torch.no_grad():
         for name, p in part.named_parameters():
-            full = _hf_full_tensor(source, part, name)
+            full = _hf_full_tensor(source, name)
             if isinstance(p, DTensor):
                 p.to_local().copy_(_like(full, p).to_local())
             else:
@@ -115,8 +114,8 @@ def load_optimizer(opt, part, fields: dict[str, dict[str, torch.Tensor]]) -> Non
         if id(p) not in owned:
             continue
         try:
-            state = {f: _hf_full_tensor(fields[f], part, name) for f in _STATE_KEYS}
-            step = _hf_full_tensor(fields["step"], part, name)
+            state = {f: _hf_full_tensor(fields[f], name) for f in _STATE_KEYS}
+            step = _hf_full_tensor(fields["step"], name)
         except KeyError:
             continue  # never stepped (no gradient yet)
         inner.state[p] = {

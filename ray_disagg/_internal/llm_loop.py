@@ -91,8 +91,8 @@ def llm_train_loop(args: lc.LoopArgs) -> None:
     adapter, cfg, plan = st.adapter, st.cfg, args.plan
     model = st.build()
     tp_group, vocab_start = None, 0
+    decoder, lm_head = adapter.llm_modules(model)
     if st.is_tp:
-        decoder, lm_head = adapter.llm_modules(model)
         tp_group, vocab_start = tp.parallelize_text(
             model, decoder, lm_head, st.mp_mesh, adapter.llm_tp_plan(), adapter.per_head_norms
         )
@@ -121,7 +121,6 @@ def llm_train_loop(args: lc.LoopArgs) -> None:
         batch = {k: v.to(st.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         with torch.autocast(st.device.type, torch.bfloat16, enabled=cfg.bf16):
             hidden = adapter.llm_hidden(model, batch, received)
-            _, lm_head = adapter.llm_modules(model)
             loss = lm_loss(
                 hidden, lm_head, batch["labels"], max(float(n_labels), 1.0), tp_group, vocab_start
             )

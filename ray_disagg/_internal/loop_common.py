@@ -3,6 +3,7 @@ per-step stats exchange, metrics, checkpoints and ``ray.train.report``."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -93,7 +94,7 @@ class LoopArgs:
     def adapter(self):
         return self.spec.adapter
 
-    @property
+    @functools.cached_property
     def stats(self) -> StatsLayout:
         a = self.adapter
         counters = [c for p in a.encoder_parts for c in a.counter_names(p)]

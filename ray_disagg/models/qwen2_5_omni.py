@@ -15,7 +15,6 @@ from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditio
 
 from ray_disagg.models.base import Crossing, SampleError, tensor_or_none
 from ray_disagg.models.qwen_vl import (
-    MODALITIES,
     QwenVLAdapter,
     WindowOrderPlan,
     tiny_text_config,
@@ -280,9 +279,11 @@ class Qwen2_5OmniThinkerAdapter(QwenVLAdapter):
                     f"{int(audio_mask[..., 0].sum())} audio tokens but {audio.shape[0]} rows."
                 )
             embeds = embeds.masked_scatter(audio_mask, audio.to(embeds.device, embeds.dtype))
-        mm = {m: self.encoder_output(received, m) for m in MODALITIES}
-        mm = {k: v for k, v in mm.items() if v is not None}
-        out = inner(**self.llm_kwargs(batch), inputs_embeds=embeds, mm_encoder_outputs=mm or None)
+        out = inner(
+            **self.llm_kwargs(batch),
+            inputs_embeds=embeds,
+            mm_encoder_outputs=self.mm_encoder_outputs(received),
+        )
         return out.last_hidden_state
 
     def reference_inputs(self, samples):

@@ -114,9 +114,11 @@ class NaturalOrderPlan(TowerPlan):
         }
 
 
-class WindowOrderPlan(TowerPlan):
-    """Qwen2.5-VL: the tower attends in window order; windowed blocks stay local (slices
-    are cut on window boundaries), the ``fullatt_block_indexes`` blocks are all-to-all."""
+class WindowOrderPlan(NaturalOrderPlan):
+    """Qwen2.5-VL: the tower attends in window order (which keeps each image's and frame's
+    patches together, so the full-attention segments are the natural ones); windowed blocks
+    stay local (slices are cut on window boundaries), the ``fullatt_block_indexes`` blocks
+    are all-to-all."""
 
     def _windows(self, tower, grid_thw):
         return get_vision_window_index(
@@ -134,17 +136,11 @@ class WindowOrderPlan(TowerPlan):
     def cuts(self, tower, grid_thw):
         return [int(c) for c in self._windows(tower, grid_thw)[1].tolist()]
 
-    def full_cu_seqlens(self, tower, grid_thw):
-        # window order keeps each image's (and frame's) patches together
-        return get_vision_attention_seqlens(grid_thw, tower.config)[0]
-
     def local_kwargs(self, tower, grid_thw, index, lo, hi):
         cuts = self.cuts(tower, grid_thw)
         local = sorted({lo, hi} | {c for c in cuts if lo <= c <= hi})
-        pos = get_vision_position_ids(grid_thw, tower.spatial_merge_size)
         return {
-            "position_ids": pos[index],
-            "cu_seqlens": torch.tensor([0, hi - lo], dtype=torch.int32),
+            **super().local_kwargs(tower, grid_thw, index, lo, hi),
             "window_index": torch.arange((hi - lo) // merge_unit(tower)),
             "cu_window_seqlens": torch.tensor([c - lo for c in local], dtype=torch.int32),
         }
@@ -362,10 +358,15 @@ class QwenVLAdapter(ModelAdapter):
         keys = ("input_ids", "attention_mask", "mm_token_type_ids", *self.llm_fields())
         return {k: batch[k] for k in keys if batch.get(k) is not None}
 
-    def llm_hidden(self, module, batch, received):
+    def mm_encoder_outputs(self, received: dict) -> dict | None:
+        """HF's ``mm_encoder_outputs`` argument for the received image/video crossings."""
         mm = {m: self.encoder_output(received, m) for m in MODALITIES}
-        mm = {k: v for k, v in mm.items() if v is not None}
-        out = module.model(**self.llm_kwargs(batch), mm_encoder_outputs=mm or None)
+        return {k: v for k, v in mm.items() if v is not None} or None
+
+    def llm_hidden(self, module, batch, received):
+        out = module.model(
+            **self.llm_kwargs(batch), mm_encoder_outputs=self.mm_encoder_outputs(received)
+        )
         return out.last_hidden_state
 
     def reference_inputs(self, samples: Sequence[dict]):
