@@ -23,17 +23,35 @@ __all__ = [
 ]
 
 
+def _check_sharding(p) -> None:
+    if not isinstance(p.fsdp, bool):
+        raise ValueError(f"{type(p).__name__}(fsdp={p.fsdp!r}): fsdp must be True or False.")
+    if p.fsdp and getattr(p, "zero1", False):
+        raise ValueError(
+            f"{type(p).__name__}(zero1=True, fsdp=True): FSDP2 already shards the optimizer "
+            "state (ZeRO-3); choose one of them."
+        )
+
+
 @dataclass(kw_only=True, frozen=True)
 class DataParallel:
     """Every worker of the group holds a full replica; samples are split across workers.
 
     Example:
         >>> DataParallel(zero1=True)
-        DataParallel(zero1=True)
+        DataParallel(zero1=True, fsdp=False)
     """
 
     zero1: bool = False
     """Shard the AdamW state across the group's workers (ZeRO stage 1)."""
+
+    fsdp: bool = False
+    """Shard parameters, gradients and AdamW state across the group's workers with FSDP2
+    (``torch.distributed.fsdp.fully_shard``; ZeRO stage 3). Mesh axes
+    ``("dp_shard", "mp")``."""
+
+    def __post_init__(self) -> None:
+        _check_sharding(self)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -45,7 +63,7 @@ class SequenceParallel:
 
     Example:
         >>> SequenceParallel(size=2)
-        SequenceParallel(size=2, zero1=False)
+        SequenceParallel(size=2, zero1=False, fsdp=False)
     """
 
     size: int
@@ -54,9 +72,14 @@ class SequenceParallel:
     zero1: bool = False
     """Shard the AdamW state across all ``dp x sp`` workers of the group (ZeRO stage 1)."""
 
+    fsdp: bool = False
+    """Shard parameters, gradients and AdamW state across all ``dp x sp`` workers of the
+    group with FSDP2 (mesh axes ``("dp_shard", "sp")``)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or self.size < 1:
             raise ValueError(f"SequenceParallel(size={self.size!r}): size must be an int >= 1.")
+        _check_sharding(self)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -66,17 +89,24 @@ class TensorParallel:
     The group's ``num_workers`` must be a multiple of ``size`` (mesh axes ``("dp", "tp")``).
 
     Example:
-        >>> TensorParallel(size=2)
-        TensorParallel(size=2)
+        >>> TensorParallel(size=2, fsdp=True)
+        TensorParallel(size=2, fsdp=True)
     """
 
     size: int
     """Number of workers that shard each weight matrix."""
 
+    fsdp: bool = False
+    """Also shard every parameter, gradient and AdamW state over the data-parallel axis with
+    FSDP2 (FSDP2 x TP on the 2-D mesh ``("dp_shard", "tp")``)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or self.size < 1:
             raise ValueError(f"TensorParallel(size={self.size!r}): size must be an int >= 1.")
+        _check_sharding(self)
 
+
+PARAM_DTYPES = ("float32", "bfloat16")
 
 Parallelism = Literal["none"] | DataParallel | SequenceParallel | TensorParallel
 
@@ -100,7 +130,7 @@ class ModuleGroup:
         >>> from ray.train import ScalingConfig
         >>> g = ModuleGroup(scaling_config=ScalingConfig(num_workers=2))
         >>> g.parallelism
-        DataParallel(zero1=False)
+        DataParallel(zero1=False, fsdp=False)
     """
 
     scaling_config: ScalingConfig
@@ -144,6 +174,11 @@ class ModuleGroup:
     @property
     def dp_size(self) -> int:
         return self.num_workers // self.model_parallel_size
+
+    @property
+    def fsdp(self) -> bool:
+        """Parameters are sharded with FSDP2."""
+        return self.parallelism.fsdp
 
 
 def _check_float(name: str, value, ok, what: str) -> None:
@@ -203,7 +238,13 @@ class TrainLoopConfig:
     skipped (no optimizer step on any group) and counted in the ``skipped_steps`` metric."""
 
     bf16: bool = False
-    """Run forward/backward under bf16 autocast with fp32 master weights."""
+    """Run forward/backward under bf16 autocast with fp32 master weights (FSDP2 groups also
+    all-gather bf16 parameters: ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=fp32)``)."""
+
+    param_dtype: str = "float32"
+    """dtype of the parameters and the AdamW state: ``"float32"`` (master weights) or
+    ``"bfloat16"`` (pure bf16: half the memory, for the largest models)."""
 
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form values, passed through untouched (e.g. for callbacks)."""
@@ -237,6 +278,11 @@ class TrainLoopConfig:
         for b in betas:
             _check_float("betas", b, lambda v: 0 <= v < 1, "two floats in [0, 1)")
         self.betas = betas
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(
+                f"train_loop_config['param_dtype']={self.param_dtype!r} is not supported; use "
+                f"one of {sorted(PARAM_DTYPES)}."
+            )
 
     @classmethod
     def from_any(cls, value: TrainLoopConfig | dict[str, Any] | None) -> TrainLoopConfig:

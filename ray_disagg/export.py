@@ -1,39 +1,125 @@
-"""Export a ray_disagg checkpoint as one Hugging Face model directory."""
+"""Export a ray_disagg checkpoint as one Hugging Face model directory.
+
+The export streams: each output tensor is read alone from its group's DCP directory
+(``dcp.load`` of that one key) and appended to the safetensors file, so the memory it needs
+is about the largest tensor, not the model.
+"""
 
 from __future__ import annotations
 
 import os
+import warnings
+from dataclasses import dataclass
 
 import torch
+import torch.distributed.checkpoint as dcp
 from ray.train import Checkpoint
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig
 
-from ray_disagg._internal.checkpointing import read_full
+from ray_disagg._internal.checkpointing import read_metadata
+from ray_disagg._internal.safetensors_stream import parse_size, save_streaming
 from ray_disagg.models import get_adapter
 
 __all__ = ["export_hf"]
 
 
-def export_hf(checkpoint: Checkpoint | str | os.PathLike, out_dir: str | os.PathLike) -> str:
+@dataclass
+class _Source:
+    """Where an output tensor lives: one DCP key, or the q/k/v keys of a split ``qkv``."""
+
+    directory: str
+    keys: dict[str, str]  # "" -> key, or "q"/"k"/"v" -> key
+    dtype: torch.dtype
+    sizes: dict[str, torch.Size]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if "" in self.keys:
+            return tuple(self.sizes[""])
+        q = self.sizes["q"]
+        return (sum(self.sizes[w][0] for w in "qkv"), *q[1:])
+
+
+def _read_sources(directory: str, sources: dict[str, _Source]) -> None:
+    """Add the ``model.*`` tensors of one module directory to ``sources`` (by HF name)."""
+    meta = read_metadata(directory)
+    for key, m in meta.items():
+        if not (isinstance(m, TensorStorageMetadata) and key.startswith("model.")):
+            continue
+        name = key[len("model.") :]
+        head, sep, tail = name.rpartition(".qkv.")
+        which = ""
+        if sep and tail[:2] in ("q.", "k.", "v."):  # vision TP stores q/k/v apart
+            name, which = f"{head}.qkv.{tail[2:]}", tail[0]
+        src = sources.setdefault(name, _Source(directory, {}, m.properties.dtype, {}))
+        if src.directory != directory or which in src.keys or src.dtype != m.properties.dtype:
+            raise ValueError(f"{name} is stored twice or inconsistently in the checkpoint")
+        src.keys[which], src.sizes[which] = key, m.size
+    for name, src in sources.items():
+        if sorted(src.keys) not in ([""], ["k", "q", "v"]):
+            raise ValueError(f"{name}: the checkpoint holds only {sorted(src.keys)} of q/k/v")
+
+
+def _load(src: _Source) -> torch.Tensor:
+    """The full tensor of ``src``; split q/k/v are read straight into the fused tensor."""
+    out = torch.empty(src.shape, dtype=src.dtype)
+    if "" in src.keys:
+        targets = {src.keys[""]: out}
+    else:  # q, k, v: consecutive row blocks of the fused tensor
+        rows = [src.sizes[w][0] for w in "qkv"]
+        targets = {src.keys[w]: out.narrow(0, sum(rows[:i]), rows[i]) for i, w in enumerate("qkv")}
+    with warnings.catch_warnings():  # "assuming ... load in a single process": we are
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(targets, storage_reader=dcp.FileSystemReader(src.directory), no_dist=True)
+    return out
+
+
+def export_hf(
+    checkpoint: Checkpoint | str | os.PathLike,
+    out_dir: str | os.PathLike,
+    max_shard_size: int | str = "5GB",
+) -> str:
     """Write the model of ``checkpoint`` (a ``ray.train.Checkpoint`` of any layout, or its
     directory) to ``out_dir`` in the ``save_pretrained`` layout (safetensors + config.json)
-    of the family's ``...ForConditionalGeneration``. The groups' sharded (DCP) tensors are
-    assembled in this process.
+    of the family's ``...ForConditionalGeneration``, under the model's own state-dict keys.
+    The groups' sharded (DCP) tensors are assembled in this process one tensor at a time,
+    into files of at most ``max_shard_size`` (bytes, or a size like ``"5GB"``/``"500MB"``).
 
     Example:
         >>> path = export_hf(result.checkpoint, "/tmp/my-vlm")  # doctest: +SKIP
         >>> Qwen2_5_VLForConditionalGeneration.from_pretrained(path)  # doctest: +SKIP
     """
+    limit = parse_size(max_shard_size)
     if not isinstance(checkpoint, Checkpoint):
         checkpoint = Checkpoint.from_directory(os.fspath(checkpoint))
+    out = os.fspath(out_dir)
     with checkpoint.as_directory() as root:
         config = AutoConfig.from_pretrained(root, local_files_only=True)
         adapter = get_adapter(config)
-        state = {}
+        sources: dict[str, _Source] = {}
         for part in adapter.parts:
-            state.update(read_full(os.path.join(root, part))[0])
-    with torch.device("meta"):
-        model = adapter.hf_class(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    model.save_pretrained(os.fspath(out_dir))
-    return os.fspath(out_dir)
+            _read_sources(os.path.join(root, part), sources)
+        with torch.device("meta"):  # names and shapes only
+            model = adapter.hf_class(config)
+        expected = model.state_dict()
+        missing = sorted(expected.keys() - sources.keys())
+        unexpected = sorted(sources.keys() - expected.keys())
+        wrong = [
+            k for k in expected.keys() & sources.keys() if sources[k].shape != expected[k].shape
+        ]
+        if missing or unexpected or wrong:
+            raise ValueError(
+                f"The checkpoint does not match {adapter.hf_class.__name__}: missing "
+                f"{missing[:5]}, unexpected {unexpected[:5]}, wrong shape {sorted(wrong)[:5]}"
+            )
+        specs = [(k, sources[k].dtype, sources[k].shape) for k in expected]
+        os.makedirs(out, exist_ok=True)
+        save_streaming(out, specs, lambda name: _load(sources[name]), limit)
+        # as save_pretrained: the class and the dtype of the first floating-point parameter
+        config.architectures = [adapter.hf_class.__name__]
+        dtypes = [sources[n].dtype for n, p in model.named_parameters() if p.is_floating_point()]
+        if dtypes:
+            config.dtype = str(dtypes[0]).split(".")[1]
+        config.save_pretrained(out)
+    return out

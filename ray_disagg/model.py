@@ -12,11 +12,10 @@ import functools
 import os
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from ray_disagg.models import IGNORE_INDEX, get_adapter, tiny_qwen2_5_vl_config
+from ray_disagg.models import IGNORE_INDEX, get_adapter, loading, tiny_qwen2_5_vl_config
 from ray_disagg.models.base import ModelAdapter
 
 __all__ = ["HFModelSpec", "Qwen2_5_VLSpec", "tiny_qwen2_5_vl_config", "IGNORE_INDEX"]
@@ -83,22 +82,48 @@ class HFModelSpec:
     def adapter(self) -> ModelAdapter:
         return get_adapter(self.load_config())
 
-    def build_full(self) -> nn.Module:
-        """The whole HF model (the single-process reference, and the source of the parts)."""
-        adapter = self.adapter
-        if self.pretrained_path is None:
-            return adapter.build_full(self.seed, self.attn_implementation)
-        model = adapter.hf_class.from_pretrained(
-            self.pretrained_path,
-            dtype=torch.float32,
-            attn_implementation=self.attn_implementation,
-            local_files_only=True,
-        )
-        return model.float().train()
+    def meta_model(self, part: str | None = None) -> nn.Module:
+        """The HF model (pruned to ``part`` when given) on the ``meta`` device: no memory
+        is allocated until :meth:`materialize`, after the parallel plans have sharded it."""
+        model = loading.meta_model(self.adapter, self.attn_implementation)
+        return model if part is None else self.adapter.prune(model, part)
 
-    def build_part(self, part: str) -> nn.Module:
-        """The HF model pruned to ``part``'s submodules."""
-        return self.adapter.prune(self.build_full(), part)
+    def weight_source(self, meta: nn.Module):
+        """Where the initial weights come from (``.get(hf_name)`` -> full tensor)."""
+        if self.pretrained_path is None:
+            return loading.InitSource(meta, self.seed)
+        return loading.SafetensorsSource(self.pretrained_path, meta)
+
+    def materialize(self, module: nn.Module, device="cpu", part: str | None = None) -> None:
+        """Allocate only this rank's shards of ``module`` (a :meth:`meta_model`, possibly
+        sharded by DTensor TP/FSDP2) on ``device`` and fill them, one tensor at a time,
+        from the pretrained weights or the per-name random init."""
+        meta = self.meta_model(part)
+        params = self.weight_source(meta)
+        if isinstance(params, loading.SafetensorsSource):
+            params.check([n for n, _ in module.named_parameters()])
+        loading.materialize(module, device, params, loading.InitSource(meta, self.seed))
+
+    def build_full(self) -> nn.Module:
+        """The whole HF model on the CPU (the single-process reference)."""
+        model = self.meta_model()
+        self.materialize(model)
+        return model
+
+    def build_part(self, part: str, device="cpu") -> nn.Module:
+        """The HF model pruned to ``part``'s submodules, materialized on ``device``."""
+        model = self.meta_model(part)
+        self.materialize(model, device, part)
+        return model
+
+    def check_weights(self) -> None:
+        """On the driver: every part's tensors exist in ``pretrained_path`` (``ValueError``
+        naming the missing key and the index file otherwise)."""
+        if self.pretrained_path is not None:
+            meta = self.meta_model()
+            loading.SafetensorsSource(self.pretrained_path, meta).check(
+                [n for n, _ in meta.named_parameters()]
+            )
 
 
 @dataclass(kw_only=True)

@@ -143,6 +143,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             with resume_from_checkpoint.as_directory() as root:
                 check_compatible(root, model.load_config(), self.loop_config.max_steps)
         validate_layout(adapter, self.groups)
+        model.check_weights()
         self._train_data = self._validate_datasets(datasets, adapter, validate_samples)
         self._samples_validated = validate_samples and not is_ray_dataset(self._train_data)
         llm_dp = self.groups[adapter.llm_part].dp_size
@@ -245,7 +246,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             backend = ModuleBackendConfig(
                 module=name,
                 mesh_shape=(group.dp_size, group.model_parallel_size),
-                mesh_axes=("dp", mp_axis),
+                mesh_axes=("dp_shard" if group.fsdp else "dp", mp_axis),
                 timeout_s=self.loop_config.collective_timeout_s,
             )
             fn = rc.construct_train_func(

@@ -7,10 +7,11 @@ ZeRO-1 state on the rank that owns it, replicated tensors once (DCP de-duplicate
 rank writes into its own local directory and uploads it through ``ray.train.report``, so
 ``<checkpoint>/<module>/`` ends up with every rank's ``.distcp`` file plus the metadata.
 
-Loading reads global tensors from the DCP metadata and re-shards them for the current
-layout, so a checkpoint saved with one layout loads into another (TP=2 -> TP=1, SP=2 ->
-DP=1, ...). The vision TP baseline stores q/k/v separately; reading merges them into HF's
-fused ``qkv``.
+Loading is a collective ``dcp.load`` straight into this rank's shards: DCP re-shards from
+the layout that wrote the checkpoint to the current one (FSDP2 x TP2 -> 1 + 1, SP2 x FSDP2
+-> DP, ...) and no rank materializes the full model. The vision TP baseline stores q/k/v
+separately; only between such a checkpoint and a fused tower are the module's full
+tensors read (``read_full``) and merged or split.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ray_disagg.models.loading import part_tensor
 from ray_disagg.parallel.tensor_parallel import merge_split_qkv
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -48,15 +50,48 @@ def save_sharded(model, optimizer, directory: str) -> None:
     dcp.save(sharded_state(model, optimizer), storage_writer=dcp.FileSystemWriter(directory))
 
 
-def read_full(directory: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """Global (unsharded) tensors of a module directory, in this process alone:
-    ``(model state by HF name, AdamW state by HF name)``."""
+def read_metadata(directory: str):
+    """The DCP metadata of a module directory (``ValueError`` when there is none)."""
     if not os.path.isfile(os.path.join(directory, ".metadata")):
         raise ValueError(
             f"{directory} holds no ray_disagg checkpoint shard (no DCP .metadata). Resume from "
             "a checkpoint written by this ray_disagg version, or start a new run name."
         )
-    meta = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    return dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+
+
+def load_sharded(model, optimizer, directory: str) -> bool:
+    """Collective over the group: read the checkpoint straight into this rank's shards
+    (DTensor TP/FSDP2 parameters and AdamW state, ZeRO-1 owned state, plain tensors); DCP
+    re-shards from whatever layout wrote it. No rank holds a full model. Returns False
+    (nothing loaded) when the names differ from the model's (a split-qkv vision-TP
+    checkpoint into a fused tower or back): use :func:`read_full` then."""
+    meta = read_metadata(directory)
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    if set(state) != {k for k in meta if k.startswith("model.")}:
+        return False
+    inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1: the local optimizer
+    owned = {id(p) for g in inner.param_groups for p in g["params"]}
+    slots = {}
+    for name, p in model.named_parameters():
+        key = f"optim.{name}"
+        if id(p) not in owned or f"{key}.step" not in meta:
+            continue  # not this rank's, or never stepped
+        slot = {f: torch.zeros_like(p.detach()) for f in _STATE_KEYS}
+        slot["step"] = torch.zeros(1)
+        state.update({f"{key}.{f}": t for f, t in slot.items()})
+        slots[p] = slot
+    dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    for p, slot in slots.items():
+        inner.state[p] = {"step": slot["step"][0].clone(), **{f: slot[f] for f in _STATE_KEYS}}
+    return True
+
+
+def read_full(directory: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """Global (unsharded) tensors of a module directory, in this process alone:
+    ``(model state by HF name, AdamW state by HF name)``. Used for split-qkv checkpoints
+    and by tests."""
+    meta = read_metadata(directory)
     full = {
         k: torch.empty(m.size, dtype=m.properties.dtype)
         for k, m in meta.items()
@@ -75,17 +110,17 @@ def read_full(directory: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]
     return model, optim
 
 
+class _Dict:
+    def __init__(self, d):
+        self.get = d.__getitem__
+
+
 def _hf_full_tensor(source: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     """The full tensor of a part's parameter ``name`` (parts hold HF names), slicing HF's
     fused qkv for a :class:`SplitQKV` part."""
     if name in source:
         return source[name]
-    head, _, tail = name.rpartition(".qkv.")
-    which, field = tail.split(".", 1)
-    fused = source[f"{head}.qkv.{field}"]
-    third = fused.shape[0] // 3
-    i = "qkv".index(which)
-    return fused[i * third : (i + 1) * third]
+    return part_tensor(_Dict(source), name)
 
 
 def _like(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

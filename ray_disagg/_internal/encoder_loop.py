@@ -30,6 +30,17 @@ def _row_offsets(adapter, part, samples) -> dict[str, list[int]]:
     return out
 
 
+def _encode(st: Stage, samples) -> dict:
+    """The part's crossings for ``samples`` (one FSDP2 root call)."""
+    sp = st.is_sp or None
+
+    def run(model):
+        return st.adapter.encode(model, st.part, samples, st.device, sp=sp)
+
+    with torch.autocast(st.device.type, torch.bfloat16, enabled=st.cfg.bf16):
+        return st.runner(run)
+
+
 def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
     st = Stage(args, part)
     adapter, cfg, plan, side = st.adapter, st.cfg, args.plan, st.side
@@ -40,7 +51,7 @@ def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
         ulysses.enable_ulysses(tower, adapter.sp_plan(part), st.mp_mesh.get_group())
     if st.is_tp:
         tp.parallelize_vision(tower, adapter.tower_tp_plan(part), st.mp_mesh)
-    start = st.setup_optimizer(model)
+    start = st.setup(model)
     crossings = adapter.crossings(part)
 
     for step in range(start, cfg.max_steps):
@@ -56,8 +67,9 @@ def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
         t_wait = time.perf_counter() - t_wait
         t0 = time.perf_counter()
         samples = st.broadcast_object(samples)
-        with torch.autocast(st.device.type, torch.bfloat16, enabled=cfg.bf16):
-            outputs = adapter.encode(model, part, samples, st.device, sp=st.is_sp or None)
+        # FSDP2: every rank must run the same units; one without inputs runs a stand-in
+        real = not st.fsdp or sum(adapter.item_counts(part, samples).values()) > 0
+        outputs = _encode(st, samples if real else adapter.stand_in_samples(part))
         offsets = _row_offsets(adapter, part, samples)
         t_compute = time.perf_counter() - t0
 
@@ -87,7 +99,8 @@ def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
         for name, out in outputs.items():
             # sp: non-leaders hold an empty slice but must join the backward;
             # tp: every rank holds the replicated output and needs the full gradient
-            grad = torch.cat(grads[name]) if st.leader else torch.zeros(out.shape)
+            has = st.leader and real
+            grad = torch.cat(grads[name]) if has else torch.zeros(out.shape)
             if st.is_tp:
                 dist.broadcast(grad, src=st.mp_src, group=st.mp_mesh.get_group())
             outs.append(out)
@@ -98,5 +111,7 @@ def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
         if st.leader:
             for name, n in adapter.item_counts(part, samples).items():
                 stats[st.layout.index[name]] = n
+        if st.fsdp:
+            st.drop_unused_grads(real)
         ids = [s.get("id") for s in samples]
         st.finish(step, stats, t_compute + time.perf_counter() - t2, t_wait, sample_ids=ids)

@@ -11,6 +11,7 @@ optimizer steps.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import ray
@@ -23,6 +24,11 @@ from ray_disagg._internal.stage import Stage
 from ray_disagg.data import count_label_tokens
 from ray_disagg.models.base import lm_loss
 from ray_disagg.parallel import tensor_parallel as tp
+
+
+def _loss(adapter, lm_head, batch, received, n_labels, tp_group, vocab_start, model):
+    hidden = adapter.llm_hidden(model, batch, received)
+    return lm_loss(hidden, lm_head, batch["labels"], n_labels, tp_group, vocab_start)
 
 
 def _plain(v):
@@ -96,7 +102,7 @@ def llm_train_loop(args: lc.LoopArgs) -> None:
         tp_group, vocab_start = tp.parallelize_text(
             model, decoder, lm_head, st.mp_mesh, adapter.llm_tp_plan(), adapter.per_head_norms
         )
-    start = st.setup_optimizer(model)
+    start = st.setup(model)
     data = ray.get(args.dataset_ref[0])
     source = ingest.make_source(data, plan, st.dp_rank, st.leader, st.part)
     text_keys = ("id", "input_ids", "labels", *adapter.llm_fields())
@@ -119,11 +125,9 @@ def llm_train_loop(args: lc.LoopArgs) -> None:
         n_labels = torch.tensor([local_labels], dtype=torch.float64)
         dist.all_reduce(n_labels, group=st.dp_mesh.get_group())
         batch = {k: v.to(st.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        loss_args = (batch, received, max(float(n_labels), 1.0), tp_group, vocab_start)
         with torch.autocast(st.device.type, torch.bfloat16, enabled=cfg.bf16):
-            hidden = adapter.llm_hidden(model, batch, received)
-            loss = lm_loss(
-                hidden, lm_head, batch["labels"], max(float(n_labels), 1.0), tp_group, vocab_start
-            )
+            loss = st.runner(functools.partial(_loss, adapter, lm_head, *loss_args))
         loss.backward()
         t_compute = time.perf_counter() - t0
 

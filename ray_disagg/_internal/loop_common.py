@@ -254,9 +254,10 @@ def restore(model, optimizer, module: str, args: LoopArgs) -> int:
     with ckpt.as_directory() as root:
         checkpointing.check_compatible(root, args.spec.load_config(), args.cfg.max_steps)
         module_dir = os.path.join(root, module)
-        model_state, optimizer_state = checkpointing.read_full(module_dir)
-        checkpointing.load_model(model, model_state)
-        checkpointing.load_optimizer(optimizer, model, optimizer_state)
+        if not checkpointing.load_sharded(model, optimizer, module_dir):
+            model_state, optimizer_state = checkpointing.read_full(module_dir)
+            checkpointing.load_model(model, model_state)
+            checkpointing.load_optimizer(optimizer, model, optimizer_state)
         return checkpointing.trained_steps(module_dir)
 
 

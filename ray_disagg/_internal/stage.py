@@ -13,10 +13,20 @@ import torch.distributed as dist
 
 from ray_disagg._internal import loop_common as lc
 from ray_disagg._internal.runtime import get_runtime
+from ray_disagg.parallel import fsdp
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.parallel.data_parallel import all_reduce_gradients
 
 logger = logging.getLogger(__name__)
+
+
+def _flat_mesh(mesh, device):
+    """A 1-D mesh over every rank of the group (FSDP2 over ``dp x sp``)."""
+    if mesh.size() == mesh.size(0):
+        return mesh[mesh.mesh_dim_names[0]]
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (mesh.size(),), mesh_dim_names=("dp_sp",))
 
 
 class Stage:
@@ -29,7 +39,8 @@ class Stage:
         self.device = self.rt.device
         self.side = self.rt.wait_side_group(self.cfg.collective_timeout_s)
         mesh = self.rt.mesh
-        self.dp_mesh = mesh["dp"]
+        self.dp_axis = mesh.mesh_dim_names[0]  # "dp", or "dp_shard" with FSDP2
+        self.dp_mesh = mesh[self.dp_axis]
         self.mp_axis = mesh.mesh_dim_names[1]  # "sp" or "tp"
         self.mp_mesh = mesh[self.mp_axis]
         self.dp_rank, self.group_rank = self.dp_mesh.get_local_rank(), mesh.get_rank()
@@ -43,16 +54,34 @@ class Stage:
         self.skipped = 0  # steps not applied (no label token, or non-finite with skipping)
 
     def build(self) -> torch.nn.Module:
-        model = self.args.spec.build_part(self.part).to(self.device)
+        """The part on the ``meta`` device (no memory yet): the loop applies its SP/TP plan,
+        then :meth:`setup` shards it with FSDP2 and materializes this rank's shards."""
+        model = self.args.spec.meta_model(self.part)
+        if self.cfg.param_dtype == "bfloat16":  # pure bf16: parameters, not rope buffers
+            for mod in model.modules():
+                for k, p in mod._parameters.items():
+                    if p is not None:
+                        mod._parameters[k] = torch.nn.Parameter(p.to(torch.bfloat16))
         if self.args.groups[self.part].activation_checkpointing:
             for root in self.adapter.part_roots(model, self.part):
                 if hasattr(root, "gradient_checkpointing_enable"):  # not e.g. an lm_head
                     root.gradient_checkpointing_enable({"use_reentrant": False})
         return model
 
-    def setup_optimizer(self, model: torch.nn.Module) -> int:
-        """Optimizer, checkpoint writer and restore; returns the step to start from."""
+    def setup(self, model: torch.nn.Module) -> int:
+        """FSDP2 (when the group uses it), this rank's shards of the weights, the optimizer,
+        the checkpoint writer and the restore; returns the step to start from."""
         self.model = model
+        self.runner = fsdp.PartRunner(model)
+        self.fsdp = self.args.groups[self.part].fsdp
+        if self.fsdp:
+            mesh = self.rt.mesh
+            # tp: shard over dp_shard (FSDP2 x TP); sp/dp: over every rank of the group
+            shard_mesh = self.dp_mesh if self.is_tp else _flat_mesh(mesh, self.device)
+            fsdp.apply_fsdp(self.runner, shard_mesh, bf16=self.cfg.bf16)
+        self.args.spec.materialize(model, self.device, self.part)
+        if self.is_tp:
+            tp.mark_partial_grads(model, self.adapter.per_head_norms)
         self.params = [p for p in model.parameters() if p.requires_grad]
         zero1 = getattr(self.args.groups[self.part].parallelism, "zero1", False)
         self.opt = lc.build_optimizer(self.params, self.cfg, zero1=zero1)
@@ -60,6 +89,16 @@ class Stage:
         hf_config = self.args.spec.load_config() if self.part == self.adapter.llm_part else None
         self.writer = lc.ShardWriter(self.part, lead=lead, hf_config=hf_config)
         return lc.restore(model, self.opt, self.part, self.args)
+
+    def drop_unused_grads(self, real: bool) -> None:
+        """FSDP2: when no rank of the group had real inputs this step (every rank ran a
+        stand-in), the zero gradients become ``None``, so AdamW skips the step for these
+        parameters as single-process training does."""
+        flag = torch.tensor([float(real)], device=self.device)
+        dist.all_reduce(flag)
+        if not flag.item():
+            for p in self.params:
+                p.grad = None
 
     def broadcast_object(self, obj):
         """``obj`` of the model-parallel leader, on every rank of its mp group."""
@@ -75,11 +114,12 @@ class Stage:
         t0 = time.perf_counter()
         # tp: replicas of a shard differ in samples only; dp x sp: replicas hold different
         # samples and sp ranks partial sums of the replicated weights
-        reduce = self.dp_mesh.get_group() if self.mp_axis == "tp" else dist.group.WORLD
-        all_reduce_gradients(self.params, reduce)
+        if not self.fsdp:  # FSDP2 reduce-scattered them in backward
+            reduce = self.dp_mesh.get_group() if self.mp_axis == "tp" else dist.group.WORLD
+            all_reduce_gradients(self.params, reduce)
         if self.is_tp:
             tp.all_reduce_partial_grads(self.params, self.mp_mesh.get_group())
-        sq = tp.grad_sq_norm(self.params, self.mp_mesh.get_group() if self.is_tp else None)
+        sq = tp.grad_sq_norm(self.params, dist.group.WORLD, self.device)
         ix = self.layout.index
         if self.group_rank == 0:
             stats[ix[f"{self.part}_sq"]] = sq

@@ -12,6 +12,12 @@ def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
         kind = type(p).__name__
         if isinstance(p, DataParallel):
             continue
+        if isinstance(p, TensorParallel) and p.fsdp and part != adapter.llm_part:
+            raise ValueError(
+                f"TensorParallel(fsdp=True) is supported for the LLM group "
+                f"({adapter.llm_part!r}) only; for {part!r} use DataParallel(fsdp=True) or "
+                "SequenceParallel(size=N, fsdp=True)."
+            )
         allowed = adapter.sp_parts if isinstance(p, SequenceParallel) else adapter.tp_parts
         if isinstance(p, TensorParallel) and part != adapter.llm_part:
             allowed = allowed if adapter.tower_tp_plan(part) is not None else ()

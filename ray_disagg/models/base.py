@@ -173,6 +173,20 @@ class ModelAdapter:
     def counter_names(self, part: str) -> tuple[str, ...]:
         return ()
 
+    def stand_in_spec(self, part: str) -> dict:
+        """A minimal ``synthetic_inputs`` spec with work for encoder ``part``."""
+        raise NotImplementedError
+
+    def synthetic_inputs(self, spec: dict, rng) -> tuple[dict, list[int]]:
+        """Random encoder fields for ``spec`` and the placeholder tokens they need."""
+        raise NotImplementedError
+
+    def stand_in_samples(self, part: str) -> list[dict]:
+        """Encoder inputs that an FSDP2 rank without samples runs (outputs discarded, zero
+        gradients), so all ranks of a group issue the same collectives."""
+        fields, _ = self.synthetic_inputs(self.stand_in_spec(part), np.random.default_rng(0))
+        return [fields]
+
     # ---- compute ----------------------------------------------------------------------
 
     def encode(self, module: nn.Module, part: str, samples: Sequence[dict], device, sp=None):

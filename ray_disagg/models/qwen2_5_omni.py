@@ -151,6 +151,9 @@ class Qwen2_5OmniThinkerAdapter(QwenVLAdapter):
                 tokens += self.placeholder_tokens("audio", f)
         return fields, tokens
 
+    def stand_in_spec(self, part):
+        return {"audios": [16]} if part == "audio" else super().stand_in_spec(part)
+
     def audio_lengths(self, sample: dict) -> np.ndarray:
         """Mel frames of each of the sample's audios (empty when it has none)."""
         mask = sample.get("feature_attention_mask")

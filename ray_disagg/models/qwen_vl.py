@@ -206,6 +206,9 @@ class QwenVLAdapter(ModelAdapter):
                     fields[key] = np.full(len(grids), 0.5, dtype=np.float32)
         return fields, tokens
 
+    def stand_in_spec(self, part):
+        return {"images": [(1, 2 * self.merge, 2 * self.merge)]}
+
     def _grid(self, sample: dict, key: str) -> np.ndarray | None:
         grid = sample.get(key)
         return None if grid is None else np.asarray(grid, dtype=np.int64).reshape(-1, 3)

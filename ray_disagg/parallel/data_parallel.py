@@ -53,7 +53,8 @@ def all_reduce_gradients(params: Iterable[torch.nn.Parameter], group: dist.Proce
     step whose batch has no image) keeps ``grad=None``, so the optimizer skips it, as
     single-process training does."""
     params = [p for p in params if p.requires_grad]
-    had = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)
+    device = params[0].device if params else "cpu"
+    had = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=device)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(had, group=group)
     grads = [_local(p.grad) for p in ensure_grads(params)]

@@ -28,18 +28,29 @@ __all__ = [
     "merge_split_qkv",
     "grad_sq_norm",
     "all_reduce_partial_grads",
+    "mark_partial_grads",
     "local",
 ]
 
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
+def mark_partial_grads(module, per_head_norms) -> None:
+    """Mark the parameters of the modules named in ``per_head_norms`` (call again after
+    anything that replaces parameters, e.g. FSDP2)."""
+    for name, mod in module.named_modules():
+        if name.rsplit(".", 1)[-1] in per_head_norms:
+            for p in mod.parameters():
+                p._tp_partial_grad = True
+
+
 def all_reduce_partial_grads(params, tp_group) -> None:
-    """Sum over ``tp_group`` the gradients of replicated parameters that see only this
-    rank's heads (marked by :func:`parallelize_text`)."""
+    """Sum over ``tp_group`` the gradients of tp-replicated parameters that see only this
+    rank's heads (marked by :func:`mark_partial_grads`); with FSDP2 each rank reduces its
+    dp shard, which is the same slice on every tp rank."""
     for p in params:
         if getattr(p, "_tp_partial_grad", False) and p.grad is not None:
-            dist.all_reduce(p.grad, group=tp_group)
+            dist.all_reduce(local(p.grad), group=tp_group)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -99,10 +110,7 @@ def parallelize_text(
     first vocab row of this rank's logits (for :class:`VocabParallelCrossEntropy`)."""
     for layer in lm.layers:
         parallelize_module(layer, tp_mesh, {n: _STYLES[s]() for n, s in layer_plan.items()})
-        for name, mod in layer.named_modules():
-            if name.rsplit(".", 1)[-1] in per_head_norms:
-                for p in mod.parameters():
-                    p._tp_partial_grad = True
+    mark_partial_grads(lm, per_head_norms)
     # vocab-parallel embedding: row shards of the table, partial lookups summed
     parallelize_module(
         lm,
@@ -129,7 +137,7 @@ class SplitQKV(torch.nn.Module):
         super().__init__()
         dim, out = qkv.in_features, qkv.out_features // 3
         for i, name in enumerate("qkv"):
-            lin = torch.nn.Linear(dim, out, bias=qkv.bias is not None)
+            lin = torch.nn.Linear(dim, out, bias=qkv.bias is not None, device=qkv.weight.device)
             with torch.no_grad():
                 lin.weight.copy_(qkv.weight[i * out : (i + 1) * out])
                 if qkv.bias is not None:
@@ -166,19 +174,23 @@ def parallelize_vision(visual, plan: dict[str, str], tp_mesh) -> None:
         blk.attn.num_heads //= tp_mesh.size()
 
 
-def grad_sq_norm(params, tp_group=None) -> float:
-    """Squared global grad norm of a module: tensor-parallel shards summed over
-    ``tp_group`` (when given), replicated tensors counted once."""
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
+def grad_sq_norm(params, group=None, device="cpu") -> float:
+    """Squared global grad norm of a group's parameters, whatever shards them (TP, FSDP2,
+    both, or nothing): each rank adds ``|local|^2 * shards / world`` (a DTensor's distinct
+    local pieces are ``shards`` = the product of its sharded mesh dims, each held by
+    ``world / shards`` ranks of ``group``; plain tensors are identical on every rank) and the
+    sum is all-reduced over ``group``."""
+    world = dist.get_world_size(group) if group is not None else 1
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         if p.grad is None:
             continue
-        g = p.grad
-        if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements):
-            sharded += g.to_local().double().pow(2).sum().cpu()
-        else:
-            replicated += local(g).double().pow(2).sum().cpu()
-    if tp_group is not None:
-        dist.all_reduce(sharded, group=tp_group)
-    return float(sharded + replicated)
+        g, shards = p.grad, 1
+        if isinstance(g, DTensor):
+            for dim, pl in enumerate(g.placements):
+                if not pl.is_replicate():  # Shard, or FSDP2 x TP's _StridedShard
+                    shards *= g.device_mesh.size(dim)
+        total += local(g).double().pow(2).sum() * (shards / world)
+    if world > 1:
+        dist.all_reduce(total, group=group)
+    return float(total)

@@ -1,0 +1,206 @@
+"""Building a part without holding anything else: construction on the ``meta`` device,
+then, after the parallel plans have sharded it, materialization of only this rank's
+shards, one tensor at a time, from either
+
+- :class:`InitSource`: a random initial value that is a function of ``(seed, HF name)``
+  alone (the owning module is initialised by the family's own ``_init_weights`` under a
+  seed derived from its name), so every layout and the single-process reference start
+  from identical weights; or
+- :class:`SafetensorsSource`: the tensors of a ``save_pretrained`` directory (one file or
+  a sharded index), memory-mapped, read per key, keys renamed by transformers' own
+  checkpoint conversion mapping (e.g. legacy ``model.layers.*`` ->
+  ``model.language_model.layers.*``) and cast per tensor.
+
+Non-persistent buffers (rotary ``inv_freq``) always come from :class:`InitSource`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+__all__ = [
+    "InitSource",
+    "SafetensorsSource",
+    "materialize",
+    "meta_model",
+    "part_tensor",
+    "FLOAT_DTYPES",
+]
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def meta_model(adapter, attn_implementation: str = "sdpa") -> nn.Module:
+    """The family's whole HF model on the ``meta`` device (no memory, no init)."""
+    config = adapter.config_class.from_dict(adapter.config.to_dict())
+    config._attn_implementation = attn_implementation
+    with torch.device("meta"):
+        model = adapter.hf_class(config)
+    return model.float().train()
+
+
+def _name_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:7], "little")
+
+
+class InitSource:
+    """Initial tensors by HF name: the owning module of ``name`` is built alone on the CPU
+    (``reset_parameters`` then the model's ``_init_weights``) under a seed derived from
+    ``(seed, module name)``. Only one module's tensors are alive at a time."""
+
+    def __init__(self, model: nn.Module, seed: int):
+        self.model, self.seed = model, seed  # a meta model of the family (any part of it)
+        self._owner, self._tensors = None, {}
+
+    def get(self, name: str) -> torch.Tensor:
+        owner, _, leaf = name.rpartition(".")
+        if owner != self._owner:
+            self._owner, self._tensors = owner, self._init_module(owner)
+        return self._tensors[leaf]
+
+    def _init_module(self, owner: str) -> dict[str, torch.Tensor]:
+        mod = self.model.get_submodule(owner)
+        alone = copy.copy(mod)  # same class and attributes, its own tensors on the CPU
+        alone._parameters = {
+            k: None if v is None else nn.Parameter(torch.empty(v.shape, dtype=v.dtype))
+            for k, v in mod._parameters.items()
+        }
+        alone._buffers = {
+            k: None if v is None else torch.empty(v.shape, dtype=v.dtype)
+            for k, v in mod._buffers.items()
+        }
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(_name_seed(self.seed, owner))
+            if hasattr(alone, "reset_parameters") and alone._parameters:
+                alone.reset_parameters()
+            self.model._init_weights(alone)
+        return {k: v for k, v in {**alone._parameters, **alone._buffers}.items() if v is not None}
+
+
+class SafetensorsSource:
+    """Tensors of a local ``save_pretrained`` directory by the model's HF names."""
+
+    def __init__(self, path: str, model: nn.Module):
+        from safetensors import safe_open
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+        self.path, self._open, self._files = path, safe_open, {}
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.index_name = index
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not files:
+                raise ValueError(
+                    f"pretrained_path={path!r} has no *.safetensors weights; save the model "
+                    "with save_pretrained (safetensors) first."
+                )
+            weight_map = {}
+            for fname in files:
+                with safe_open(os.path.join(path, fname), "pt") as f:
+                    weight_map.update(dict.fromkeys(f.keys(), fname))
+            self.index_name = os.path.join(path, files[0])
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+        meta_sd = dict.fromkeys(model.state_dict(), True)
+        self.where: dict[str, tuple[str, str]] = {}
+        self.converted: set[str] = set()
+        for ck_key, fname in weight_map.items():
+            key, conv = rename_source_key(
+                ck_key, renamings, converters, model.base_model_prefix, meta_sd
+            )
+            if conv is not None:
+                self.converted.add(key)
+            self.where[key] = (fname, ck_key)
+
+    def missing(self, names) -> list[str]:
+        return [n for n in names if _fused_name(n) not in self.where]
+
+    def check(self, names) -> None:
+        """``ValueError`` naming the first key of ``names`` the directory lacks."""
+        missing = self.missing(names)
+        if missing:
+            raise ValueError(
+                f"The weights in {self.index_name} have no tensor for {missing[0]!r}"
+                f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; the "
+                "directory does not hold this model (check its config.json and index)."
+            )
+        converted = sorted({_fused_name(n) for n in names} & self.converted)
+        if converted:
+            raise ValueError(
+                f"{converted[0]!r} in {self.index_name} needs a transformers weight conversion "
+                "(fused/merged tensors), which sharded loading does not do; re-save the model "
+                "with save_pretrained from transformers >= 5 first."
+            )
+
+    def get(self, name: str) -> torch.Tensor:
+        fname, ck_key = self.where[name]
+        if fname not in self._files:
+            self._files[fname] = self._open(os.path.join(self.path, fname), "pt")
+        t = self._files[fname].get_tensor(ck_key)
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"{ck_key!r} in {self.index_name} has dtype {t.dtype}; only "
+                f"{[str(d) for d in FLOAT_DTYPES]} weights are supported (no quantized models)."
+            )
+        return t
+
+
+def _fused_name(name: str) -> str:
+    """HF's name of a split-qkv tensor (``*.qkv.q.weight`` -> ``*.qkv.weight``)."""
+    head, sep, tail = name.rpartition(".qkv.")
+    if sep and tail[:2] in ("q.", "k.", "v."):
+        return f"{head}.qkv.{tail[2:]}"
+    return name
+
+
+def part_tensor(source, name: str) -> torch.Tensor:
+    """The full tensor of a part's parameter ``name`` from ``source`` (anything with
+    ``.get(hf_name)``), sliced out of HF's fused qkv for a split-qkv part."""
+    fused = _fused_name(name)
+    if fused == name:
+        return source.get(name)
+    full = source.get(fused)
+    third = full.shape[0] // 3
+    i = "qkv".index(name.rpartition(".qkv.")[2][0])
+    return full[i * third : (i + 1) * third]
+
+
+@torch.no_grad()
+def fill(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's shard of the global ``full`` into ``p`` (a DTensor, sharded by TP
+    and/or FSDP2, or a plain tensor), slicing locally without communication."""
+    if tuple(full.shape) != tuple(p.shape):
+        raise ValueError(f"shape {tuple(full.shape)} does not match the model's {tuple(p.shape)}")
+    if isinstance(p, DTensor):
+        full = full.to(p.to_local().device, p.dtype)
+        shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+        p.to_local().copy_(shard.to_local())
+    else:
+        p.copy_(full)
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, device, params, buffers: InitSource) -> None:
+    """Allocate ``module``'s (possibly sharded) tensors on ``device`` and fill them: the
+    parameters from ``params``, the buffers from ``buffers``, one tensor at a time."""
+    module.to_empty(device=device)
+    for name, p in module.named_parameters():
+        try:
+            fill(p, part_tensor(params, name))
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    for name, b in module.named_buffers():
+        fill(b, buffers.get(name))

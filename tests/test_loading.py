@@ -1,0 +1,139 @@
+"""Tier 1: a part is built on ``meta`` and materialized alone (per-name random init, or
+only its keys from a multi-file safetensors directory); bad weights and settings fail on
+the driver with the key, the file and the fix."""
+
+import json
+
+import pytest
+import torch
+from ray.train import ScalingConfig
+from safetensors.torch import load_file, save_file
+
+from ray_disagg import (
+    ADAPTERS,
+    DataParallel,
+    DisaggregatedTrainer,
+    HFModelSpec,
+    ModuleGroup,
+    TensorParallel,
+    TrainLoopConfig,
+    tiny_qwen2_5_vl_config,
+)
+from ray_disagg.examples_data import synthetic_samples
+from ray_disagg.models import loading
+
+CONFIGS = {
+    name: __import__("ray_disagg.models", fromlist=["x"]).__dict__[f"tiny_{name}_config"]()
+    for name in ADAPTERS
+}
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_random_init_is_a_function_of_seed_and_name(family):
+    spec = HFModelSpec(config=CONFIGS[family], seed=3)
+    full = spec.build_full().state_dict()
+    for part in spec.adapter.parts:
+        alone = spec.build_part(part).state_dict()
+        assert alone and all(torch.equal(v, full[k]) for k, v in alone.items()), part
+    other = HFModelSpec(config=CONFIGS[family], seed=4).build_part(spec.adapter.llm_part)
+    key = next(k for k in other.state_dict() if k.endswith("q_proj.weight"))
+    assert not torch.equal(other.state_dict()[key], full[key])
+    # every value is HF's own init (finite, right scale), and the rope buffers are exact
+    hf = spec.adapter.build_full(0)
+    hf_buffers = dict(hf.named_buffers())
+    for name, b in spec.build_full().named_buffers():
+        assert torch.equal(b, hf_buffers[name]), name
+
+
+def test_building_a_part_allocates_nothing_of_another_part(monkeypatch):
+    spec = HFModelSpec(config=tiny_qwen2_5_vl_config(), seed=0)
+    meta = spec.meta_model("vision")
+    assert all(t.is_meta for t in meta.state_dict().values())
+    assert meta.model.language_model is None and meta.lm_head is None
+    owners = []
+    real_init = loading.InitSource._init_module
+    monkeypatch.setattr(
+        loading.InitSource,
+        "_init_module",
+        lambda self, owner: owners.append(owner) or real_init(self, owner),
+    )
+    spec.materialize(meta, "cpu", "vision")
+    assert owners and all(o.startswith("model.visual") for o in owners)
+    tensors = [*meta.parameters(), *meta.buffers()]
+    assert not any(t.is_meta for t in tensors)
+    own_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    full = spec.meta_model()
+    tower_bytes = sum(
+        t.numel() * t.element_size()
+        for n, t in [*full.named_parameters(), *full.named_buffers()]
+        if n.startswith("model.visual.")
+    )
+    assert own_bytes == tower_bytes  # exactly the tower's tensors, nothing of the LLM
+
+
+def test_multi_file_pretrained_loads_only_the_part_keys_cast_per_tensor(tmp_path):
+    spec = HFModelSpec(config=tiny_qwen2_5_vl_config(), seed=2)
+    model = spec.build_full()
+    model.to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3
+    pre = HFModelSpec(pretrained_path=tmp_path)
+    hf = spec.adapter.hf_class.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
+    for part in pre.adapter.parts:
+        meta = pre.meta_model(part)
+        source = pre.weight_source(pre.meta_model(part))
+        loading.materialize(meta, "cpu", source, loading.InitSource(meta, 0))
+        state = meta.state_dict()
+        assert all(v.dtype == torch.float32 for v in state.values())
+        assert all(torch.equal(v, hf[k]) for k, v in state.items()), part
+        # only the files that hold this part's keys were opened
+        wanted = {source.where[k][0] for k in state}
+        assert set(source._files) == wanted
+
+
+def test_bad_pretrained_weights_name_the_key_and_the_file(tmp_path):
+    spec = HFModelSpec(config=tiny_qwen2_5_vl_config(), seed=2)
+    spec.build_full().save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    dropped = next(k for k in weights if "merger" in k)
+    del weights[dropped]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    pre = HFModelSpec(pretrained_path=tmp_path)
+    with pytest.raises(ValueError, match=r"model\.safetensors have no tensor for .*merger"):
+        pre.check_weights()
+    with pytest.raises(ValueError, match="merger"):  # the trainer checks on the driver
+        DisaggregatedTrainer(
+            model=pre,
+            groups={"vision": _group(), "text": _group()},
+            train_loop_config={"max_steps": 1, "global_batch_size": 2},
+            datasets={"train": synthetic_samples(spec.adapter.config, 4)},
+        )
+    weights = load_file(tmp_path / "model.safetensors")
+    weights[dropped] = torch.zeros(3, dtype=torch.int8)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    weights.clear()
+    with pytest.raises(ValueError, match="dtype torch.int8"):
+        HFModelSpec(pretrained_path=tmp_path).build_part("vision")
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        HFModelSpec(pretrained_path=tmp_path).check_weights()
+
+
+def _group(n=1, parallelism="none"):
+    return ModuleGroup(scaling_config=ScalingConfig(num_workers=n), parallelism=parallelism)
+
+
+def test_sharding_settings_are_checked():
+    with pytest.raises(ValueError, match="choose one of them"):
+        DataParallel(zero1=True, fsdp=True)
+    with pytest.raises(ValueError, match="param_dtype"):
+        TrainLoopConfig(max_steps=1, global_batch_size=1, param_dtype="float16")
+    with pytest.raises(ValueError, match="LLM group"):
+        cfg = tiny_qwen2_5_vl_config()
+        DisaggregatedTrainer(
+            model=HFModelSpec(config=cfg),
+            groups={"vision": _group(2, TensorParallel(size=2, fsdp=True)), "text": _group()},
+            train_loop_config={"max_steps": 1, "global_batch_size": 2},
+            datasets={"train": synthetic_samples(cfg, 4)},
+        )
+    assert _group(4, TensorParallel(size=2, fsdp=True)).fsdp
