@@ -20,6 +20,7 @@ from transformers import AutoConfig
 from ray_disagg._internal.checkpointing import read_metadata
 from ray_disagg._internal.safetensors_stream import parse_size, save_streaming
 from ray_disagg.models import get_adapter
+from ray_disagg.parallel.tensor_parallel import split_qkv_name
 
 __all__ = ["export_hf"]
 
@@ -47,11 +48,8 @@ def _read_sources(directory: str, sources: dict[str, _Source]) -> None:
     for key, m in meta.items():
         if not (isinstance(m, TensorStorageMetadata) and key.startswith("model.")):
             continue
-        name = key[len("model.") :]
-        head, sep, tail = name.rpartition(".qkv.")
-        which = ""
-        if sep and tail[:2] in ("q.", "k.", "v."):  # vision TP stores q/k/v apart
-            name, which = f"{head}.qkv.{tail[2:]}", tail[0]
+        name, which = split_qkv_name(key[len("model.") :])  # vision TP stores q/k/v apart
+        which = which or ""
         src = sources.setdefault(name, _Source(directory, {}, m.properties.dtype, {}))
         if src.directory != directory or which in src.keys or src.dtype != m.properties.dtype:
             raise ValueError(f"{name} is stored twice or inconsistently in the checkpoint")

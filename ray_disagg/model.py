@@ -17,8 +17,20 @@ from transformers import AutoConfig, PretrainedConfig
 
 from ray_disagg.models import IGNORE_INDEX, get_adapter, loading, tiny_qwen2_5_vl_config
 from ray_disagg.models.base import ModelAdapter
+from ray_disagg.parallel.tensor_parallel import split_qkv_name
 
 __all__ = ["HFModelSpec", "Qwen2_5_VLSpec", "tiny_qwen2_5_vl_config", "IGNORE_INDEX"]
+
+
+def _hf_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The HF tensors ``module``'s parameters come from, with their global shapes (a
+    split-qkv part reads the fused tensor)."""
+    shapes = {}
+    for name, p in module.named_parameters():
+        fused, which = split_qkv_name(name)
+        shape = tuple(p.shape)
+        shapes[fused] = (3 * shape[0], *shape[1:]) if which else shape
+    return shapes
 
 
 @dataclass(kw_only=True)
@@ -101,7 +113,7 @@ class HFModelSpec:
         meta = self.meta_model(part)
         params = self.weight_source(meta)
         if isinstance(params, loading.SafetensorsSource):
-            params.check([n for n, _ in module.named_parameters()])
+            params.check(_hf_shapes(module))
         loading.materialize(module, device, params, loading.InitSource(meta, self.seed))
 
     def build_full(self) -> nn.Module:
@@ -121,9 +133,7 @@ class HFModelSpec:
         naming the missing key and the index file otherwise)."""
         if self.pretrained_path is not None:
             meta = self.meta_model()
-            loading.SafetensorsSource(self.pretrained_path, meta).check(
-                [n for n, _ in meta.named_parameters()]
-            )
+            loading.SafetensorsSource(self.pretrained_path, meta).check(_hf_shapes(meta))
 
 
 @dataclass(kw_only=True)

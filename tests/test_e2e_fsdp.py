@@ -80,3 +80,21 @@ def test_fsdp_layouts_and_resharding_checkpoints_match_reference(
         rtol=1e-5,
         atol=0.0,
     )
+
+
+def test_fsdp_bf16_mixed_and_pure_bf16_train_close_to_fp32(ray_start_4_cpus, pretrained, tmp_path):
+    spec, data = pretrained
+    loop = dict(LOOP, max_steps=2, bf16=True)
+    groups = vt(group(2, DataParallel(fsdp=True)), group(2, DataParallel(fsdp=True)))
+    ref_losses, _, _ = reference_train(spec, data, TrainLoopConfig(**dict(loop, bf16=False)))
+    mixed = fit(spec, data, loop, groups, tmp_path, "mixed")
+    state = checkpoint_state(mixed.checkpoint)
+    assert all(v.dtype == torch.float32 for v in state.values())  # fp32 master weights
+    pure = fit(spec, data, dict(loop, param_dtype="bfloat16"), groups, tmp_path, "pure")
+    state = checkpoint_state(pure.checkpoint)
+    assert all(v.dtype == torch.bfloat16 for v in state.values())  # bf16 params and AdamW
+    for result in (mixed, pure):
+        losses = result.metrics_dataframe.sort_values("step")["loss"].tolist()
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=0.02, atol=0.0
+        )

@@ -112,7 +112,7 @@ def test_bad_pretrained_weights_name_the_key_and_the_file(tmp_path):
     weights[dropped] = torch.zeros(3, dtype=torch.int8)
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     weights.clear()
-    with pytest.raises(ValueError, match="dtype torch.int8"):
+    with pytest.raises(ValueError, match="has dtype I8"):
         HFModelSpec(pretrained_path=tmp_path).build_part("vision")
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="no \\*.safetensors"):
@@ -137,3 +137,35 @@ def test_sharding_settings_are_checked():
             datasets={"train": synthetic_samples(cfg, 4)},
         )
     assert _group(4, TensorParallel(size=2, fsdp=True)).fsdp
+
+
+def test_tied_embeddings_stay_tied_in_pure_bf16_and_are_refused_under_tp():
+    cfg = tiny_qwen2_5_vl_config()
+    cfg.tie_word_embeddings = cfg.text_config.tie_word_embeddings = True
+    spec = HFModelSpec(config=cfg)
+    meta = spec.meta_model("text")
+    assert loading.tied_parameters(meta) == {
+        "lm_head.weight": "model.language_model.embed_tokens.weight"
+    }
+    loading.cast_parameters(meta, torch.bfloat16)
+    assert meta.lm_head.weight is meta.model.language_model.embed_tokens.weight
+    assert meta.lm_head.weight.dtype == torch.bfloat16
+    assert all(b.dtype == torch.float32 for b in meta.buffers())  # rope stays fp32
+    with pytest.raises(ValueError, match="tie_word_embeddings.*DataParallel\\(fsdp=True\\)"):
+        DisaggregatedTrainer(
+            model=spec,
+            groups={"vision": _group(), "text": _group(2, TensorParallel(size=2))},
+            train_loop_config={"max_steps": 1, "global_batch_size": 2},
+            datasets={"train": synthetic_samples(cfg, 4)},
+        )
+
+
+def test_weights_of_another_shape_fail_on_the_driver(tmp_path):
+    spec = HFModelSpec(config=tiny_qwen2_5_vl_config(), seed=2)
+    spec.build_full().save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    key = next(k for k in weights if k.endswith("mlp.down_proj.weight"))
+    weights[key] = weights[key][:, :-1].contiguous()
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="has shape .* config.json does not match"):
+        HFModelSpec(pretrained_path=tmp_path).check_weights()

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ray_disagg.models.loading import part_tensor
-from ray_disagg.parallel.tensor_parallel import merge_split_qkv
+from ray_disagg.parallel.tensor_parallel import merge_split_qkv, split_qkv_name
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -68,8 +68,15 @@ def load_sharded(model, optimizer, directory: str) -> bool:
     checkpoint into a fused tower or back): use :func:`read_full` then."""
     meta = read_metadata(directory)
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
-    if set(state) != {k for k in meta if k.startswith("model.")}:
-        return False
+    saved = {k for k in meta if k.startswith("model.")}
+    if set(state) != saved:
+        fused = {split_qkv_name(k)[0] for k in saved}
+        if fused == {split_qkv_name(k)[0] for k in state}:
+            return False  # only the qkv split differs
+        raise ValueError(
+            f"The checkpoint in {directory} does not hold this part: missing "
+            f"{sorted(set(state) - saved)[:5]}, unexpected {sorted(saved - set(state))[:5]}."
+        )
     inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1: the local optimizer
     owned = {id(p) for g in inner.param_groups for p in g["params"]}
     slots = {}

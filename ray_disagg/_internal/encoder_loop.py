@@ -100,7 +100,7 @@ def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
             # sp: non-leaders hold an empty slice but must join the backward;
             # tp: every rank holds the replicated output and needs the full gradient
             has = st.leader and real
-            grad = torch.cat(grads[name]) if has else torch.zeros(out.shape)
+            grad = torch.cat(grads[name]).to(st.device) if has else torch.zeros_like(out)
             if st.is_tp:
                 dist.broadcast(grad, src=st.mp_src, group=st.mp_mesh.get_group())
             outs.append(out)

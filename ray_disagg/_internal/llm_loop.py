@@ -84,9 +84,10 @@ def _share(st: Stage, items, received):
     """tp: the leader's text items and crossing tensors on every tp rank."""
     shapes = {k: tuple(v.shape) for k, v in received.items()} if st.leader else None
     items, shapes = st.broadcast_object((items, shapes))
+    received = {k: v.to(st.device) for k, v in received.items()}
     if st.mp_size > 1:
         if not st.leader:
-            received = {k: torch.empty(s) for k, s in shapes.items()}
+            received = {k: torch.empty(s, device=st.device) for k, s in shapes.items()}
         for k in sorted(received):
             dist.broadcast(received[k], src=st.mp_src, group=st.mp_mesh.get_group())
     return items, received
@@ -119,10 +120,10 @@ def llm_train_loop(args: lc.LoopArgs) -> None:
         t_wait = time.perf_counter() - t_wait
         t0 = time.perf_counter()
         items, received = _share(st, items, received)
-        received = {k: v.to(st.device).requires_grad_() for k, v in received.items()}
+        received = {k: v.requires_grad_() for k, v in received.items()}
         batch = adapter.collate_llm(items)
         local_labels = sum(count_label_tokens(adapter.labels(it)) for it in items)
-        n_labels = torch.tensor([local_labels], dtype=torch.float64)
+        n_labels = torch.tensor([local_labels], dtype=torch.float64, device=st.device)
         dist.all_reduce(n_labels, group=st.dp_mesh.get_group())
         batch = {k: v.to(st.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         loss_args = (batch, received, max(float(n_labels), 1.0), tp_group, vocab_start)

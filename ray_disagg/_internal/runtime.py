@@ -56,7 +56,11 @@ def init_runtime(module: str, mesh_shape: tuple[int, ...], mesh_axes: tuple[str,
     global _runtime
     import ray.train.torch
 
+    from ray_disagg._internal.memory import limit_heap_fragmentation
+
     device = ray.train.torch.get_device()
+    if device.type == "cpu":  # tensors live in host memory: keep it from fragmenting
+        limit_heap_fragmentation()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=mesh_axes)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ray_disagg._internal import loop_common as lc
 from ray_disagg._internal.runtime import get_runtime
+from ray_disagg.models import loading
 from ray_disagg.parallel import fsdp
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.parallel.data_parallel import all_reduce_gradients
@@ -57,11 +58,8 @@ class Stage:
         """The part on the ``meta`` device (no memory yet): the loop applies its SP/TP plan,
         then :meth:`setup` shards it with FSDP2 and materializes this rank's shards."""
         model = self.args.spec.meta_model(self.part)
-        if self.cfg.param_dtype == "bfloat16":  # pure bf16: parameters, not rope buffers
-            for mod in model.modules():
-                for k, p in mod._parameters.items():
-                    if p is not None:
-                        mod._parameters[k] = torch.nn.Parameter(p.to(torch.bfloat16))
+        if self.cfg.param_dtype == "bfloat16":  # pure bf16
+            loading.cast_parameters(model, torch.bfloat16)
         if self.args.groups[self.part].activation_checkpointing:
             for root in self.adapter.part_roots(model, self.part):
                 if hasattr(root, "gradient_checkpointing_enable"):  # not e.g. an lm_head
@@ -78,7 +76,7 @@ class Stage:
             mesh = self.rt.mesh
             # tp: shard over dp_shard (FSDP2 x TP); sp/dp: over every rank of the group
             shard_mesh = self.dp_mesh if self.is_tp else _flat_mesh(mesh, self.device)
-            fsdp.apply_fsdp(self.runner, shard_mesh, bf16=self.cfg.bf16)
+            fsdp.apply_fsdp(self.runner, shard_mesh, self.cfg.bf16, self._own_units(model))
         self.args.spec.materialize(model, self.device, self.part)
         if self.is_tp:
             tp.mark_partial_grads(model, self.adapter.per_head_norms)
@@ -89,6 +87,15 @@ class Stage:
         hf_config = self.args.spec.load_config() if self.part == self.adapter.llm_part else None
         self.writer = lc.ShardWriter(self.part, lead=lead, hf_config=hf_config)
         return lc.restore(model, self.opt, self.part, self.args)
+
+    def _own_units(self, model) -> list[torch.nn.Module]:
+        """FSDP2 units besides the blocks: the LLM's input embedding and ``lm_head`` (large
+        with a big vocabulary; the root unit stays unsharded for the whole step), unless
+        they are tied (one parameter cannot be in two units)."""
+        if self.part != self.adapter.llm_part or loading.tied_parameters(model):
+            return []
+        decoder, lm_head = self.adapter.llm_modules(model)
+        return [decoder.embed_tokens, lm_head]
 
     def drop_unused_grads(self, real: bool) -> None:
         """FSDP2: when no rank of the group had real inputs this step (every rank ran a

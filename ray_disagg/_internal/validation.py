@@ -4,9 +4,19 @@ starts. Every error names the setting to change."""
 from __future__ import annotations
 
 from ray_disagg.config import DataParallel, ModuleGroup, SequenceParallel, TensorParallel
+from ray_disagg.models import loading
 
 
 def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
+    llm = groups[adapter.llm_part].parallelism
+    if isinstance(llm, TensorParallel) and llm.size > 1:
+        tied = loading.tied_parameters(loading.meta_model(adapter))
+        if tied:
+            raise ValueError(
+                f"This {adapter.model_type} model ties {sorted(tied)} to the input "
+                "embedding (tie_word_embeddings), which TensorParallel does not support yet; "
+                f"use DataParallel(fsdp=True) for the {adapter.llm_part!r} group."
+            )
     for part, group in groups.items():
         p = group.parallelism
         kind = type(p).__name__

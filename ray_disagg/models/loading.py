@@ -25,12 +25,16 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ray_disagg.parallel.tensor_parallel import split_qkv_name
+
 __all__ = [
     "InitSource",
     "SafetensorsSource",
     "materialize",
     "meta_model",
     "part_tensor",
+    "cast_parameters",
+    "tied_parameters",
     "FLOAT_DTYPES",
 ]
 
@@ -44,6 +48,23 @@ def meta_model(adapter, attn_implementation: str = "sdpa") -> nn.Module:
     with torch.device("meta"):
         model = adapter.hf_class(config)
     return model.float().train()
+
+
+def cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
+    """Parameters (not buffers: rope ``inv_freq`` stays fp32) to ``dtype``, keeping tied
+    parameters tied."""
+    done: dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        for k, p in mod._parameters.items():
+            if p is not None:
+                if id(p) not in done:
+                    done[id(p)] = nn.Parameter(p.to(dtype), requires_grad=p.requires_grad)
+                mod._parameters[k] = done[id(p)]
+
+
+def tied_parameters(model: nn.Module) -> dict[str, str]:
+    """HF's tied parameters of ``model`` (e.g. ``{"lm_head.weight": "...embed_tokens.weight"}``)."""
+    return dict(model.get_expanded_tied_weights_keys())
 
 
 def _name_seed(seed: int, name: str) -> int:
@@ -125,19 +146,38 @@ class SafetensorsSource:
                 self.converted.add(key)
             self.where[key] = (fname, ck_key)
 
-    def missing(self, names) -> list[str]:
-        return [n for n in names if _fused_name(n) not in self.where]
+    def _file(self, fname: str):
+        if fname not in self._files:
+            self._files[fname] = self._open(os.path.join(self.path, fname), "pt")
+        return self._files[fname]
 
-    def check(self, names) -> None:
-        """``ValueError`` naming the first key of ``names`` the directory lacks."""
-        missing = self.missing(names)
+    def check(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """From the files' headers only: ``ValueError`` naming the first of the model's
+        tensors (name -> shape) that the directory lacks, holds with another shape, or
+        holds in a non-float dtype."""
+        missing = [n for n in shapes if n not in self.where]
         if missing:
             raise ValueError(
                 f"The weights in {self.index_name} have no tensor for {missing[0]!r}"
                 f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; the "
                 "directory does not hold this model (check its config.json and index)."
             )
-        converted = sorted({_fused_name(n) for n in names} & self.converted)
+        for name, shape in shapes.items():
+            fname, ck_key = self.where[name]
+            sl = self._file(fname).get_slice(ck_key)
+            dtype = sl.get_dtype()
+            if dtype not in ("F32", "BF16", "F16"):
+                raise ValueError(
+                    f"{ck_key!r} in {os.path.join(self.path, fname)} has dtype {dtype}; only "
+                    "float32/bfloat16/float16 weights are supported (no quantized models)."
+                )
+            if tuple(sl.get_shape()) != tuple(shape):
+                raise ValueError(
+                    f"{ck_key!r} in {os.path.join(self.path, fname)} has shape "
+                    f"{tuple(sl.get_shape())} but the model's {name} is {tuple(shape)}; the "
+                    "config.json does not match the weights."
+                )
+        converted = sorted(set(shapes) & self.converted)
         if converted:
             raise ValueError(
                 f"{converted[0]!r} in {self.index_name} needs a transformers weight conversion "
@@ -147,9 +187,7 @@ class SafetensorsSource:
 
     def get(self, name: str) -> torch.Tensor:
         fname, ck_key = self.where[name]
-        if fname not in self._files:
-            self._files[fname] = self._open(os.path.join(self.path, fname), "pt")
-        t = self._files[fname].get_tensor(ck_key)
+        t = self._file(fname).get_tensor(ck_key)
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(
                 f"{ck_key!r} in {self.index_name} has dtype {t.dtype}; only "
@@ -158,23 +196,15 @@ class SafetensorsSource:
         return t
 
 
-def _fused_name(name: str) -> str:
-    """HF's name of a split-qkv tensor (``*.qkv.q.weight`` -> ``*.qkv.weight``)."""
-    head, sep, tail = name.rpartition(".qkv.")
-    if sep and tail[:2] in ("q.", "k.", "v."):
-        return f"{head}.qkv.{tail[2:]}"
-    return name
-
-
 def part_tensor(source, name: str) -> torch.Tensor:
     """The full tensor of a part's parameter ``name`` from ``source`` (anything with
     ``.get(hf_name)``), sliced out of HF's fused qkv for a split-qkv part."""
-    fused = _fused_name(name)
-    if fused == name:
+    fused, which = split_qkv_name(name)
+    if which is None:
         return source.get(name)
     full = source.get(fused)
     third = full.shape[0] // 3
-    i = "qkv".index(name.rpartition(".qkv.")[2][0])
+    i = "qkv".index(which)
     return full[i * third : (i + 1) * third]
 
 

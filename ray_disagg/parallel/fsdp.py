@@ -46,16 +46,22 @@ def transformer_blocks(module: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp(
-    runner: PartRunner, mesh: DeviceMesh, bf16: bool, reshard_after_forward: bool = True
+    runner: PartRunner,
+    mesh: DeviceMesh,
+    bf16: bool,
+    extra_units: list[nn.Module] = (),
+    reshard_after_forward: bool = True,
 ) -> None:
-    """Shard ``runner.model`` in place (on ``meta`` or materialized) over the 1-D ``mesh``;
-    ``bf16``: all-gather bf16 parameters and reduce fp32 gradients."""
+    """Shard ``runner.model`` in place (on ``meta`` or materialized) over the 1-D ``mesh``:
+    every transformer block and each of ``extra_units`` (modules called through their own
+    ``forward``, e.g. a large embedding) as a unit, the rest as the root unit; ``bf16``:
+    all-gather bf16 parameters and reduce fp32 gradients."""
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else None,
         reduce_dtype=torch.float32 if bf16 else None,
     )
     units = []
-    for block in transformer_blocks(runner.model):
+    for block in [*transformer_blocks(runner.model), *extra_units]:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         units.append(block)
     fully_shard(runner, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

@@ -29,6 +29,7 @@ __all__ = [
     "grad_sq_norm",
     "all_reduce_partial_grads",
     "mark_partial_grads",
+    "split_qkv_name",
     "local",
 ]
 
@@ -148,13 +149,22 @@ class SplitQKV(torch.nn.Module):
         return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
 
 
+def split_qkv_name(name: str) -> tuple[str, str | None]:
+    """``("*.qkv.weight", "q")`` for a :class:`SplitQKV` name ``*.qkv.q.weight``;
+    ``(name, None)`` for any other name."""
+    head, sep, tail = name.rpartition(".qkv.")
+    if sep and tail[:2] in ("q.", "k.", "v."):
+        return f"{head}.qkv.{tail[2:]}", tail[0]
+    return name, None
+
+
 def merge_split_qkv(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Turn ``*.qkv.{q,k,v}.{weight,bias}`` back into HF's fused ``*.qkv.{weight,bias}``."""
     out, pending = {}, {}
     for key, value in state.items():
-        head, sep, tail = key.rpartition(".qkv.")
-        if sep and tail[:2] in ("q.", "k.", "v."):
-            pending.setdefault(f"{head}.qkv.{tail[2:]}", {})[tail[0]] = value
+        fused, which = split_qkv_name(key)
+        if which:
+            pending.setdefault(fused, {})[which] = value
         else:
             out[key] = value
     for key, parts in pending.items():
