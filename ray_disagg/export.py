@@ -8,16 +8,14 @@ is about the largest tensor, not the model.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.distributed.checkpoint as dcp
 from ray.train import Checkpoint
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig
 
-from ray_disagg._internal.checkpointing import read_metadata
+from ray_disagg._internal.checkpointing import load_alone, read_metadata
 from ray_disagg._internal.safetensors_stream import parse_size, save_streaming
 from ray_disagg.models import get_adapter
 from ray_disagg.parallel.tensor_parallel import split_qkv_name
@@ -67,9 +65,7 @@ def _load(src: _Source) -> torch.Tensor:
     else:  # q, k, v: consecutive row blocks of the fused tensor
         rows = [src.sizes[w][0] for w in "qkv"]
         targets = {src.keys[w]: out.narrow(0, sum(rows[:i]), rows[i]) for i, w in enumerate("qkv")}
-    with warnings.catch_warnings():  # "assuming ... load in a single process": we are
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(targets, storage_reader=dcp.FileSystemReader(src.directory), no_dist=True)
+    load_alone(targets, src.directory)
     return out
 
 

@@ -23,9 +23,8 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ray_disagg.models.loading import part_tensor
+from ray_disagg.models.loading import fill, part_tensor
 from ray_disagg.parallel.tensor_parallel import merge_split_qkv, split_qkv_name
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -94,6 +93,13 @@ def load_sharded(model, optimizer, directory: str) -> bool:
     return True
 
 
+def load_alone(targets: dict[str, torch.Tensor], directory: str) -> None:
+    """``dcp.load`` of ``targets`` (global tensors) in this process alone."""
+    with warnings.catch_warnings():  # "assuming ... load in a single process": we are
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(targets, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+
+
 def read_full(directory: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """Global (unsharded) tensors of a module directory, in this process alone:
     ``(model state by HF name, AdamW state by HF name)``. Used for split-qkv checkpoints
@@ -104,9 +110,7 @@ def read_full(directory: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]
         for k, m in meta.items()
         if isinstance(m, TensorStorageMetadata)
     }
-    with warnings.catch_warnings():  # "assuming ... load in a single process": we are
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(full, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+    load_alone(full, directory)
     model = merge_split_qkv({k[6:]: v for k, v in full.items() if k.startswith("model.")})
     optim: dict[str, dict] = {}
     for k, v in full.items():
@@ -118,34 +122,16 @@ def read_full(directory: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]
 
 
 class _Dict:
+    """A dict as a :func:`part_tensor` source (a missing key raises ``KeyError``)."""
+
     def __init__(self, d):
         self.get = d.__getitem__
 
 
-def _hf_full_tensor(source: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """The full tensor of a part's parameter ``name`` (parts hold HF names), slicing HF's
-    fused qkv for a :class:`SplitQKV` part."""
-    if name in source:
-        return source[name]
-    return part_tensor(_Dict(source), name)
-
-
-def _like(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    full = full.to(p.device, p.dtype)
-    if isinstance(p, DTensor):
-        return distribute_tensor(full, p.device_mesh, p.placements)
-    return full.clone()
-
-
 def load_model(part, source: dict[str, torch.Tensor]) -> None:
     """Copy full HF-named tensors into the (possibly sharded) ``part``."""
-    with torch.no_grad():
-        for name, p in part.named_parameters():
-            full = _hf_full_tensor(source, name)
-            if isinstance(p, DTensor):
-                p.to_local().copy_(_like(full, p).to_local())
-            else:
-                p.copy_(full)
+    for name, p in part.named_parameters():
+        fill(p, part_tensor(_Dict(source), name))
 
 
 def load_optimizer(opt, part, fields: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -156,14 +142,14 @@ def load_optimizer(opt, part, fields: dict[str, dict[str, torch.Tensor]]) -> Non
         if id(p) not in owned:
             continue
         try:
-            state = {f: _hf_full_tensor(fields[f], name) for f in _STATE_KEYS}
-            step = _hf_full_tensor(fields["step"], name)
+            state = {f: part_tensor(_Dict(fields[f]), name) for f in _STATE_KEYS}
+            step = part_tensor(_Dict(fields["step"]), name)
         except KeyError:
             continue  # never stepped (no gradient yet)
-        inner.state[p] = {
-            "step": step.reshape(-1)[0].clone().float(),
-            **{f: _like(state[f], p) for f in _STATE_KEYS},
-        }
+        inner.state[p] = {"step": step.reshape(-1)[0].clone().float()}
+        for f in _STATE_KEYS:
+            inner.state[p][f] = torch.zeros_like(p.detach())
+            fill(inner.state[p][f], state[f])
 
 
 def trained_steps(root: str) -> int:

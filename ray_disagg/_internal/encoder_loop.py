@@ -68,7 +68,8 @@ def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
         t0 = time.perf_counter()
         samples = st.broadcast_object(samples)
         # FSDP2: every rank must run the same units; one without inputs runs a stand-in
-        real = not st.fsdp or sum(adapter.item_counts(part, samples).values()) > 0
+        counts = adapter.item_counts(part, samples)
+        real = not st.fsdp or sum(counts.values()) > 0
         outputs = _encode(st, samples if real else adapter.stand_in_samples(part))
         offsets = _row_offsets(adapter, part, samples)
         t_compute = time.perf_counter() - t0
@@ -109,7 +110,7 @@ def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
             torch.autograd.backward(outs, out_grads)
         stats = st.layout.new()
         if st.leader:
-            for name, n in adapter.item_counts(part, samples).items():
+            for name, n in counts.items():
                 stats[st.layout.index[name]] = n
         if st.fsdp:
             st.drop_unused_grads(real)

@@ -40,8 +40,7 @@ class Stage:
         self.device = self.rt.device
         self.side = self.rt.wait_side_group(self.cfg.collective_timeout_s)
         mesh = self.rt.mesh
-        self.dp_axis = mesh.mesh_dim_names[0]  # "dp", or "dp_shard" with FSDP2
-        self.dp_mesh = mesh[self.dp_axis]
+        self.dp_mesh = mesh[mesh.mesh_dim_names[0]]  # "dp", or "dp_shard" with FSDP2
         self.mp_axis = mesh.mesh_dim_names[1]  # "sp" or "tp"
         self.mp_mesh = mesh[self.mp_axis]
         self.dp_rank, self.group_rank = self.dp_mesh.get_local_rank(), mesh.get_rank()
