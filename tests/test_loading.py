@@ -169,3 +169,31 @@ def test_weights_of_another_shape_fail_on_the_driver(tmp_path):
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="has shape .* config.json does not match"):
         HFModelSpec(pretrained_path=tmp_path).check_weights()
+
+
+def test_split_qkv_part_loads_fused_full_tensors_and_adam_state():
+    from ray_disagg._internal.checkpointing import load_model, load_optimizer
+    from ray_disagg.parallel.tensor_parallel import SplitQKV
+
+    spec = HFModelSpec(config=tiny_qwen2_5_vl_config(), seed=5)
+    full = spec.build_part("vision").state_dict()
+    part = spec.build_part("vision", device="cpu")
+    with torch.no_grad():
+        for p in part.parameters():
+            p.zero_()
+    for blk in part.model.visual.blocks:
+        blk.attn.qkv = SplitQKV(blk.attn.qkv)
+    opt = torch.optim.AdamW(part.parameters())
+    fields = {f: {k: v + 1 for k, v in full.items()} for f in ("exp_avg", "exp_avg_sq")}
+    fields["step"] = {k: torch.tensor([3.0]) for k in full}
+    load_model(part, full)
+    load_optimizer(opt, part, fields)
+    fused = full["model.visual.blocks.0.attn.qkv.weight"]
+    q = part.model.visual.blocks[0].attn.qkv.q.weight
+    third = fused.shape[0] // 3
+    assert torch.equal(q, fused[:third])
+    assert torch.equal(part.model.visual.blocks[0].attn.qkv.v.weight, fused[2 * third :])
+    assert torch.equal(opt.state[q]["exp_avg"], fused[:third] + 1)
+    assert float(opt.state[q]["step"]) == 3.0
+    merger = part.model.visual.merger.mlp[0].weight
+    assert torch.equal(merger, full["model.visual.merger.mlp.0.weight"])

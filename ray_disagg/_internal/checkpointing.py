@@ -143,7 +143,8 @@ def load_optimizer(opt, part, fields: dict[str, dict[str, torch.Tensor]]) -> Non
             continue
         try:
             state = {f: part_tensor(_Dict(fields[f]), name) for f in _STATE_KEYS}
-            step = part_tensor(_Dict(fields["step"]), name)
+            steps = fields["step"]  # one count per tensor: never sliced like qkv rows
+            step = steps[name] if name in steps else steps[split_qkv_name(name)[0]]
         except KeyError:
             continue  # never stepped (no gradient yet)
         inner.state[p] = {"step": step.reshape(-1)[0].clone().float()}
