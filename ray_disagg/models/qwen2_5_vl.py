@@ -73,16 +73,6 @@ class Qwen2_5_VLAdapter(QwenVLAdapter):
     config_class = Qwen2_5_VLConfig
     hf_class = Qwen2_5_VLForConditionalGeneration
     tower_plan = WindowOrderPlan()
+    tower_mlp = (("gate_proj", "up_proj"), "down_proj")
     llm_extra_fields = ("second_per_grid_ts",)
     tiny_config = staticmethod(tiny_qwen2_5_vl_config)
-
-    def tower_tp_plan(self, part):
-        return {
-            "attn.qkv.q": "colwise",
-            "attn.qkv.k": "colwise",
-            "attn.qkv.v": "colwise",
-            "attn.proj": "rowwise",
-            "mlp.gate_proj": "colwise",
-            "mlp.up_proj": "colwise",
-            "mlp.down_proj": "rowwise",
-        }

@@ -65,14 +65,5 @@ class Qwen2VLAdapter(QwenVLAdapter):
     config_class = Qwen2VLConfig
     hf_class = Qwen2VLForConditionalGeneration
     tower_plan = NaturalOrderPlan()
+    tower_mlp = (("fc1",), "fc2")
     tiny_config = staticmethod(tiny_qwen2_vl_config)
-
-    def tower_tp_plan(self, part):
-        return {
-            "attn.qkv.q": "colwise",
-            "attn.qkv.k": "colwise",
-            "attn.qkv.v": "colwise",
-            "attn.proj": "rowwise",
-            "mlp.fc1": "colwise",
-            "mlp.fc2": "rowwise",
-        }

@@ -88,6 +88,7 @@ class Qwen3VLAdapter(QwenVLAdapter):
     config_class = Qwen3VLConfig
     hf_class = Qwen3VLForConditionalGeneration
     tower_plan = Qwen3VLPlan()
+    tower_mlp = (("linear_fc1",), "linear_fc2")
     per_head_norms = ("q_norm", "k_norm")
     tiny_config = staticmethod(tiny_qwen3_vl_config)
 
@@ -119,13 +120,3 @@ class Qwen3VLAdapter(QwenVLAdapter):
             return None
         deep = [(received[f"{modality}_deepstack_{i}"],) for i in range(self.deepstack_levels)]
         return BaseModelOutputWithDeepstackFeatures(pooler_output=(emb,), deepstack_features=deep)
-
-    def tower_tp_plan(self, part):
-        return {
-            "attn.qkv.q": "colwise",
-            "attn.qkv.k": "colwise",
-            "attn.qkv.v": "colwise",
-            "attn.proj": "rowwise",
-            "mlp.linear_fc1": "colwise",
-            "mlp.linear_fc2": "rowwise",
-        }

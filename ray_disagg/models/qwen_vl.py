@@ -158,8 +158,23 @@ class QwenVLAdapter(ModelAdapter):
     tp_parts = ("vision", "text")
     tower_plan: TowerPlan = NaturalOrderPlan()
     llm_extra_fields: tuple[str, ...] = ()
+    tower_mlp: tuple[tuple[str, ...], str] | None = None
+    """The tower MLP's column-wise linears and its row-wise one, for the uniform-TP
+    baseline (``None``: the family has no vision TP plan)."""
     """Per-video sample fields the LLM's rope needs besides the grids (Qwen2.5-VL:
     ``second_per_grid_ts``)."""
+
+    def tower_tp_plan(self, part):
+        """q/k/v (split, :class:`SplitQKV`) and the MLP's ``tower_mlp`` inputs column-wise,
+        the attention and MLP outputs row-wise."""
+        if self.tower_mlp is None:
+            return None
+        cols, row = self.tower_mlp
+        plan = {f"attn.qkv.{w}": "colwise" for w in "qkv"}
+        plan["attn.proj"] = "rowwise"
+        plan.update({f"mlp.{c}": "colwise" for c in cols})
+        plan[f"mlp.{row}"] = "rowwise"
+        return plan
 
     # ---- samples ----------------------------------------------------------------------
 
