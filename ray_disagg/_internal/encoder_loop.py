@@ -112,7 +112,5 @@ def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
         if st.leader:
             for name, n in counts.items():
                 stats[st.layout.index[name]] = n
-        if st.fsdp:
-            st.drop_unused_grads(real)
         ids = [s.get("id") for s in samples]
         st.finish(step, stats, t_compute + time.perf_counter() - t2, t_wait, sample_ids=ids)

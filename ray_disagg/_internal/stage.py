@@ -96,16 +96,6 @@ class Stage:
         decoder, lm_head = self.adapter.llm_modules(model)
         return [decoder.embed_tokens, lm_head]
 
-    def drop_unused_grads(self, real: bool) -> None:
-        """FSDP2: when no rank of the group had real inputs this step (every rank ran a
-        stand-in), the zero gradients become ``None``, so AdamW skips the step for these
-        parameters as single-process training does."""
-        flag = torch.tensor([float(real)], device=self.device)
-        dist.all_reduce(flag)
-        if not flag.item():
-            for p in self.params:
-                p.grad = None
-
     def broadcast_object(self, obj):
         """``obj`` of the model-parallel leader, on every rank of its mp group."""
         if self.mp_size == 1:
@@ -135,6 +125,9 @@ class Stage:
         is_timer = self.part == self.adapter.llm_part and self.group_rank == 0
         stats = self.timer.exchange(self.side, stats, self.layout, is_timer)
         total_norm = self.layout.total_norm(stats)
+        if self.fsdp and not self._group_had_inputs(stats):
+            for p in self.params:  # every rank ran a stand-in: zero gradients, not real ones
+                p.grad = None  # so AdamW skips these parameters, as single-process does
         if self._should_apply(step, stats, total_norm, sample_ids):
             lc.scale_grads(self.params, lc.clip_coef(total_norm, self.cfg.max_grad_norm))
             self.opt.step()
@@ -145,6 +138,14 @@ class Stage:
         lc.maybe_report(
             self.args, stats, step, self.writer, self.timer, self.model, self.opt, extra
         )
+
+    def _group_had_inputs(self, stats) -> bool:
+        """Whether any rank of this group had real inputs this step (the LLM group always;
+        an encoder group when its counters, e.g. ``images + videos``, are not all 0)."""
+        if self.part == self.adapter.llm_part:
+            return True
+        ix = self.layout.index
+        return sum(stats[ix[c]] for c in self.adapter.counter_names(self.part)) > 0
 
     def _should_apply(self, step: int, stats, total_norm: float, sample_ids) -> bool:
         """Every rank of every group decides alike, from the exchanged stats: a batch with
