@@ -23,14 +23,16 @@ from ray_disagg._internal.loop_common import LoopArgs
 from ray_disagg._internal.resources import (
     PlacementGroupJanitor,
     check_cluster_capacity,
+    colocation_for,
     demand_lines,
 )
 from ray_disagg._internal.validation import validate_layout
-from ray_disagg._internal.worker_groups import GroupLaunch
+from ray_disagg._internal.worker_groups import GroupLaunch, Transfers
 from ray_disagg.backend import ModuleBackendConfig
 from ray_disagg.config import ModuleGroup, SequenceParallel, TrainLoopConfig
 from ray_disagg.data import BatchPlan
 from ray_disagg.model import HFModelSpec
+from ray_disagg.transport import TIERS
 
 __all__ = ["DisaggregatedTrainer", "load_metrics"]
 
@@ -84,6 +86,15 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
     autoscaling cluster); a start that waits longer than ``start_timeout_s`` raises.
     Every group's placement group is removed when ``fit()`` ends, however it ends.
 
+    ``placement="separate"`` (default) gives each group its own placement group;
+    ``placement="colocated"`` puts worker ``i`` of every group into bundle ``i`` of one
+    placement group (e.g. ``resources_per_worker={"GPU": 0.5}`` in each group shares GPU
+    ``i`` between vision worker ``i`` and text worker ``i``). Tensors cross between two
+    workers over the fastest tier that works where they are (``transfer="auto"``: CUDA IPC
+    on one GPU, NCCL between GPUs, shared memory between CPU processes of one node, else
+    gloo); ``transfer="gloo"`` (or another tier) forces one. The metric ``transfer_tier``
+    names the tiers in use.
+
     Restarts (``FailureConfig(max_failures=K)``) and a rerun with the same
     ``RunConfig(name=..., storage_path=...)`` continue from the latest checkpoint;
     ``resume_from_checkpoint`` starts from a given one (of any layout).
@@ -121,6 +132,8 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         validate_samples: bool = True,
         wait_for_resources: bool = False,
         start_timeout_s: float = 600.0,
+        placement: str = "separate",
+        transfer: str = "auto",
     ):
         if not isinstance(model, HFModelSpec):
             raise ValueError(
@@ -138,6 +151,8 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             raise ValueError("resume_from_checkpoint must be a ray.train.Checkpoint.")
         self.resume_from_checkpoint = resume_from_checkpoint
         self.groups = self._validate_groups(groups, adapter)
+        self.colocation = colocation_for(self.groups, placement)
+        self.placement, self.transfer = placement, self._validate_transfer(transfer, self.groups)
         self.loop_config = TrainLoopConfig.from_any(train_loop_config)
         if resume_from_checkpoint is not None:
             with resume_from_checkpoint.as_directory() as root:
@@ -181,6 +196,35 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             if not isinstance(g, ModuleGroup):
                 raise ValueError(f"groups[{name!r}] must be a ModuleGroup, got {type(g).__name__}.")
         return {m: groups[m] for m in parts}
+
+    @staticmethod
+    def _validate_transfer(transfer: str, groups) -> str:
+        if transfer != "auto" and transfer not in TIERS:
+            raise ValueError(f"transfer={transfer!r}: must be 'auto' or one of {TIERS}.")
+        if transfer in ("nccl", "cuda_ipc") and not all(
+            g.scaling_config.use_gpu for g in groups.values()
+        ):
+            raise ValueError(
+                f"transfer={transfer!r} moves tensors between GPUs, but not every group has "
+                "ScalingConfig(use_gpu=True); use transfer='auto', 'shm' or 'gloo'."
+            )
+        return transfer
+
+    def _transfer_pairs(self) -> tuple:
+        """``((encoder, rank), (llm, rank))`` for every pair of replica leaders that
+        exchange tensors (the plan's routes)."""
+        llm = self.adapter.llm_part
+        pairs = set()
+        for part in self.adapter.encoder_parts:
+            for t in range(self.groups[llm].dp_size):
+                for d, _lo, _hi in self.plan.routes(llm, t, part):
+                    pairs.add(
+                        (
+                            (part, d * self.groups[part].model_parallel_size),
+                            (llm, t * self.groups[llm].model_parallel_size),
+                        )
+                    )
+        return tuple(sorted(pairs))
 
     @staticmethod
     def _validate_datasets(datasets, adapter, validate_samples: bool):
@@ -264,7 +308,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         return launches
 
     def _initialize_and_run_controller(self, **controller_init_kwargs) -> Result:
-        check_cluster_capacity(self.groups, self.wait_for_resources)
+        check_cluster_capacity(self.groups, self.wait_for_resources, self.colocation)
         janitor = PlacementGroupJanitor.remote()  # the driver's: outlives a dead coordinator
         try:
             controller = rc.run_controller_actor(
@@ -272,7 +316,9 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
                 launches=self._launches(),
                 side_timeout_s=self.loop_config.collective_timeout_s,
                 start_timeout_s=self.start_timeout_s,
-                demand=demand_lines(self.groups),
+                demand=demand_lines(self.groups, self.colocation),
+                transfers=Transfers(self._transfer_pairs(), self.transfer),
+                colocation=self.colocation,
                 janitor=janitor,
                 **controller_init_kwargs,
             )

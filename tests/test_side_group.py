@@ -66,3 +66,93 @@ def test_side_group_transfers_objects_tensors_and_times_out():
     assert all(r["sum"] == 6.0 for r in results.values())
     elapsed, _msg = results[2]["timeout"]
     assert 4.0 < elapsed < 30.0  # the side group's 5 s timeout, not a hang
+
+
+def _tensors(rank: int) -> dict:
+    g = torch.Generator().manual_seed(rank)
+    return {
+        "embeds": torch.randn(5, 7, generator=g),
+        "deepstack": torch.randn(3, 7, generator=g).to(torch.bfloat16),
+        "ids": torch.arange(4, dtype=torch.int64) + rank,
+        "empty": torch.zeros(0, 7),
+    }
+
+
+def _tier_worker(rank, port_q, result_q, done, timeout_s):
+    try:
+        store = None
+        if rank == 0:
+            store, port = sg.host_store("127.0.0.1", timeout_s)
+            for _ in range(WORLD - 1):
+                port_q.put(port)
+        else:
+            port = port_q.get()
+        tiers = {(0, 2): "shm", (1, 2): "gloo"}
+        spec = sg.SideGroupSpec(
+            "127.0.0.1", port, {"vision": 0, "text": 2}, {"vision": 2, "text": 1}, timeout_s,
+            "t", tiers=tiers,
+        )  # fmt: skip
+        side = sg.join(spec, rank, "127.0.0.1", store=store)
+        out = {"tier": side.tier_name(2) if rank < 2 else None}
+        if rank in (0, 1):
+            for step in range(3):  # buffers are reused once the receiver freed them
+                side.send_tensors(2, _tensors(rank + step), {"step": step})
+                meta, back = side.recv_tensors(2)
+                out[step] = (meta, {k: v.clone() for k, v in back.items()})
+        else:
+            kept = []
+            for step in range(3):
+                for src in (0, 1):
+                    meta, got = side.recv_tensors(src)
+                    out[(src, step)] = (meta, {k: v.clone() for k, v in got.items()})
+                    side.send_tensors(src, {"grad": got["embeds"] * 2}, {"step": step})
+                    if src == 0:
+                        kept.append(got)  # the receiver holds these buffers
+            out["segments"] = len(side._tiers["shm"]._attached)
+        if rank == 0:  # the receiver now holds every buffer: sending must time out
+            tier = side._tiers["shm"]
+            tier.max_segments = len(tier._pools[2])
+            for seg in tier._pools[2]:
+                seg.flag[0] = 1
+            t0 = time.monotonic()
+            try:
+                side.send_tensors(2, _tensors(0))
+            except TimeoutError as e:
+                out["timeout"] = (time.monotonic() - t0, str(e))
+            side.close()
+        done.wait(60) if rank else done.set()
+        result_q.put((rank, out))
+    except Exception as e:  # pragma: no cover - reported to the test
+        import traceback
+
+        result_q.put((rank, traceback.format_exc() + repr(e)))
+
+
+def test_named_tensors_over_shm_and_gloo_tiers_are_bit_exact_and_time_out():
+    ctx = mp.get_context("spawn")
+    port_q, result_q, done = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [
+        ctx.Process(target=_tier_worker, args=(r, port_q, result_q, done, 3.0))
+        for r in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    results = dict(result_q.get(timeout=120) for _ in range(WORLD))
+    for p in procs:
+        p.join(timeout=30)
+    assert all(isinstance(r, dict) for r in results.values()), results
+    assert results[0]["tier"] == "shm" and results[1]["tier"] == "gloo"
+    for src in (0, 1):
+        for step in range(3):
+            meta, got = results[2][(src, step)]
+            want = _tensors(src + step)
+            assert meta == {"step": step}
+            assert list(got) == list(want)
+            for k in want:
+                assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+            meta, back = results[src][step]
+            assert meta == {"step": step} and torch.equal(back["grad"], want["embeds"] * 2)
+    # three steps while the receiver kept every step's tensors: three live shm buffers
+    assert results[2]["segments"] == 3
+    elapsed, msg = results[0]["timeout"]
+    assert 2.5 < elapsed < 30 and "held by the receiver" in msg

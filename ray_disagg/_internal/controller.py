@@ -12,7 +12,12 @@ import logging
 import time
 
 from ray_disagg._internal.ray_compat import TrainController, WorkerGroupStartupTimeoutError
-from ray_disagg._internal.worker_groups import GroupLaunch, ModuleWorkerGroups
+from ray_disagg._internal.worker_groups import (
+    Colocation,
+    GroupLaunch,
+    ModuleWorkerGroups,
+    Transfers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +30,13 @@ class DisaggregatedController(TrainController):
         side_timeout_s: float,
         start_timeout_s: float,
         demand: list[str],
+        transfers: Transfers,
+        colocation: Colocation | None = None,
         janitor=None,
         **kwargs,
     ):
         self._launches = launches
+        self._transfers, self._colocation = transfers, colocation
         self._side_timeout_s = side_timeout_s
         self._start_timeout_s = start_timeout_s
         self._demand = demand
@@ -47,6 +55,8 @@ class DisaggregatedController(TrainController):
                 run_attempt_id=self._get_run_attempt_id(),
                 callbacks=self._worker_group_callbacks_to_propagate,
                 side_timeout_s=self._side_timeout_s,
+                transfers=self._transfers,
+                colocation=self._colocation,
                 janitor=self._janitor,
             )
         except WorkerGroupStartupTimeoutError as e:

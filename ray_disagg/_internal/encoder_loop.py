@@ -77,22 +77,21 @@ def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
         t1 = time.perf_counter()
         base = plan.span(part, st.dp_rank)[0]
         for t, lo, hi in routes:
-            dst = args.leader_side_rank(side, llm, t)
-            rows = {
-                c.name: offsets[c.name][hi - base] - offsets[c.name][lo - base] for c in crossings
+            spans = {
+                c.name: (offsets[c.name][lo - base], offsets[c.name][hi - base]) for c in crossings
             }
-            side.send_object({"step": step, "rows": rows}, dst)
-            for c in crossings:
-                if rows[c.name]:
-                    a, b = offsets[c.name][lo - base], offsets[c.name][hi - base]
-                    side.send(outputs[c.name][a:b].detach().float(), dst)
+            tensors = {n: outputs[n][a:b].detach() for n, (a, b) in spans.items() if b > a}
+            rows = {n: b - a for n, (a, b) in spans.items()}
+            side.send_tensors(
+                args.leader_side_rank(side, llm, t), tensors, {"step": step, "rows": rows}
+            )
         grads = {c.name: [] for c in crossings}
-        for t, lo, hi in routes:
-            src = args.leader_side_rank(side, llm, t)
-            for c in crossings:
-                n = offsets[c.name][hi - base] - offsets[c.name][lo - base]
-                if n:
-                    grads[c.name].append(side.recv((n, c.width), torch.float32, src))
+        for t, _lo, _hi in routes:
+            meta, received = side.recv_tensors(args.leader_side_rank(side, llm, t), st.device)
+            if meta["step"] != step:
+                raise RuntimeError(f"{part} group got step {meta['step']} gradients at step {step}")
+            for name, g in received.items():
+                grads[name].append(g)
         t_wait += time.perf_counter() - t1
 
         t2 = time.perf_counter()

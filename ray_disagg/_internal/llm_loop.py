@@ -48,36 +48,40 @@ def _send_inputs(st: Stage, samples, step: int) -> None:
 
 
 def _receive_crossings(st: Stage, step: int):
-    """``{crossing: rows of this replica's samples}`` and, per encoder route, the rows of
-    each crossing (to split the gradients the same way)."""
+    """``{crossing: rows of this replica's samples}`` (float32 leaves) and, per encoder
+    route, the rows and dtype of each crossing (to send the gradients back the same way)."""
     args, adapter = st.args, st.adapter
     received, route_rows = {}, []
     for part in adapter.encoder_parts:
         parts = {c.name: [] for c in adapter.crossings(part)}
         for d, _lo, _hi in args.plan.routes(adapter.llm_part, st.dp_rank, part):
             src = args.leader_side_rank(st.side, part, d)
-            meta = st.side.recv_object(src)
+            meta, tensors = st.side.recv_tensors(src, st.device)
             if meta["step"] != step:
                 raise RuntimeError(f"LLM group got step {meta['step']} {part} data at step {step}")
-            for c in adapter.crossings(part):
-                n = meta["rows"][c.name]
-                if n:
-                    parts[c.name].append(st.side.recv((n, c.width), torch.float32, src))
-            route_rows.append((part, src, meta["rows"]))
-        received.update({k: torch.cat(v) for k, v in parts.items() if v})
+            for name, t in tensors.items():
+                parts[name].append(t)
+            dtypes = {name: t.dtype for name, t in tensors.items()}
+            route_rows.append((part, src, meta["rows"], dtypes))
+        for k, v in parts.items():
+            if v:  # the loss runs in float32 (autocast inside), as the single-process model
+                received[k] = (v[0] if len(v) == 1 else torch.cat(v)).float()
     return received, route_rows
 
 
-def _send_grads(st: Stage, received: dict, route_rows) -> None:
+def _send_grads(st: Stage, received: dict, route_rows, step: int) -> None:
     offsets = dict.fromkeys(received, 0)
-    for part, dst, rows in route_rows:
+    for part, dst, rows, dtypes in route_rows:
+        grads = {}
         for c in st.adapter.crossings(part):
             n = rows[c.name]
             if n:
                 g = received[c.name].grad
                 g = torch.zeros_like(received[c.name]) if g is None else g
-                st.side.send(g[offsets[c.name] : offsets[c.name] + n].float(), dst)
+                o = offsets[c.name]
+                grads[c.name] = g[o : o + n].to(dtypes[c.name])  # the encoder output's dtype
                 offsets[c.name] += n
+        st.side.send_tensors(dst, grads, {"step": step})
 
 
 def _share(st: Stage, items, received):
@@ -134,7 +138,7 @@ def llm_train_loop(args: lc.LoopArgs) -> None:
 
         t1 = time.perf_counter()
         if st.leader:
-            _send_grads(st, received, route_rows)
+            _send_grads(st, received, route_rows, step)
         t_wait += time.perf_counter() - t1
 
         stats = st.layout.new()

@@ -66,6 +66,8 @@ __all__ = [
     "run_controller_actor",
     "group_train_run_context",
     "kill_controller",
+    "current_placement",
+    "SharedPlacementWorkerGroup",
 ]
 
 
@@ -112,3 +114,52 @@ def kill_controller() -> None:
     from ray.train.v2._internal.execution.context import get_train_context
 
     ray.kill(get_train_context().controller_actor, no_restart=True)
+
+
+def current_placement() -> tuple[str | None, int | None]:
+    """From a worker: ``(placement group id, bundle index)`` it was scheduled in, read from
+    the resources the raylet assigned (``CPU_group_<bundle>_<pg id>``)."""
+    import re
+
+    ids = ray._private.worker.global_worker.core_worker.resource_ids()
+    for key in ids:
+        m = re.fullmatch(r".+_group_(\d+)_([0-9a-f]+)", key)
+        if m:
+            return m[2], int(m[1])
+    return ray.get_runtime_context().get_placement_group_id(), None
+
+
+class _SharedPlacementGroupHandle:
+    """A placement group owned by someone else: the group schedules into it, never removes
+    it (the owner does, after every group sharing it has stopped)."""
+
+    def __init__(self, pg):
+        self._pg = pg
+
+    @property
+    def placement_group(self):
+        return self._pg
+
+    def ready(self):
+        return self._pg.ready()
+
+    def wait(self, timeout_seconds=30) -> bool:
+        return self._pg.wait(timeout_seconds)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class SharedPlacementWorkerGroup(WorkerGroup):
+    """A ``WorkerGroup`` whose worker ``i`` runs in bundle ``i`` of a given placement group
+    shared with other groups (colocation), instead of a placement group of its own."""
+
+    @classmethod
+    def create_in(cls, placement_group, train_run_context, worker_group_context, callbacks):
+        wg = cls(train_run_context, worker_group_context, callbacks)
+        wg._shared_pg = placement_group
+        wg._start()
+        return wg
+
+    def _create_placement_group(self, scaling_config, worker_group_context):
+        return _SharedPlacementGroupHandle(self._shared_pg)

@@ -13,7 +13,68 @@ from ray.util.placement_group import remove_placement_group
 logger = logging.getLogger(__name__)
 
 
-def demand_lines(groups) -> list[str]:
+PLACEMENTS = ("separate", "colocated")
+
+
+def colocation_for(groups, placement: str):
+    """``None`` for separate placement; for colocated the shared bundle (``ValueError``
+    naming the fix when the groups cannot share bundles)."""
+    from ray_disagg._internal.worker_groups import Colocation
+
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement={placement!r}: must be one of {PLACEMENTS}.")
+    if placement == "separate":
+        return None
+    counts = {name: g.scaling_config.num_workers for name, g in groups.items()}
+    if len(set(counts.values())) != 1:
+        raise ValueError(
+            "placement='colocated' puts worker i of every group in bundle i, so all groups "
+            f"need the same num_workers; got {counts}. Give them equal worker counts (their "
+            "layouts may differ, e.g. vision DataParallel x SequenceParallel(2) and text "
+            "TensorParallel(2) on 2 workers each) or use placement='separate'."
+        )
+    gpu = {name: g.scaling_config.use_gpu for name, g in groups.items()}
+    if len(set(gpu.values())) != 1:
+        raise ValueError(
+            f"placement='colocated' needs every group on the same devices; use_gpu is {gpu}."
+        )
+    strategies = {name: g.scaling_config.placement_strategy for name, g in groups.items()}
+    if len(set(strategies.values())) != 1:
+        raise ValueError(
+            "placement='colocated' uses one placement group: give every group the same "
+            f"ScalingConfig(placement_strategy=...); got {strategies}."
+        )
+    bundle: dict[str, float] = defaultdict(float)
+    for g in groups.values():
+        for k, v in g.scaling_config._resources_per_worker_not_none.items():
+            bundle[k] += v
+    if bundle.get("GPU", 0) > 1 + 1e-9:
+        shares = {
+            n: g.scaling_config._resources_per_worker_not_none.get("GPU", 0)
+            for n, g in groups.items()
+        }
+        raise ValueError(
+            f"placement='colocated' shares each GPU between the groups, but their GPU shares "
+            f"{shares} add up to {bundle['GPU']:g} > 1. Give each group a fraction, e.g. "
+            "ScalingConfig(num_workers=N, use_gpu=True, resources_per_worker={'GPU': 0.5})."
+        )
+    for k, v in bundle.items():
+        if v > 1 and abs(v - round(v)) > 1e-9:
+            raise ValueError(
+                f"placement='colocated': a bundle would need {v:g} {k}; Ray needs whole amounts "
+                f"above 1. Adjust resources_per_worker so the groups' {k} add up to a whole "
+                "number (or at most 1)."
+            )
+    n = next(iter(counts.values()))
+    return Colocation(bundle=dict(bundle), num_bundles=n, strategy=next(iter(strategies.values())))
+
+
+def demand_lines(groups, colocation=None) -> list[str]:
+    if colocation is not None:
+        return [
+            f"colocated: {colocation.num_bundles} x {colocation.bundle} "
+            f"({colocation.strategy}), one worker of each of {list(groups)} per bundle"
+        ]
     lines = []
     for name, g in groups.items():
         sc = g.scaling_config
@@ -22,7 +83,7 @@ def demand_lines(groups) -> list[str]:
     return lines
 
 
-def check_cluster_capacity(groups, wait_for_resources: bool) -> None:
+def check_cluster_capacity(groups, wait_for_resources: bool, colocation=None) -> None:
     """``ValueError`` when the groups together cannot be placed on the cluster as it is
     (unless ``wait_for_resources``: an autoscaling cluster may grow)."""
     if not ray.is_initialized():
@@ -34,17 +95,29 @@ def check_cluster_capacity(groups, wait_for_resources: bool) -> None:
             total[k] += v
     demand: dict[str, float] = defaultdict(float)
     problems = []
-    for name, g in groups.items():
-        sc = g.scaling_config
-        per = dict(sc._resources_per_worker_not_none)
+    if colocation is not None:  # one kind of bundle holding a worker of every group
+        units = [
+            ("colocated bundle", colocation.bundle, colocation.num_bundles, colocation.strategy)
+        ]
+    else:
+        units = [
+            (
+                f"{name} worker",
+                dict(g.scaling_config._resources_per_worker_not_none),
+                g.scaling_config.num_workers,
+                g.scaling_config.placement_strategy,
+            )
+            for name, g in groups.items()
+        ]
+    for name, per, count, strategy in units:
         for k, v in per.items():
-            demand[k] += v * sc.num_workers
+            demand[k] += v * count
         if not any(all(node.get(k, 0) >= v for k, v in per.items()) for node in nodes):
-            problems.append(f"no node can hold one {name} worker ({per})")
-        if sc.placement_strategy == "STRICT_PACK":
-            whole = {k: v * sc.num_workers for k, v in per.items()}
+            problems.append(f"no node can hold one {name} ({per})")
+        if strategy == "STRICT_PACK":
+            whole = {k: v * count for k, v in per.items()}
             if not any(all(node.get(k, 0) >= v for k, v in whole.items()) for node in nodes):
-                problems.append(f"STRICT_PACK: no node can hold all {name} workers ({whole})")
+                problems.append(f"STRICT_PACK: no node can hold all {count} of {name} ({whole})")
     for k, v in demand.items():
         if v > total.get(k, 0) + 1e-9:
             problems.append(
@@ -55,7 +128,7 @@ def check_cluster_capacity(groups, wait_for_resources: bool) -> None:
             "The module groups cannot all be placed on this cluster: "
             + "; ".join(problems)
             + ". Demand: "
-            + "; ".join(demand_lines(groups))
+            + "; ".join(demand_lines(groups, colocation))
             + f". Cluster capacity: {dict(total)}. Lower num_workers or resources_per_worker, "
             "or pass DisaggregatedTrainer(wait_for_resources=True) on an autoscaling cluster."
         )

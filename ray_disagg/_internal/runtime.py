@@ -14,8 +14,16 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ray_disagg._internal import side_group as sg
+from ray_disagg.transport.select import Location
 
-__all__ = ["WorkerRuntime", "get_runtime", "init_runtime", "host_side_store", "join_side_group"]
+__all__ = [
+    "WorkerRuntime",
+    "get_runtime",
+    "init_runtime",
+    "locate",
+    "host_side_store",
+    "join_side_group",
+]
 
 
 @dataclass
@@ -67,6 +75,29 @@ def init_runtime(module: str, mesh_shape: tuple[int, ...], mesh_axes: tuple[str,
     _runtime = WorkerRuntime(module=module, mesh=mesh, device=device)
 
 
+def locate() -> Location:
+    """Where this worker runs: node, process, device (GPU UUID), placement bundle."""
+    import os
+
+    import ray
+
+    from ray_disagg._internal.ray_compat import current_placement
+
+    rt = get_runtime()
+    gpu = None
+    if rt.device.type == "cuda":
+        gpu = str(torch.cuda.get_device_properties(rt.device).uuid)
+    pg, bundle = current_placement()
+    return Location(
+        node=ray.get_runtime_context().get_node_id(),
+        pid=os.getpid(),
+        device=rt.device.type,
+        gpu=gpu,
+        placement_group=pg,
+        bundle=bundle,
+    )
+
+
 def host_side_store(timeout_s: float) -> tuple[str, int]:
     import ray
 
@@ -82,7 +113,9 @@ def join_side_group(spec: sg.SideGroupSpec, module: str, group_rank: int) -> Non
     rt = get_runtime()
     try:
         rank = spec.offsets[module] + group_rank
-        rt.side = sg.join(spec, rank, ray.util.get_node_ip_address(), store=rt._store)
+        rt.side = sg.join(
+            spec, rank, ray.util.get_node_ip_address(), store=rt._store, device=rt.device
+        )
     except BaseException as e:
         rt._side_error = e
         raise

@@ -1,23 +1,33 @@
 """The side process group that spans all module groups.
 
 Each module group has its own default ``torch.distributed`` group (set up by its Ray Train
-backend). Activations and gradients cross between groups over a second, separate gloo
-group built from a ``TCPStore`` that the coordinator asks the first group's rank 0 to
-host. Side ranks are the groups' ranks in group order (e.g. ``[vision 0..Nv-1, text
-0..Nt-1]``).
+backend). Control messages and the per-step statistics cross between groups over a second,
+separate gloo group built from a ``TCPStore`` that the coordinator asks the first group's
+rank 0 to host. Side ranks are the groups' ranks in group order (e.g. ``[vision
+0..Nv-1, text 0..Nt-1]``). Tensors (activations, gradients) go over the tier chosen for
+each pair of workers (``ray_disagg.transport``): the header over gloo, the data over the
+tier.
 """
 
 from __future__ import annotations
 
+import logging
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ray_disagg.transport.base import describe
+from ray_disagg.transport.gloo import GlooTier
+from ray_disagg.transport.select import Location
+from ray_disagg.transport.shm import ShmTier, ShmUnavailable
+
 __all__ = ["SideGroupSpec", "SideGroup", "host_store", "join"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,10 +40,23 @@ class SideGroupSpec:
     sizes: dict[str, int]
     timeout_s: float
     prefix: str
+    locations: list[Location] = field(default_factory=list)
+    """Where each side rank runs (reported by the workers)."""
+    tiers: dict[tuple[int, int], str] = field(default_factory=dict)
+    """Transfer tier of each pair of side ranks ``(low, high)`` in different groups."""
 
     @property
     def world_size(self) -> int:
         return sum(self.sizes.values())
+
+    def tier(self, a: int, b: int) -> str:
+        return self.tiers.get((min(a, b), max(a, b)), "gloo")
+
+    def label(self, rank: int) -> str:
+        for name, off in self.offsets.items():
+            if off <= rank < off + self.sizes[name]:
+                return f"{name} rank {rank - off}"
+        return f"side rank {rank}"
 
 
 class SideGroup:
@@ -42,15 +65,18 @@ class SideGroup:
     All ranks are side ranks; ``rank_of(module, group_rank)`` converts.
     """
 
-    def __init__(self, pg: dist.ProcessGroup, spec: SideGroupSpec, rank: int, store):
+    def __init__(self, pg: dist.ProcessGroup, spec: SideGroupSpec, rank: int, store, tiers=None):
         self.pg = pg
         self.spec = spec
         self.rank = rank
         self._store = store  # keeps the TCP connection (and, on the host, the server) alive
-        self._tag = 0
+        self._tiers = {"gloo": GlooTier(pg), **(tiers or {})}
+        self._warned: set[str] = set()
 
     def rank_of(self, module: str, group_rank: int) -> int:
         return self.spec.offsets[module] + group_rank
+
+    # ---- raw gloo (control) ---------------------------------------------------------
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         self.pg.send([tensor.detach().contiguous().cpu()], dst, 0).wait()
@@ -76,6 +102,53 @@ class SideGroup:
         self.pg.allreduce([buf], opts).wait()
         return buf
 
+    # ---- named tensors over the pair's tier -----------------------------------------
+
+    def tier_name(self, peer: int) -> str:
+        return self.spec.tier(self.rank, peer)
+
+    def _tier(self, name: str):
+        if name not in self._tiers:
+            if name == "shm":
+                self._tiers[name] = ShmTier(self.spec.timeout_s)
+            elif name == "cuda_ipc":
+                from ray_disagg.transport.cuda_ipc import CudaIpcTier
+
+                self._tiers[name] = CudaIpcTier()
+            else:
+                raise RuntimeError(f"transfer tier {name!r} is not set up on this worker")
+        return self._tiers[name]
+
+    def send_tensors(self, dst: int, tensors: dict[str, torch.Tensor], meta=None) -> None:
+        """Send named tensors (any dtype and device) and a picklable ``meta`` to ``dst``."""
+        name = self.tier_name(dst)
+        items = list(tensors.values())
+        tier = self._tier(name)
+        try:
+            payload = tier.pack(items, dst)
+        except ShmUnavailable as e:  # e.g. a small /dev/shm: this message goes over gloo
+            if "shm" not in self._warned:
+                self._warned.add("shm")
+                logger.warning("shared-memory transfer unavailable, using gloo: %s", e)
+            name, tier, payload = "gloo", self._tiers["gloo"], None
+        header = {"meta": meta, "specs": describe(tensors), "tier": name, "payload": payload}
+        self.send_object(header, dst)
+        tier.after_header(items, dst)
+
+    def recv_tensors(self, src: int, device=None) -> tuple[object, dict[str, torch.Tensor]]:
+        """``(meta, {name: tensor})`` sent by ``src``'s :meth:`send_tensors`; tensors land on
+        ``device`` (default CPU)."""
+        header = self.recv_object(src)
+        device = torch.device("cpu") if device is None else device
+        tier = self._tier(header["tier"])
+        out = tier.unpack(header["specs"], header["payload"], src, device)
+        return header["meta"], {s.name: t for s, t in zip(header["specs"], out)}
+
+    def close(self) -> None:
+        shm = self._tiers.get("shm")
+        if shm is not None:
+            shm.close()
+
 
 def host_store(addr: str, timeout_s: float):
     """Start the TCPStore server in this process; returns ``(store, port)``."""
@@ -83,8 +156,9 @@ def host_store(addr: str, timeout_s: float):
     return store, store.port
 
 
-def join(spec: SideGroupSpec, rank: int, node_ip: str, store=None) -> SideGroup:
-    """Blocking rendezvous of all ``spec.world_size`` ranks (call on every rank at once)."""
+def join(spec: SideGroupSpec, rank: int, node_ip: str, store=None, device=None) -> SideGroup:
+    """Blocking rendezvous of all ``spec.world_size`` ranks (call on every rank at once);
+    also builds the NCCL pair groups of this rank's ``nccl`` pairs."""
     timeout = timedelta(seconds=spec.timeout_s)
     if store is None:
         store = dist.TCPStore(spec.master_addr, spec.master_port, None, False, timeout)
@@ -93,4 +167,13 @@ def join(spec: SideGroupSpec, rank: int, node_ip: str, store=None) -> SideGroup:
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=node_ip)]
     pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, opts)
-    return SideGroup(pg, spec, rank, store)
+    tiers = {}
+    peers = [
+        b if a == rank else a for (a, b), t in spec.tiers.items() if t == "nccl" and rank in (a, b)
+    ]
+    if peers:
+        from ray_disagg.transport.nccl import NcclTier, pair_group
+
+        groups = {p: pair_group(store, spec.prefix, rank, p, device, spec.timeout_s) for p in peers}
+        tiers["nccl"] = NcclTier(rank, groups, device)
+    return SideGroup(pg, spec, rank, store, tiers)

@@ -134,10 +134,23 @@ class Stage:
         else:
             self.skipped += 1
         self.opt.zero_grad(set_to_none=True)
-        extra = {**(extra or {}), "skipped_steps": self.skipped}
+        extra = {**(extra or {}), "skipped_steps": self.skipped, **self.placement_metrics()}
         lc.maybe_report(
             self.args, stats, step, self.writer, self.timer, self.model, self.opt, extra
         )
+
+    def placement_metrics(self) -> dict:
+        """``transfer_tier``: the tiers that carry tensors between the groups (e.g. "shm",
+        "cuda_ipc+nccl"); with ``extra={"report_placement": True}`` also ``placement``:
+        each worker's ``[placement group id, bundle index]`` as the worker saw it."""
+        spec = self.side.spec
+        out = {"transfer_tier": "+".join(sorted(set(spec.tiers.values()))) or "none"}
+        if self.cfg.extra.get("report_placement"):
+            out["placement"] = {
+                spec.label(r): [loc.placement_group, loc.bundle]
+                for r, loc in enumerate(spec.locations)
+            }
+        return out
 
     def _group_had_inputs(self, stats) -> bool:
         """Whether any rank of this group had real inputs this step (the LLM group always;

@@ -9,6 +9,9 @@ own state machine, failure policy and checkpoint manager run unchanged:
   report is consolidated, and a checkpoint registered, only when every worker of every
   group has reported it;
 - shutdown/abort: all groups together, so no peer stays blocked in a cross-group recv.
+
+With colocated placement every group schedules into one shared placement group (bundle
+``i`` holds worker ``i`` of every group), owned here and removed after all groups stop.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 
 import ray
 from ray.train import ScalingConfig
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from ray_disagg._internal import runtime
 from ray_disagg._internal.ray_compat import (
@@ -26,6 +30,7 @@ from ray_disagg._internal.ray_compat import (
     ObjectRefWrapper,
     PreemptionCallback,
     ReportCallbackHandler,
+    SharedPlacementWorkerGroup,
     TrainRunContext,
     UserCallbackHandler,
     WorkerGroup,
@@ -34,6 +39,7 @@ from ray_disagg._internal.ray_compat import (
     group_train_run_context,
 )
 from ray_disagg._internal.side_group import SideGroupSpec
+from ray_disagg.transport.select import choose_tier
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +57,25 @@ class GroupLaunch:
     scaling_config: ScalingConfig
     backend_config: object
     train_fn_ref: ObjectRefWrapper
+
+
+@dataclass(frozen=True)
+class Colocation:
+    """One placement group for all groups: ``num_bundles`` bundles of ``bundle`` (the sum
+    of one worker of each group), placed with ``strategy`` (built on the driver)."""
+
+    bundle: dict
+    num_bundles: int
+    strategy: str
+
+
+@dataclass(frozen=True)
+class Transfers:
+    """Which workers exchange tensors (``(group, rank)`` pairs, from the batch plan) and
+    the requested tier (``"auto"`` or a tier name)."""
+
+    pairs: tuple
+    requested: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -73,8 +98,9 @@ class ModulePollStatus(WorkerGroupPollStatus):
 class ModuleWorkerGroups:
     """The module groups of one run attempt (see module docstring)."""
 
-    def __init__(self, groups: dict[str, WorkerGroup], union_callbacks: list):
+    def __init__(self, groups: dict[str, WorkerGroup], union_callbacks: list, shared_pg=None):
         self._groups = groups
+        self._shared_pg = shared_pg
         self._union_callbacks = union_callbacks
         self._latest_poll_status = None
         self._labels = {}
@@ -93,6 +119,8 @@ class ModuleWorkerGroups:
         run_attempt_id: str,
         callbacks: list,
         side_timeout_s: float,
+        transfers: Transfers,
+        colocation: Colocation | None = None,
         janitor=None,
     ) -> ModuleWorkerGroups:
         union = [c for c in callbacks if isinstance(c, _UNION_CALLBACKS)]
@@ -102,27 +130,42 @@ class ModuleWorkerGroups:
             if not isinstance(c, _UNION_CALLBACKS) and not isinstance(c, _DROPPED_CALLBACKS)
         ]
         started: dict[str, WorkerGroup] = {}
+        shared_pg = None
         try:
+            if colocation is not None:
+                shared_pg = placement_group(
+                    [dict(colocation.bundle)] * colocation.num_bundles,
+                    strategy=colocation.strategy,
+                )
+                if janitor is not None:
+                    ray.get(janitor.register.remote(shared_pg))
             for name, launch in launches.items():
-                started[name] = cls._start_group(launch, train_run_context, run_attempt_id, shared)
-                if janitor is not None:  # removes it should the coordinator die
+                started[name] = cls._start_group(
+                    launch, train_run_context, run_attempt_id, shared, shared_pg
+                )
+                if janitor is not None and shared_pg is None:  # removed should we die
                     state = started[name].get_worker_group_state()
                     ray.get(janitor.register.remote(state.placement_group_handle.placement_group))
-            groups = cls(started, union)
-            groups._connect_side_group(run_attempt_id, side_timeout_s)
+            groups = cls(started, union, shared_pg)
+            if shared_pg is not None:
+                groups._check_pairing()
+            groups._connect_side_group(run_attempt_id, side_timeout_s, transfers)
         except BaseException:
             for wg in started.values():
                 try:
                     wg.shutdown()
                 except Exception:
                     logger.warning("Shutting down a partially started group failed.", exc_info=True)
+            _remove(shared_pg)
             raise
         for cb in union:
             cb.after_worker_group_start(groups)
         return groups
 
     @staticmethod
-    def _start_group(launch: GroupLaunch, base_ctx, run_attempt_id, shared) -> WorkerGroup:
+    def _start_group(
+        launch: GroupLaunch, base_ctx, run_attempt_id, shared, shared_pg
+    ) -> WorkerGroup:
         sc = launch.scaling_config
         ctx = group_train_run_context(base_ctx, sc, launch.backend_config)
         wg_ctx = WorkerGroupContext(
@@ -138,18 +181,51 @@ class ModuleWorkerGroups:
             BackendSetupCallback(launch.backend_config),
         ]
         logger.info("Starting %s group: %d workers", launch.name, sc.num_workers)
+        if shared_pg is not None:
+            return SharedPlacementWorkerGroup.create_in(shared_pg, ctx, wg_ctx, own + shared)
         return WorkerGroup.create(
             train_run_context=ctx, worker_group_context=wg_ctx, callbacks=own + shared
         )
 
-    def _connect_side_group(self, run_attempt_id: str, timeout_s: float) -> None:
+    def _check_pairing(self) -> None:
+        """Colocated: rank ``r`` of every group must sit in the same bundle (Ray Train
+        orders ranks by node and GPU id, identically for groups sharing the bundles)."""
+        bundles = {
+            name: [w.placement_group_bundle_index for w in wg.get_workers()]
+            for name, wg in self._groups.items()
+        }
+        if len({tuple(b) for b in bundles.values()}) != 1:
+            raise RuntimeError(f"colocated groups' ranks are not paired by bundle: {bundles}")
+
+    def _connect_side_group(self, run_attempt_id: str, timeout_s: float, transfers) -> None:
         host = next(iter(self._groups.values())).get_workers()[0]
         addr, port = ray.get(host.execute_async(runtime.host_side_store, timeout_s))
         offsets, sizes, off = {}, {}, 0
         for name, wg in self._groups.items():
             offsets[name], sizes[name] = off, len(wg.get_workers())
             off += sizes[name]
-        spec = SideGroupSpec(addr, port, offsets, sizes, timeout_s, f"side/{run_attempt_id}")
+        workers = [w for wg in self._groups.values() for w in wg.get_workers()]
+        locations = ray.get([w.execute_async(runtime.locate) for w in workers], timeout=timeout_s)
+        tiers = {}
+        for (ga, ra), (gb, rb) in transfers.pairs:
+            a, b = offsets[ga] + ra, offsets[gb] + rb
+            try:
+                tier = choose_tier(locations[a], locations[b], transfers.requested)
+            except ValueError as e:
+                raise ValueError(f"between {ga} rank {ra} and {gb} rank {rb}: {e}") from None
+            tiers[(min(a, b), max(a, b))] = tier
+        logger.info(
+            "Transfer tiers: %s",
+            {
+                f"{ga}[{ra}]<->{gb}[{rb}]": tiers[
+                    tuple(sorted((offsets[ga] + ra, offsets[gb] + rb)))
+                ]
+                for (ga, ra), (gb, rb) in transfers.pairs
+            },
+        )
+        spec = SideGroupSpec(
+            addr, port, offsets, sizes, timeout_s, f"side/{run_attempt_id}", locations, tiers
+        )
         refs = [
             w.execute_async(runtime.join_side_group, spec, name, w.distributed_context.world_rank)
             for name, wg in self._groups.items()
@@ -198,6 +274,7 @@ class ModuleWorkerGroups:
                 wg.shutdown()
             except Exception as e:  # shut the other groups down regardless
                 errors.append(e)
+        _remove(self._shared_pg)
         if errors:
             raise errors[0]
 
@@ -207,3 +284,12 @@ class ModuleWorkerGroups:
                 wg.abort()
             except Exception:
                 logger.warning("Aborting a module group failed.", exc_info=True)
+        _remove(self._shared_pg)
+
+
+def _remove(pg) -> None:
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception:  # already removed
+            logger.debug("Removing the shared placement group failed.", exc_info=True)

@@ -1,0 +1,56 @@
+"""What every tier shares: tensor descriptions in the message header and the byte views
+the host tiers move."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TIERS", "TensorSpec", "describe", "as_bytes", "from_bytes", "dtype_from_name"]
+
+TIERS = ("gloo", "shm", "nccl", "cuda_ipc")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape and dtype of one tensor of a message (sent in the header)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # e.g. "bfloat16"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.torch_dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown tensor dtype {name!r} in a transfer header")
+    return dtype
+
+
+def describe(tensors: dict[str, torch.Tensor]) -> list[TensorSpec]:
+    return [
+        TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        for name, t in tensors.items()
+    ]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a contiguous tensor (no copy; any dtype, bf16 included)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def from_bytes(buf: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """The tensor ``spec`` describes, viewing the ``uint8`` buffer ``buf`` (no copy)."""
+    return buf.view(spec.torch_dtype).view(spec.shape)

@@ -1,0 +1,36 @@
+"""Fallback tier: gloo send/recv over TCP. Device tensors are staged through the host."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ray_disagg.transport.base import TensorSpec, as_bytes, from_bytes
+
+__all__ = ["GlooTier"]
+
+
+class GlooTier:
+    """Sends each tensor's bytes after the header, over the side group's gloo ranks."""
+
+    name = "gloo"
+
+    def __init__(self, pg: dist.ProcessGroup):
+        self.pg = pg
+
+    def pack(self, tensors: list[torch.Tensor], dst: int):
+        return None
+
+    def after_header(self, tensors: list[torch.Tensor], dst: int) -> None:
+        for t in tensors:
+            if t.numel():
+                self.pg.send([as_bytes(t.cpu())], dst, 0).wait()
+
+    def unpack(self, specs: list[TensorSpec], payload, src: int, device) -> list[torch.Tensor]:
+        out = []
+        for spec in specs:
+            buf = torch.empty(spec.nbytes, dtype=torch.uint8)
+            if spec.nbytes:
+                self.pg.recv([buf], src, 0).wait()
+            out.append(from_bytes(buf, spec).to(device))
+        return out

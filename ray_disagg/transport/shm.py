@@ -1,0 +1,176 @@
+"""Same-node CPU tier: the sender copies a message's tensors once into a shared-memory
+buffer; the receiver maps that buffer and hands out tensors that view it (no socket copy,
+no second copy).
+
+Each sender keeps a small pool of segments per receiver. A segment starts with a busy
+flag: the sender sets it before writing, the receiver clears it when the last tensor
+viewing the segment is freed (a finalizer on the storage's owner). The sender reuses only
+free segments, grows the pool up to ``max_segments`` and otherwise waits, up to its
+timeout, for one to be freed: a receiver that died surfaces as a ``TimeoutError``.
+Segments are unlinked by their sender on close, or by Python's resource tracker when the
+sender dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+import weakref
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+import torch
+
+from ray_disagg.transport.base import TensorSpec, as_bytes, from_bytes
+
+__all__ = ["ShmTier", "ShmUnavailable"]
+
+logger = logging.getLogger(__name__)
+
+_HEADER = 64  # bytes before the data: the busy flag (int64), cache-line aligned data
+_ALIGN = 64
+
+
+class ShmUnavailable(OSError):
+    """The shared-memory buffer could not be created (e.g. /dev/shm is full)."""
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class _Segment:
+    def __init__(self, shm: shared_memory.SharedMemory, owner: bool):
+        self.shm, self.owner = shm, owner
+        self.flag = np.ndarray((1,), dtype=np.int64, buffer=shm.buf)
+        self.capacity = shm.size - _HEADER
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.flag[0])
+
+    def close(self) -> None:
+        self.flag = None
+        try:
+            self.shm.close()
+            if self.owner:
+                self.shm.unlink()
+        except (BufferError, FileNotFoundError):  # still viewed, or already unlinked
+            pass
+
+
+def _create(name: str, size: int) -> shared_memory.SharedMemory:
+    try:
+        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+    except OSError as e:
+        raise ShmUnavailable(f"cannot create shared memory {name} of {size} bytes: {e}") from e
+    try:  # reserve the pages now: a full /dev/shm is an error here, not a SIGBUS later
+        os.posix_fallocate(shm._fd, 0, size)
+    except OSError as e:
+        shm.close()
+        shm.unlink()
+        raise ShmUnavailable(
+            f"/dev/shm has no room for {size / 2**20:.1f} MiB ({e}); enlarge it "
+            "(docker --shm-size) or set transfer='gloo'"
+        ) from e
+    return shm
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    try:
+        return shared_memory.SharedMemory(name=name, track=False)  # Python >= 3.13
+    except TypeError:
+        shm = shared_memory.SharedMemory(name=name)
+        # before 3.13 attaching registers the segment, whose owner is the sender
+        resource_tracker.unregister(shm._name, "shared_memory")
+        return shm
+
+
+class ShmTier:
+    """Shared-memory transfers between processes of one node."""
+
+    name = "shm"
+
+    def __init__(self, timeout_s: float, max_segments: int = 8, min_bytes: int = 1 << 20):
+        self.timeout_s, self.max_segments, self.min_bytes = timeout_s, max_segments, min_bytes
+        self._tag = f"rd{os.getpid()}_{secrets.token_hex(3)}"
+        self._made = 0
+        self._pools: dict[int, list[_Segment]] = {}  # sender: per receiver
+        self._attached: dict[str, _Segment] = {}  # receiver: by name
+
+    # ---- sender ----------------------------------------------------------------------
+
+    def _segment_for(self, nbytes: int, dst: int) -> _Segment:
+        pool = self._pools.setdefault(dst, [])
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            free = [s for s in pool if not s.busy]
+            fit = [s for s in free if s.capacity >= nbytes]
+            if fit:
+                return min(fit, key=lambda s: s.capacity)
+            if free or len(pool) < self.max_segments:
+                if free:  # replace a free segment that is too small
+                    pool.remove(free[0])
+                    free[0].close()
+                self._made += 1
+                size = _HEADER + max(self.min_bytes, 1 << (nbytes - 1).bit_length())
+                seg = _Segment(_create(f"{self._tag}_{self._made}", size), owner=True)
+                pool.append(seg)
+                return seg
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"shm transfer to side rank {dst}: all {len(pool)} buffers still held by "
+                    f"the receiver after {self.timeout_s:.0f}s (did it die?)"
+                )
+            time.sleep(0.0005)
+
+    def pack(self, tensors: list[torch.Tensor], dst: int):
+        sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
+        if not sum(sizes):
+            return None
+        seg = self._segment_for(sum(sizes), dst)
+        seg.flag[0] = 1
+        offsets, off = [], 0
+        data = torch.from_numpy(np.ndarray((seg.capacity,), np.uint8, seg.shm.buf, _HEADER))
+        for t, n in zip(tensors, sizes):
+            b = as_bytes(t.cpu())
+            data[off : off + b.numel()].copy_(b)
+            offsets.append(off)
+            off += n
+        return {"segment": seg.shm.name, "offsets": offsets, "bytes": off}
+
+    def after_header(self, tensors: list[torch.Tensor], dst: int) -> None:
+        pass
+
+    # ---- receiver --------------------------------------------------------------------
+
+    def unpack(self, specs: list[TensorSpec], payload, src: int, device) -> list[torch.Tensor]:
+        if payload is None:
+            return [torch.empty(s.shape, dtype=s.torch_dtype, device=device) for s in specs]
+        name = payload["segment"]
+        seg = self._attached.get(name)
+        if seg is None:
+            seg = self._attached[name] = _Segment(_attach(name), owner=False)
+        region = np.ndarray((payload["bytes"],), np.uint8, seg.shm.buf, _HEADER)
+        weakref.finalize(region, _release, seg.flag)  # when the last view below is freed
+        base = torch.from_numpy(region)  # keeps `region` alive as long as its storage
+        out = [
+            from_bytes(base[off : off + s.nbytes], s).to(device)
+            for s, off in zip(specs, payload["offsets"])
+        ]
+        return out
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            for seg in pool:
+                seg.close()
+        self._pools.clear()
+        for seg in self._attached.values():
+            seg.close()
+        self._attached.clear()
+
+
+def _release(flag: np.ndarray) -> None:
+    flag[0] = 0
