@@ -20,9 +20,11 @@ def group(n: int, parallelism="none", cpus: float = 0.5, ac: bool = False) -> Mo
     )
 
 
-def run_layout(spec, data, loop: dict, groups, storage, name, *, failures: int = 0, resume=None):
+def run_layout(
+    spec, data, loop: dict, groups, storage, name, *, failures: int = 0, resume=None, **kwargs
+):
     """Fit one layout (``groups``: name -> ModuleGroup), keeping every checkpoint (their
-    metrics are the per-step history)."""
+    metrics are the per-step history); ``kwargs`` go to the trainer (placement, ...)."""
     trainer = DisaggregatedTrainer(
         model=spec,
         groups=groups,
@@ -35,6 +37,7 @@ def run_layout(spec, data, loop: dict, groups, storage, name, *, failures: int =
             checkpoint_config=CheckpointConfig(num_to_keep=None),
         ),
         resume_from_checkpoint=resume,
+        **kwargs,
     )
     return trainer.fit()
 
