@@ -29,6 +29,8 @@ __all__ = ["SideGroupSpec", "SideGroup", "host_store", "join"]
 
 logger = logging.getLogger(__name__)
 
+_FIRST = 4096  # bytes of the first message of an object (its length + the start)
+
 
 @dataclass(frozen=True)
 class SideGroupSpec:
@@ -87,13 +89,25 @@ class SideGroup:
         return out
 
     def send_object(self, obj, dst: int) -> None:
-        payload = torch.from_numpy(np.frombuffer(pickle.dumps(obj), dtype=np.uint8).copy())
-        self.send(torch.tensor([payload.numel()], dtype=torch.int64), dst)
-        self.send(payload, dst)
+        """Pickled ``obj`` in one gloo message when it fits in ``_FIRST`` bytes (each gloo
+        message waits for the receiver: one, not two, for small headers)."""
+        data = pickle.dumps(obj)
+        first = np.zeros(_FIRST, dtype=np.uint8)
+        first[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
+        head = data[: _FIRST - 8]
+        first[8 : 8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
+        self.send(torch.from_numpy(first), dst)
+        if len(data) > len(head):
+            rest = np.frombuffer(data, dtype=np.uint8)[len(head) :].copy()
+            self.send(torch.from_numpy(rest), dst)
 
     def recv_object(self, src: int):
-        (n,) = self.recv((1,), torch.int64, src).tolist()
-        return pickle.loads(self.recv((n,), torch.uint8, src).numpy().tobytes())
+        first = self.recv((_FIRST,), torch.uint8, src).numpy()
+        n = int(first[:8].view(np.int64)[0])
+        data = first[8 : 8 + min(n, _FIRST - 8)].tobytes()
+        if n > _FIRST - 8:
+            data += self.recv((n - (_FIRST - 8),), torch.uint8, src).numpy().tobytes()
+        return pickle.loads(data)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         buf = tensor.detach().cpu().clone()

@@ -14,16 +14,17 @@ sender dies.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import secrets
 import time
 import weakref
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 import torch
 
-from ray_disagg.transport.base import TensorSpec, as_bytes, from_bytes
+from ray_disagg.transport.base import TensorSpec, from_bytes
 
 __all__ = ["ShmTier", "ShmUnavailable"]
 
@@ -42,7 +43,7 @@ def _aligned(n: int) -> int:
 
 
 class _Segment:
-    def __init__(self, shm: shared_memory.SharedMemory, owner: bool):
+    def __init__(self, shm, owner: bool):
         self.shm, self.owner = shm, owner
         self.flag = np.ndarray((1,), dtype=np.int64, buffer=shm.buf)
         self.capacity = shm.size - _HEADER
@@ -78,14 +79,23 @@ def _create(name: str, size: int) -> shared_memory.SharedMemory:
     return shm
 
 
-def _attach(name: str) -> shared_memory.SharedMemory:
-    try:
-        return shared_memory.SharedMemory(name=name, track=False)  # Python >= 3.13
-    except TypeError:
-        shm = shared_memory.SharedMemory(name=name)
-        # before 3.13 attaching registers the segment, whose owner is the sender
-        resource_tracker.unregister(shm._name, "shared_memory")
-        return shm
+class _Attached:
+    """A receiver's mapping of a sender's segment (not registered with any resource
+    tracker: the sender owns and unlinks it)."""
+
+    def __init__(self, name: str):
+        fd = os.open(os.path.join("/dev/shm", name.lstrip("/")), os.O_RDWR)
+        try:
+            self.size = os.fstat(fd).st_size
+            self._mmap = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+        self.name = name
+
+    def close(self) -> None:
+        self.buf.release()  # BufferError while tensors still view it
+        self._mmap.close()
 
 
 class ShmTier:
@@ -93,8 +103,15 @@ class ShmTier:
 
     name = "shm"
 
-    def __init__(self, timeout_s: float, max_segments: int = 8, min_bytes: int = 1 << 20):
+    def __init__(
+        self,
+        timeout_s: float,
+        max_segments: int = 8,
+        min_bytes: int = 1 << 20,
+        grace_s: float = 0.01,
+    ):
         self.timeout_s, self.max_segments, self.min_bytes = timeout_s, max_segments, min_bytes
+        self.grace_s = grace_s
         self._tag = f"rd{os.getpid()}_{secrets.token_hex(3)}"
         self._made = 0
         self._pools: dict[int, list[_Segment]] = {}  # sender: per receiver
@@ -104,12 +121,17 @@ class ShmTier:
 
     def _segment_for(self, nbytes: int, dst: int) -> _Segment:
         pool = self._pools.setdefault(dst, [])
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
         while True:
             free = [s for s in pool if not s.busy]
             fit = [s for s in free if s.capacity >= nbytes]
             if fit:
                 return min(fit, key=lambda s: s.capacity)
+            # a buffer about to be freed beats a new one (whose pages fault on first use)
+            held = any(s.capacity >= nbytes for s in pool)
+            if held and time.monotonic() - start < self.grace_s:
+                time.sleep(0.0001)
+                continue
             if free or len(pool) < self.max_segments:
                 if free:  # replace a free segment that is too small
                     pool.remove(free[0])
@@ -119,7 +141,7 @@ class ShmTier:
                 seg = _Segment(_create(f"{self._tag}_{self._made}", size), owner=True)
                 pool.append(seg)
                 return seg
-            if time.monotonic() > deadline:
+            if time.monotonic() - start > self.timeout_s:
                 raise TimeoutError(
                     f"shm transfer to side rank {dst}: all {len(pool)} buffers still held by "
                     f"the receiver after {self.timeout_s:.0f}s (did it die?)"
@@ -135,8 +157,10 @@ class ShmTier:
         offsets, off = [], 0
         data = torch.from_numpy(np.ndarray((seg.capacity,), np.uint8, seg.shm.buf, _HEADER))
         for t, n in zip(tensors, sizes):
-            b = as_bytes(t.cpu())
-            data[off : off + b.numel()].copy_(b)
+            t = t.detach().cpu().reshape(-1)
+            nbytes = t.numel() * t.element_size()
+            # same-dtype copy (a plain memcpy, faster than bytewise); offsets are aligned
+            data[off : off + nbytes].view(t.dtype).copy_(t)
             offsets.append(off)
             off += n
         return {"segment": seg.shm.name, "offsets": offsets, "bytes": off}
@@ -152,7 +176,7 @@ class ShmTier:
         name = payload["segment"]
         seg = self._attached.get(name)
         if seg is None:
-            seg = self._attached[name] = _Segment(_attach(name), owner=False)
+            seg = self._attached[name] = _Segment(_Attached(name), owner=False)
         region = np.ndarray((payload["bytes"],), np.uint8, seg.shm.buf, _HEADER)
         weakref.finalize(region, _release, seg.flag)  # when the last view below is freed
         base = torch.from_numpy(region)  # keeps `region` alive as long as its storage
