@@ -58,13 +58,6 @@ def colocation_for(groups, placement: str):
             f"{shares} add up to {bundle['GPU']:g} > 1. Give each group a fraction, e.g. "
             "ScalingConfig(num_workers=N, use_gpu=True, resources_per_worker={'GPU': 0.5})."
         )
-    for k, v in bundle.items():
-        if v > 1 and abs(v - round(v)) > 1e-9:
-            raise ValueError(
-                f"placement='colocated': a bundle would need {v:g} {k}; Ray needs whole amounts "
-                f"above 1. Adjust resources_per_worker so the groups' {k} add up to a whole "
-                "number (or at most 1)."
-            )
     n = next(iter(counts.values()))
     return Colocation(bundle=dict(bundle), num_bundles=n, strategy=next(iter(strategies.values())))
 

@@ -71,6 +71,10 @@ def init_runtime(module: str, mesh_shape: tuple[int, ...], mesh_axes: tuple[str,
         limit_heap_fragmentation()
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # fp32 means fp32 (layouts must equal the single-process model); bf16=True is the
+        # fast path. cuDNN convolutions (the patch embedding) default to TF32 otherwise.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=mesh_axes)
     _runtime = WorkerRuntime(module=module, mesh=mesh, device=device)
 

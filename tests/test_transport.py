@@ -1,0 +1,123 @@
+"""Tier 1: which transfer tier a pair of workers gets, and colocation checked on the
+driver before any worker starts."""
+
+import pytest
+import torch
+from ray.train import ScalingConfig
+
+from ray_disagg import DisaggregatedTrainer, ModuleGroup, Qwen2_5_VLSpec, tiny_qwen2_5_vl_config
+from ray_disagg.examples_data import synthetic_samples
+from ray_disagg.transport import Location, choose_tier, describe
+from ray_disagg.transport.base import from_bytes
+
+CPU_A = Location(node="n1", pid=1, device="cpu")
+CPU_B = Location(node="n1", pid=2, device="cpu")
+CPU_OTHER_NODE = Location(node="n2", pid=3, device="cpu")
+GPU0_A = Location(node="n1", pid=4, device="cuda", gpu="GPU-0")
+GPU0_B = Location(node="n1", pid=5, device="cuda", gpu="GPU-0")
+GPU1 = Location(node="n1", pid=6, device="cuda", gpu="GPU-1")
+GPU_OTHER_NODE = Location(node="n2", pid=7, device="cuda", gpu="GPU-0")
+
+
+@pytest.mark.parametrize(
+    "a,b,tier",
+    [
+        (CPU_A, CPU_B, "shm"),
+        (CPU_A, CPU_OTHER_NODE, "gloo"),
+        (GPU0_A, GPU0_B, "cuda_ipc"),  # colocated on one GPU: never NCCL
+        (GPU0_A, GPU1, "nccl"),
+        (GPU0_A, GPU_OTHER_NODE, "nccl"),  # same GPU index, another node
+        (GPU0_A, CPU_B, "gloo"),
+    ],
+)
+def test_automatic_tier_follows_where_the_workers_are(a, b, tier):
+    assert choose_tier(a, b) == tier == choose_tier(b, a)
+
+
+@pytest.mark.parametrize(
+    "a,b,requested,why",
+    [
+        (CPU_A, CPU_OTHER_NODE, "shm", "different nodes"),
+        (CPU_A, CPU_B, "cuda_ipc", "GPUs of one node"),
+        (GPU0_A, GPU0_B, "nccl", "same GPU"),
+        (CPU_A, CPU_B, "nccl", "both workers on GPUs"),
+        (CPU_A, CPU_B, "ucx", "must be 'auto' or one of"),
+    ],
+)
+def test_requested_tier_that_cannot_work_is_refused(a, b, requested, why):
+    with pytest.raises(ValueError, match=why):
+        choose_tier(a, b, requested)
+    assert choose_tier(a, b, "gloo") == "gloo"  # always possible
+
+
+def test_header_describes_any_dtype_and_bytes_round_trip():
+    tensors = {
+        "x": torch.randn(3, 4).to(torch.bfloat16),
+        "n": torch.arange(5),
+        "e": torch.zeros(0, 2),
+    }
+    specs = describe(tensors)
+    assert [(s.name, s.shape, s.dtype) for s in specs] == [
+        ("x", (3, 4), "bfloat16"),
+        ("n", (5,), "int64"),
+        ("e", (0, 2), "float32"),
+    ]
+    for spec, t in zip(specs, tensors.values()):
+        raw = t.contiguous().reshape(-1).view(torch.uint8).clone()
+        assert raw.numel() == spec.nbytes
+        assert torch.equal(from_bytes(raw, spec), t)
+
+
+CFG = tiny_qwen2_5_vl_config()
+DATA = synthetic_samples(CFG, 8)
+
+
+def g(n=1, **resources):
+    use_gpu = "GPU" in resources
+    return ModuleGroup(
+        scaling_config=ScalingConfig(
+            num_workers=n, use_gpu=use_gpu, resources_per_worker=resources or None
+        )
+    )
+
+
+def spread():
+    return ModuleGroup(scaling_config=ScalingConfig(num_workers=1, placement_strategy="SPREAD"))
+
+
+def make(vision, text, **kwargs):
+    return DisaggregatedTrainer(
+        model=Qwen2_5_VLSpec(config=CFG),
+        groups={"vision": vision, "text": text},
+        train_loop_config={"max_steps": 1, "global_batch_size": 4},
+        datasets={"train": DATA},
+        **kwargs,
+    )
+
+
+def test_colocated_bundle_sums_one_worker_of_each_group():
+    t = make(g(2, CPU=0.5), g(2, CPU=1), placement="colocated")
+    assert t.colocation.bundle == {"CPU": 1.5} and t.colocation.num_bundles == 2
+    t = make(g(2, GPU=0.5), g(2, GPU=0.5), placement="colocated")
+    assert t.colocation.bundle["GPU"] == 1.0
+    assert make(g(2), g(1)).colocation is None  # separate (the default)
+    # the pairs that exchange tensors: every vision leader with the text leaders it feeds
+    pairs = make(g(2), g(1))._transfer_pairs()
+    assert pairs == ((("vision", 0), ("text", 0)), (("vision", 1), ("text", 0)))
+
+
+@pytest.mark.parametrize(
+    "vision,text,kwargs,match",
+    [
+        (g(2), g(1), {"placement": "colocated"}, r"same num_workers; got \{'vision': 2"),
+        (g(1, GPU=1), g(1, GPU=1), {"placement": "colocated"}, r"add up to 2 > 1.*'GPU': 0.5"),
+        (g(1, GPU=0.5), g(1), {"placement": "colocated"}, "use_gpu"),
+        (g(1), spread(), {"placement": "colocated"}, "same ScalingConfig.placement_strategy"),
+        (g(1), g(1), {"placement": "packed"}, r"placement='packed': must be one of"),
+        (g(1), g(1), {"transfer": "rdma"}, r"transfer='rdma': must be 'auto' or one of"),
+        (g(1), g(1), {"transfer": "nccl"}, "not every group has ScalingConfig.use_gpu=True"),
+    ],
+)
+def test_bad_placement_or_transfer_fails_on_the_driver(vision, text, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make(vision, text, **kwargs)
