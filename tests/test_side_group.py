@@ -113,7 +113,7 @@ def _tier_worker(rank, port_q, result_q, done, timeout_s):
             tier = side._tiers["shm"]
             tier.max_segments = len(tier._pools[2])
             for seg in tier._pools[2]:
-                seg.flag[0] = 1
+                seg.words[0] = 1  # busy
             t0 = time.monotonic()
             try:
                 side.send_tensors(2, _tensors(0))

@@ -91,15 +91,19 @@ class SideGroup:
     def send_object(self, obj, dst: int) -> None:
         """Pickled ``obj`` in one gloo message when it fits in ``_FIRST`` bytes (each gloo
         message waits for the receiver: one, not two, for small headers)."""
+        for work in self._post_object(obj, dst):
+            work.wait()
+
+    def _post_object(self, obj, dst: int) -> list:
         data = pickle.dumps(obj)
         first = np.zeros(_FIRST, dtype=np.uint8)
         first[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
         head = data[: _FIRST - 8]
         first[8 : 8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
-        self.send(torch.from_numpy(first), dst)
+        bufs = [torch.from_numpy(first)]
         if len(data) > len(head):
-            rest = np.frombuffer(data, dtype=np.uint8)[len(head) :].copy()
-            self.send(torch.from_numpy(rest), dst)
+            bufs.append(torch.from_numpy(np.frombuffer(data, dtype=np.uint8)[len(head) :].copy()))
+        return [_Posted(self.pg.send([b], dst, 0), b) for b in bufs]
 
     def recv_object(self, src: int):
         first = self.recv((_FIRST,), torch.uint8, src).numpy()
@@ -146,8 +150,10 @@ class SideGroup:
                 logger.warning("shared-memory transfer unavailable, using gloo: %s", e)
             name, tier, payload = "gloo", self._tiers["gloo"], None
         header = {"meta": meta, "specs": describe(tensors), "tier": name, "payload": payload}
-        self.send_object(header, dst)
+        posted = self._post_object(header, dst)  # the receiver wakes up while data is written
         tier.after_header(items, dst)
+        for work in posted:
+            work.wait()
 
     def recv_tensors(self, src: int, device=None) -> tuple[object, dict[str, torch.Tensor]]:
         """``(meta, {name: tensor})`` sent by ``src``'s :meth:`send_tensors`; tensors land on
@@ -162,6 +168,17 @@ class SideGroup:
         shm = self._tiers.get("shm")
         if shm is not None:
             shm.close()
+
+
+class _Posted:
+    """A posted gloo send and the buffer it reads (kept alive until it completes)."""
+
+    def __init__(self, work, buf):
+        self.work, self.buf = work, buf
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.buf = None
 
 
 def host_store(addr: str, timeout_s: float):

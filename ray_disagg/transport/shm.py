@@ -2,9 +2,12 @@
 buffer; the receiver maps that buffer and hands out tensors that view it (no socket copy,
 no second copy).
 
-Each sender keeps a small pool of segments per receiver. A segment starts with a busy
-flag: the sender sets it before writing, the receiver clears it when the last tensor
-viewing the segment is freed (a finalizer on the storage's owner). The sender reuses only
+Each sender keeps a small pool of segments per receiver. A segment starts with two words:
+``busy``, set by the sender when it reserves the segment and cleared by the receiver when
+the last tensor viewing the segment is freed (a finalizer on the storage's owner), and
+``ready``, the sequence number of the message whose data is complete. The header (sent
+over gloo) goes out before the copy, so the receiver wakes up while the sender copies; it
+then waits for ``ready``. The sender reuses only
 free segments, grows the pool up to ``max_segments`` and otherwise waits, up to its
 timeout, for one to be freed: a receiver that died surfaces as a ``TimeoutError``.
 Segments are unlinked by their sender on close, or by Python's resource tracker when the
@@ -17,6 +20,7 @@ import logging
 import mmap
 import os
 import secrets
+import threading
 import time
 import weakref
 from multiprocessing import shared_memory
@@ -30,8 +34,15 @@ __all__ = ["ShmTier", "ShmUnavailable"]
 
 logger = logging.getLogger(__name__)
 
-_HEADER = 64  # bytes before the data: the busy flag (int64), cache-line aligned data
+_HEADER = 64  # bytes before the data: busy and ready (int64 each); cache-line aligned data
 _ALIGN = 64
+_BUSY, _READY = 0, 1
+_FENCE = threading.Lock()  # acquire/release: a full memory barrier on every architecture
+
+
+def _fence() -> None:
+    with _FENCE:
+        pass
 
 
 class ShmUnavailable(OSError):
@@ -45,15 +56,15 @@ def _aligned(n: int) -> int:
 class _Segment:
     def __init__(self, shm, owner: bool):
         self.shm, self.owner = shm, owner
-        self.flag = np.ndarray((1,), dtype=np.int64, buffer=shm.buf)
+        self.words = np.ndarray((2,), dtype=np.int64, buffer=shm.buf)
         self.capacity = shm.size - _HEADER
 
     @property
     def busy(self) -> bool:
-        return bool(self.flag[0])
+        return bool(self.words[_BUSY])
 
     def close(self) -> None:
-        self.flag = None
+        self.words = None
         try:
             self.shm.close()
             if self.owner:
@@ -113,8 +124,9 @@ class ShmTier:
         self.timeout_s, self.max_segments, self.min_bytes = timeout_s, max_segments, min_bytes
         self.grace_s = grace_s
         self._tag = f"rd{os.getpid()}_{secrets.token_hex(3)}"
-        self._made = 0
+        self._made = self._seq = 0
         self._pools: dict[int, list[_Segment]] = {}  # sender: per receiver
+        self._pending: dict[int, tuple] = {}  # sender: reserved, not yet written
         self._attached: dict[str, _Segment] = {}  # receiver: by name
 
     # ---- sender ----------------------------------------------------------------------
@@ -149,24 +161,30 @@ class ShmTier:
             time.sleep(0.0005)
 
     def pack(self, tensors: list[torch.Tensor], dst: int):
+        """Reserve a segment and lay the message out (the header goes out next)."""
         sizes = [_aligned(t.numel() * t.element_size()) for t in tensors]
         if not sum(sizes):
             return None
         seg = self._segment_for(sum(sizes), dst)
-        seg.flag[0] = 1
-        offsets, off = [], 0
+        seg.words[_BUSY], seg.words[_READY] = 1, 0
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self._seq += 1
+        self._pending[dst] = (seg, offsets, self._seq)
+        return {"segment": seg.shm.name, "offsets": offsets, "bytes": sum(sizes), "seq": self._seq}
+
+    def after_header(self, tensors: list[torch.Tensor], dst: int) -> None:
+        """Copy the data into the reserved segment, then mark it ready."""
+        if dst not in self._pending:
+            return
+        seg, offsets, seq = self._pending.pop(dst)
         data = torch.from_numpy(np.ndarray((seg.capacity,), np.uint8, seg.shm.buf, _HEADER))
-        for t, n in zip(tensors, sizes):
+        for t, off in zip(tensors, offsets):
             t = t.detach().cpu().reshape(-1)
             nbytes = t.numel() * t.element_size()
             # same-dtype copy (a plain memcpy, faster than bytewise); offsets are aligned
             data[off : off + nbytes].view(t.dtype).copy_(t)
-            offsets.append(off)
-            off += n
-        return {"segment": seg.shm.name, "offsets": offsets, "bytes": off}
-
-    def after_header(self, tensors: list[torch.Tensor], dst: int) -> None:
-        pass
+        _fence()
+        seg.words[_READY] = seq
 
     # ---- receiver --------------------------------------------------------------------
 
@@ -177,14 +195,27 @@ class ShmTier:
         seg = self._attached.get(name)
         if seg is None:
             seg = self._attached[name] = _Segment(_Attached(name), owner=False)
+        self._wait_ready(seg, payload["seq"], src)
         region = np.ndarray((payload["bytes"],), np.uint8, seg.shm.buf, _HEADER)
-        weakref.finalize(region, _release, seg.flag)  # when the last view below is freed
+        weakref.finalize(region, _release, seg.words)  # when the last view below is freed
         base = torch.from_numpy(region)  # keeps `region` alive as long as its storage
-        out = [
+        return [
             from_bytes(base[off : off + s.nbytes], s).to(device)
             for s, off in zip(specs, payload["offsets"])
         ]
-        return out
+
+    def _wait_ready(self, seg: _Segment, seq: int, src: int) -> None:
+        start, spins = time.monotonic(), 0
+        while seg.words[_READY] != seq:
+            spins += 1
+            if spins > 1000:
+                time.sleep(0.00005)
+                if time.monotonic() - start > self.timeout_s:
+                    raise TimeoutError(
+                        f"shm transfer from side rank {src}: data not written after "
+                        f"{self.timeout_s:.0f}s (did the sender die?)"
+                    )
+        _fence()
 
     def close(self) -> None:
         for pool in self._pools.values():
@@ -196,5 +227,5 @@ class ShmTier:
         self._attached.clear()
 
 
-def _release(flag: np.ndarray) -> None:
-    flag[0] = 0
+def _release(words: np.ndarray) -> None:
+    words[_BUSY] = 0
