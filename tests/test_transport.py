@@ -38,7 +38,8 @@ def test_automatic_tier_follows_where_the_workers_are(a, b, tier):
     "a,b,requested,why",
     [
         (CPU_A, CPU_OTHER_NODE, "shm", "different nodes"),
-        (CPU_A, CPU_B, "cuda_ipc", "GPUs of one node"),
+        (CPU_A, CPU_B, "cuda_ipc", "same GPU"),
+        (GPU0_A, GPU1, "cuda_ipc", "same GPU"),
         (GPU0_A, GPU0_B, "nccl", "same GPU"),
         (CPU_A, CPU_B, "nccl", "both workers on GPUs"),
         (CPU_A, CPU_B, "ucx", "must be 'auto' or one of"),
@@ -110,7 +111,8 @@ def test_colocated_bundle_sums_one_worker_of_each_group():
     "vision,text,kwargs,match",
     [
         (g(2), g(1), {"placement": "colocated"}, r"same num_workers; got \{'vision': 2"),
-        (g(1, GPU=1), g(1, GPU=1), {"placement": "colocated"}, r"add up to 2 > 1.*'GPU': 0.5"),
+        (g(1, GPU=1), g(1, GPU=1), {"placement": "colocated"}, r"add up to 2, not 1.*'GPU': 0.5"),
+        (g(1, GPU=0.25), g(1, GPU=0.25), {"placement": "colocated"}, "add up to 0.5, not 1"),
         (g(1, GPU=0.5), g(1), {"placement": "colocated"}, "use_gpu"),
         (g(1), spread(), {"placement": "colocated"}, "same ScalingConfig.placement_strategy"),
         (g(1), g(1), {"placement": "packed"}, r"placement='packed': must be one of"),

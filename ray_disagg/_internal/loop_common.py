@@ -27,6 +27,8 @@ class StatsLayout:
 
     - ``loss``, ``label_tokens``, ``llm_tokens``: the LLM group's data-parallel leaders;
     - ``cycle``: wall seconds since the previous exchange, the LLM group's rank 0;
+    - ``transfer_fallbacks``: tensor messages sent over gloo instead of their planned tier
+      (e.g. a full /dev/shm), every rank;
     - ``<group>_{sq,time,wait,peak}``: squared grad norm, compute and wait seconds, peak
       memory (MB) of each group, from its rank 0;
     - counters (``images``, ``videos``, ``audios``): the encoder groups' DP leaders.
@@ -34,7 +36,7 @@ class StatsLayout:
 
     def __init__(self, groups: list[str], counters: list[str]):
         self.groups, self.counters = list(groups), list(counters)
-        names = ["loss", "label_tokens", "llm_tokens", "cycle"]
+        names = ["loss", "label_tokens", "llm_tokens", "cycle", "transfer_fallbacks"]
         names += [f"{g}_{k}" for g in groups for k in ("sq", "time", "wait", "peak")]
         names += list(counters)
         self.index = {n: i for i, n in enumerate(names)}
@@ -55,6 +57,7 @@ class StatsLayout:
             "step_time_s": s["cycle"],
             "mean_step_time_s": mean_step_time,
             "tokens_per_s": s["llm_tokens"] / cycle,
+            "transfer_fallbacks": int(s["transfer_fallbacks"]),
         }
         for g in self.groups:
             out[f"{g}_grad_norm"] = s[f"{g}_sq"] ** 0.5

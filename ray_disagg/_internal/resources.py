@@ -48,15 +48,24 @@ def colocation_for(groups, placement: str):
     for g in groups.values():
         for k, v in g.scaling_config._resources_per_worker_not_none.items():
             bundle[k] += v
-    if bundle.get("GPU", 0) > 1 + 1e-9:
+    if "GPU" in bundle and abs(bundle["GPU"] - 1) > 1e-9:
+        # above 1 a bundle spans GPUs; below 1 two bundles (two ranks of one group) could
+        # share a GPU, which the group's own NCCL process group refuses
         shares = {
             n: g.scaling_config._resources_per_worker_not_none.get("GPU", 0)
             for n, g in groups.items()
         }
         raise ValueError(
             f"placement='colocated' shares each GPU between the groups, but their GPU shares "
-            f"{shares} add up to {bundle['GPU']:g} > 1. Give each group a fraction, e.g. "
-            "ScalingConfig(num_workers=N, use_gpu=True, resources_per_worker={'GPU': 0.5})."
+            f"{shares} add up to {bundle['GPU']:g}, not 1. Give each group a fraction so they "
+            "sum to 1, e.g. ScalingConfig(num_workers=N, use_gpu=True, "
+            "resources_per_worker={'GPU': 0.5})."
+        )
+    selectors = {n: g.scaling_config.label_selector for n, g in groups.items()}
+    if any(selectors.values()):
+        raise ValueError(
+            f"placement='colocated' does not support ScalingConfig(label_selector=...) "
+            f"(got {selectors}); use placement='separate'."
         )
     n = next(iter(counts.values()))
     return Colocation(bundle=dict(bundle), num_bundles=n, strategy=next(iter(strategies.values())))

@@ -74,6 +74,7 @@ class SideGroup:
         self._store = store  # keeps the TCP connection (and, on the host, the server) alive
         self._tiers = {"gloo": GlooTier(pg), **(tiers or {})}
         self._warned: set[str] = set()
+        self.fallbacks = 0  # tensor messages sent over gloo instead of the planned tier
 
     def rank_of(self, module: str, group_rank: int) -> int:
         return self.spec.offsets[module] + group_rank
@@ -149,6 +150,7 @@ class SideGroup:
                 self._warned.add("shm")
                 logger.warning("shared-memory transfer unavailable, using gloo: %s", e)
             name, tier, payload = "gloo", self._tiers["gloo"], None
+            self.fallbacks += 1
         header = {"meta": meta, "specs": describe(tensors), "tier": name, "payload": payload}
         posted = self._post_object(header, dst)  # the receiver wakes up while data is written
         tier.after_header(items, dst)

@@ -122,6 +122,8 @@ class Stage:
             stats[ix[f"{self.part}_time"]] = t_compute + time.perf_counter() - t0
             stats[ix[f"{self.part}_wait"]] = t_wait
             stats[ix[f"{self.part}_peak"]] = lc.peak_memory_mb(self.device)
+        stats[ix["transfer_fallbacks"]] = self.side.fallbacks
+        self.side.fallbacks = 0
         is_timer = self.part == self.adapter.llm_part and self.group_rank == 0
         stats = self.timer.exchange(self.side, stats, self.layout, is_timer)
         total_norm = self.layout.total_norm(stats)
@@ -134,17 +136,24 @@ class Stage:
         else:
             self.skipped += 1
         self.opt.zero_grad(set_to_none=True)
-        extra = {**(extra or {}), "skipped_steps": self.skipped, **self.placement_metrics()}
+        fallbacks = int(stats[ix["transfer_fallbacks"]])
+        extra = {
+            **(extra or {}),
+            "skipped_steps": self.skipped,
+            **self.placement_metrics(fallbacks),
+        }
         lc.maybe_report(
             self.args, stats, step, self.writer, self.timer, self.model, self.opt, extra
         )
 
-    def placement_metrics(self) -> dict:
-        """``transfer_tier``: the tiers that carry tensors between the groups (e.g. "shm",
-        "cuda_ipc+nccl"); with ``extra={"report_placement": True}`` also ``placement``:
-        each worker's ``[placement group id, bundle index]`` as the worker saw it."""
+    def placement_metrics(self, fallbacks: int = 0) -> dict:
+        """``transfer_tier``: the tiers that carried tensors between the groups this step
+        (e.g. "shm", "cuda_ipc+nccl"; "gloo" joins when messages fell back to it); with
+        ``extra={"report_placement": True}`` also ``placement``: each worker's
+        ``[placement group id, bundle index]`` as the worker saw it."""
         spec = self.side.spec
-        out = {"transfer_tier": "+".join(sorted(set(spec.tiers.values()))) or "none"}
+        tiers = set(spec.tiers.values()) | ({"gloo"} if fallbacks else set())
+        out = {"transfer_tier": "+".join(sorted(tiers)) or "none"}
         if self.cfg.extra.get("report_placement"):
             out["placement"] = {
                 spec.label(r): [loc.placement_group, loc.bundle]

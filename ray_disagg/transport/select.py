@@ -31,8 +31,8 @@ def _why_not(tier: str, a: Location, b: Location) -> str | None:
     both_gpu = a.device == b.device == "cuda"
     if tier == "shm" and not same_node:
         return "the two workers are on different nodes"
-    if tier == "cuda_ipc" and not (both_gpu and same_node):
-        return "CUDA IPC needs both workers on GPUs of one node"
+    if tier == "cuda_ipc" and not (both_gpu and same_node and a.gpu == b.gpu):
+        return "CUDA IPC needs both workers on the same GPU (colocated)"
     if tier == "nccl":
         if not both_gpu:
             return "NCCL needs both workers on GPUs"
