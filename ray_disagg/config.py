@@ -107,6 +107,8 @@ class TensorParallel:
 
 
 PARAM_DTYPES = ("float32", "bfloat16")
+SCHEDULES = ("sequential", "1f1b")
+ASSIGNMENTS = ("auto", "contiguous", "balanced")
 
 Parallelism = Literal["none"] | DataParallel | SequenceParallel | TensorParallel
 
@@ -246,6 +248,27 @@ class TrainLoopConfig:
     """dtype of the parameters and the AdamW state: ``"float32"`` (master weights) or
     ``"bfloat16"`` (pure bf16: half the memory, for the largest models)."""
 
+    micro_batches: int = 1
+    """Split each replica's share of the global batch into this many microbatches whose
+    gradients accumulate into one optimizer step (the loss stays the mean over the global
+    batch's label tokens)."""
+
+    schedule: str | None = None
+    """``"sequential"`` (each microbatch crosses encoder -> LLM -> encoder before the next)
+    or ``"1f1b"`` (encoders run the forward of microbatch i+1 while the LLM runs i, and the
+    backward of i as soon as its gradients return). ``None``: ``"1f1b"`` for separate
+    placement with ``micro_batches > 1``, else ``"sequential"``."""
+
+    max_in_flight: int | None = None
+    """1F1B: at most this many microbatches' encoder activations alive at once (default
+    ``min(2, micro_batches)``: peak activation memory at most the sequential schedule's)."""
+
+    assignment: str = "auto"
+    """How a global batch's samples go to replicas: ``"contiguous"`` (replica d gets the
+    d-th slice), ``"balanced"`` (encoder replicas by estimated encoder cost, LLM replicas by
+    token count; greedy longest-processing-time with equal sample counts), or ``"auto"``
+    (balanced for map-style datasets, contiguous for Ray Data)."""
+
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form values, passed through untouched (e.g. for callbacks)."""
 
@@ -278,6 +301,25 @@ class TrainLoopConfig:
         for b in betas:
             _check_float("betas", b, lambda v: 0 <= v < 1, "two floats in [0, 1)")
         self.betas = betas
+        if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(
+                f"train_loop_config['micro_batches']={self.micro_batches!r}: must be an int >= 1."
+            )
+        if self.schedule not in (None, *SCHEDULES):
+            raise ValueError(
+                f"train_loop_config['schedule']={self.schedule!r}: must be one of {SCHEDULES}."
+            )
+        if self.max_in_flight is not None and (
+            not isinstance(self.max_in_flight, int) or self.max_in_flight < 1
+        ):
+            raise ValueError(
+                f"train_loop_config['max_in_flight']={self.max_in_flight!r}: must be an int >= 1."
+            )
+        if self.assignment not in ASSIGNMENTS:
+            raise ValueError(
+                f"train_loop_config['assignment']={self.assignment!r}: must be one of "
+                f"{ASSIGNMENTS}."
+            )
         if self.param_dtype not in PARAM_DTYPES:
             raise ValueError(
                 f"train_loop_config['param_dtype']={self.param_dtype!r} is not supported; use "

@@ -19,12 +19,38 @@ import torch
 
 from ray_disagg.models.base import IGNORE_INDEX, SampleError
 
-__all__ = ["SampleError", "BatchPlan", "count_label_tokens"]
+__all__ = ["SampleError", "BatchPlan", "count_label_tokens", "balanced_split"]
 
 
 def count_label_tokens(labels: np.ndarray) -> int:
     """Tokens that enter the loss after the causal shift."""
     return int((np.asarray(labels)[1:] != IGNORE_INDEX).sum())
+
+
+def balanced_split(
+    positions: list[int], costs: list[float], n: int, equal_counts: bool = True
+) -> list[list[int]]:
+    """``positions`` into ``n`` lists by greedy longest-processing-time: largest cost
+    first, to the least loaded list (fewest samples, then lowest index, on ties); with
+    ``equal_counts`` only lists that still have room (``len(positions) / n`` each). Each
+    list comes out in position order; every list gets a sample when there are ``n``.
+    Deterministic.
+
+    Example:
+        >>> balanced_split([0, 1, 2, 3], [9.0, 1.0, 1.0, 9.0], 2)
+        [[0, 1], [2, 3]]
+        >>> balanced_split([0, 1, 2, 3], [9.0, 1.0, 1.0, 1.0], 2, equal_counts=False)
+        [[0], [1, 2, 3]]
+    """
+    per = len(positions) // n if equal_counts else len(positions)
+    loads, out = [0.0] * n, [[] for _ in range(n)]
+    for c, p in sorted(zip(costs, positions), key=lambda cp: (-cp[0], cp[1])):
+        r = min(
+            (r for r in range(n) if len(out[r]) < per), key=lambda r: (loads[r], len(out[r]), r)
+        )
+        loads[r] += c
+        out[r].append(p)
+    return [sorted(o) for o in out]
 
 
 @dataclass(frozen=True)
@@ -47,13 +73,20 @@ class BatchPlan:
     dp_sizes: dict[str, int] = field(default_factory=dict)
     seed: int = 0
     shuffle: bool = False
+    micro_batches: int = 1
+    reader: str | None = None
+    """The group that reads samples (the LLM group); the others follow its microbatches."""
+    costs: dict[str, np.ndarray] | None = None
+    """Per dataset index, each group's estimated cost (``None``: contiguous slices)."""
 
     def __post_init__(self) -> None:
+        k = self.micro_batches
         for name, dp in self.dp_sizes.items():
-            if self.global_batch_size % dp:
+            if self.global_batch_size % (dp * k):
+                unit = f"{dp} x micro_batches={k}" if k > 1 else f"{dp}"
                 raise ValueError(
                     f"global_batch_size={self.global_batch_size} is not divisible by the {name} "
-                    f"group's data-parallel size {dp}; use a multiple of {dp}."
+                    f"group's data-parallel size {unit}; use a multiple of {dp * k}."
                 )
         if self.num_samples < self.global_batch_size:
             raise ValueError(
@@ -79,6 +112,40 @@ class BatchPlan:
         """Batch positions ``[lo, hi)`` of replica ``rank`` of ``group``."""
         per = self.global_batch_size // self.dp_sizes[group]
         return rank * per, (rank + 1) * per
+
+    def assign(self, step: int) -> list[dict[str, list[list[int]]]]:
+        """Per microbatch, per group, per replica: the batch positions it processes (in
+        position order). The reader group's replicas get contiguous slices (or, balanced,
+        equal-count sets by cost), each cut into ``micro_batches`` consecutive pieces;
+        microbatch ``j`` is the union of the pieces ``j``, which every other group splits
+        over its replicas (contiguously, or balanced by its cost, counts free: one large
+        image may be a replica's only sample). With one microbatch
+        and no costs this is :meth:`span` for every group."""
+        b, k = self.global_batch_size, self.micro_batches
+        indices = self.global_indices(step)
+        costs = self.costs
+
+        def split(group: str, positions: list[int]) -> list[list[int]]:
+            n = self.dp_sizes[group]
+            if costs is None or group not in costs:
+                per = len(positions) // n
+                return [positions[r * per : (r + 1) * per] for r in range(n)]
+            # the reader's shares are cut into equal microbatches: equal counts there
+            cost = [float(costs[group][indices[p]]) for p in positions]
+            return balanced_split(positions, cost, n, equal_counts=group == reader)
+
+        reader = self.reader or next(iter(self.dp_sizes))
+        shares = split(reader, list(range(b)))
+        per = b // (self.dp_sizes[reader] * k)
+        out = []
+        for j in range(k):
+            mb = {reader: [share[j * per : (j + 1) * per] for share in shares]}
+            union = sorted(p for share in mb[reader] for p in share)
+            for group in self.dp_sizes:
+                if group != reader:
+                    mb[group] = split(group, union)
+            out.append(mb)
+        return out
 
     def routes(self, group: str, rank: int, other: str) -> list[tuple[int, int, int]]:
         """``(other_rank, lo, hi)``: the positions ``[lo, hi)`` that replica ``rank`` of

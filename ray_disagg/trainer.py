@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -9,6 +10,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import ray
 from ray.train import Checkpoint, Result, RunConfig, ScalingConfig
@@ -161,6 +163,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         model.check_weights()
         self._train_data = self._validate_datasets(datasets, adapter, validate_samples)
         self._samples_validated = validate_samples and not is_ray_dataset(self._train_data)
+        self.loop_config = self._resolve_schedule(self.loop_config, placement, self._train_data)
         llm_dp = self.groups[adapter.llm_part].dp_size
         self.plan = BatchPlan(
             num_samples=self._num_samples(self._train_data, llm_dp),
@@ -168,6 +171,9 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             dp_sizes={name: g.dp_size for name, g in self.groups.items()},
             seed=self.loop_config.seed,
             shuffle=self.loop_config.shuffle,
+            micro_batches=self.loop_config.micro_batches,
+            reader=adapter.llm_part,
+            costs=self._costs(self._train_data, adapter, self.loop_config),
         )
         total = sum(g.num_workers for g in self.groups.values())
         super().__init__(
@@ -211,13 +217,13 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         return transfer
 
     def _transfer_pairs(self) -> tuple:
-        """``((encoder, rank), (llm, rank))`` for every pair of replica leaders that
-        exchange tensors (the plan's routes)."""
+        """``((encoder, rank), (llm, rank))`` for every pair of replica leaders (each LLM
+        replica may send samples to, and receive crossings from, every encoder replica)."""
         llm = self.adapter.llm_part
         pairs = set()
         for part in self.adapter.encoder_parts:
             for t in range(self.groups[llm].dp_size):
-                for d, _lo, _hi in self.plan.routes(llm, t, part):
+                for d in range(self.groups[part].dp_size):
                     pairs.add(
                         (
                             (part, d * self.groups[part].model_parallel_size),
@@ -225,6 +231,39 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
                         )
                     )
         return tuple(sorted(pairs))
+
+    @staticmethod
+    def _resolve_schedule(cfg: TrainLoopConfig, placement: str, data) -> TrainLoopConfig:
+        """Defaults that depend on the run: the schedule (1F1B for separate placement with
+        several microbatches), ``max_in_flight`` and the assignment."""
+        k = cfg.micro_batches
+        schedule = cfg.schedule or ("1f1b" if k > 1 and placement == "separate" else "sequential")
+        in_flight = 1 if schedule == "sequential" else (cfg.max_in_flight or min(2, k))
+        assignment = cfg.assignment
+        if assignment == "auto":
+            assignment = "contiguous" if is_ray_dataset(data) else "balanced"
+        elif assignment == "balanced" and is_ray_dataset(data):
+            raise ValueError(
+                "train_loop_config['assignment']='balanced' needs a map-style dataset (costs "
+                "are estimated per sample before the run); a Ray Data stream is read in "
+                "order: use 'contiguous' (or 'auto')."
+            )
+        return dataclasses.replace(
+            cfg, schedule=schedule, max_in_flight=in_flight, assignment=assignment
+        )
+
+    @staticmethod
+    def _costs(data, adapter, cfg: TrainLoopConfig):
+        """Per sample: the LLM's token count and each encoder part's estimated cost."""
+        if cfg.assignment != "balanced":
+            return None
+        costs = {part: np.zeros(len(data)) for part in adapter.parts}
+        for i in range(len(data)):
+            sample = data[i]
+            costs[adapter.llm_part][i] = len(sample["input_ids"])
+            for part in adapter.encoder_parts:
+                costs[part][i] = adapter.encoder_cost(part, sample)
+        return costs
 
     @staticmethod
     def _validate_datasets(datasets, adapter, validate_samples: bool):

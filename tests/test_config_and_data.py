@@ -18,7 +18,7 @@ from ray_disagg import (
     VisionBackendConfig,
     tiny_qwen2_5_vl_config,
 )
-from ray_disagg.data import count_label_tokens
+from ray_disagg.data import balanced_split, count_label_tokens
 from ray_disagg.examples_data import digits_samples, synthetic_samples
 from ray_disagg.models import get_adapter
 
@@ -132,3 +132,92 @@ def test_digits_samples_use_the_real_image_processor():
         assert s["image_grid_thw"].tolist() == [[1, 4, 4]]
         assert s["pixel_values"].shape == (16, 3 * 2 * 4 * 4)
     assert (s["labels"] != -100).sum() == 4  # "a handwritten <digit>" + eos
+
+
+def _plan(nv, nt, k, costs=None, n=32, b=8):
+    return BatchPlan(
+        num_samples=n,
+        global_batch_size=b,
+        dp_sizes={"vision": nv, "text": nt},
+        shuffle=True,
+        micro_batches=k,
+        reader="text",
+        costs=costs,
+    )
+
+
+def _skewed_costs(n=32):
+    rng = np.random.default_rng(0)
+    vision = rng.integers(1, 10, n).astype(float)
+    vision[::8] = 400.0  # one large image per 8 samples
+    return {"vision": vision + vision**2 / 1024, "text": rng.integers(5, 50, n).astype(float)}
+
+
+@pytest.mark.parametrize("nv,nt,k", [(1, 1, 4), (2, 1, 4), (2, 2, 2), (4, 2, 1), (1, 2, 2)])
+@pytest.mark.parametrize("balanced", [False, True])
+def test_assignment_uses_every_sample_once_per_group_and_microbatch(nv, nt, k, balanced):
+    plan = _plan(nv, nt, k, _skewed_costs() if balanced else None)
+    for step in range(5):
+        mbs = plan.assign(step)
+        assert mbs == plan.assign(step)  # deterministic (restart-safe)
+        assert len(mbs) == k
+        for group, n in (("vision", nv), ("text", nt)):
+            positions = [p for mb in mbs for r in range(n) for p in mb[group][r]]
+            assert sorted(positions) == list(range(8))  # every sample exactly once
+            for mb in mbs:  # in position order; the reader's counts equal, none empty
+                assert all(mb[group][r] == sorted(mb[group][r]) for r in range(n))
+                assert all(mb[group][r] for r in range(n))
+                if group == "text" or not balanced:
+                    assert len({len(mb[group][r]) for r in range(n)}) == 1
+        for mb in mbs:  # a microbatch is the same samples for every group
+            assert sorted(p for s in mb["vision"] for p in s) == sorted(
+                p for s in mb["text"] for p in s
+            )
+
+
+def test_contiguous_single_microbatch_assignment_is_the_spans():
+    plan = _plan(4, 2, 1)
+    (mb,) = plan.assign(3)
+    for group, n in (("vision", 4), ("text", 2)):
+        assert [mb[group][r] for r in range(n)] == [
+            list(range(*plan.span(group, r))) for r in range(n)
+        ]
+
+
+def test_balanced_assignment_evens_out_encoder_cost():
+    costs = _skewed_costs()
+    costs["vision"][1::8] = costs["vision"][0::8]  # two large images in each batch of 8
+    plans = [
+        BatchPlan(32, 8, {"vision": 2, "text": 1}, reader="text", costs=c) for c in (costs, None)
+    ]
+
+    def worst(plan, step):
+        idx = plan.global_indices(step)
+        (mb,) = plan.assign(step)
+        return max(sum(costs["vision"][idx[p]] for p in share) for share in mb["vision"])
+
+    for step in range(4):  # contiguous: both large images on replica 0; balanced: one each
+        assert worst(plans[0], step) <= 0.6 * worst(plans[1], step)
+    # one large image and seven small ones: the large one alone on a replica
+    one_large = {"vision": np.array([7.0] + [1.0] * 7), "text": np.ones(8)}
+    (mb,) = BatchPlan(8, 8, {"vision": 2, "text": 1}, reader="text", costs=one_large).assign(0)
+    assert mb["vision"] == [[0], [1, 2, 3, 4, 5, 6, 7]]
+
+
+def test_balanced_split_is_longest_processing_time():
+    assert balanced_split([0, 1, 2, 3, 4, 5], [10, 1, 1, 1, 9, 2], 2) == [[0, 1, 2], [3, 4, 5]]
+    free = balanced_split([0, 1, 2, 3, 4, 5], [10, 1, 1, 1, 9, 2], 2, equal_counts=False)
+    assert free == [[0, 1, 2], [3, 4, 5]]  # loads 12 and 12
+    # zero costs (text-only samples) still spread over every list
+    assert balanced_split([0, 1, 2, 3], [0.0] * 4, 2, equal_counts=False) == [[0, 2], [1, 3]]
+
+
+def test_micro_batches_must_divide_each_replicas_share():
+    with pytest.raises(ValueError, match="vision group's data-parallel size 2 x micro_batches=4"):
+        BatchPlan(num_samples=16, global_batch_size=4, dp_sizes={"vision": 2}, micro_batches=4)
+    with pytest.raises(ValueError, match=r"micro_batches'\]=0"):
+        TrainLoopConfig(max_steps=1, global_batch_size=4, micro_batches=0)
+    with pytest.raises(ValueError, match="schedule"):
+        TrainLoopConfig(max_steps=1, global_batch_size=4, schedule="gpipe")
+    with pytest.raises(ValueError, match="assignment"):
+        TrainLoopConfig(max_steps=1, global_batch_size=4, assignment="random")

@@ -1,10 +1,14 @@
 """Training loop of an encoder group's workers (vision, audio, ...).
 
-Encoder replica ``d`` (its model-parallel rank 0) receives, from every LLM replica routed
-to it, the encoder fields of its slice of the global batch, shares them with its SP/TP
-peers, runs the encoder part, sends each LLM replica the crossing tensors of the samples
-routed to it, receives their gradients back and finishes backward, the gradient
-reduction and the optimizer step.
+At the start of a step encoder replica ``d`` (its model-parallel rank 0) receives, from
+every LLM replica, the encoder fields of the samples it encodes in each microbatch
+(``BatchPlan.assign``) and shares them with its SP/TP peers. Then it runs a two-stage
+1F1B schedule against the LLM group: the forward of microbatch ``i`` (its crossing
+tensors posted to each LLM replica, asynchronously) as long as fewer than
+``max_in_flight`` microbatches await their gradients, otherwise the backward of the
+oldest one as soon as its gradients are back. ``max_in_flight=1`` is the sequential
+schedule. Gradients accumulate over the microbatches; the reduction and the optimizer
+step run once per step.
 """
 
 from __future__ import annotations
@@ -41,10 +45,88 @@ def _encode(st: Stage, samples) -> dict:
         return st.runner(run)
 
 
+def _receive_inputs(st: Stage, step: int):
+    """Per microbatch: its samples (LLM replicas in order) and ``(llm replica, count)``."""
+    args, llm = st.args, st.adapter.llm_part
+    mbs = [([], []) for _ in range(st.cfg.micro_batches)]
+    for t in range(args.plan.dp_sizes[llm]):
+        meta, _ = st.side.recv_tensors(args.leader_side_rank(st.side, llm, t))
+        if meta["step"] != step:
+            raise RuntimeError(f"{st.part} group got step {meta['step']} inputs at step {step}")
+        for (samples, routes), sub in zip(mbs, meta["mbs"]):
+            if sub:
+                samples += sub
+                routes.append((t, len(sub)))
+    return mbs
+
+
+class _Microbatch:
+    """One microbatch in flight: its outputs (holding the graph) until its backward."""
+
+    def __init__(self, st: Stage, tower, samples, routes, step: int, j: int):
+        self.samples, self.routes, self.j = samples, routes, j
+        # FSDP2: every rank must run the same units; one without inputs runs a stand-in
+        self.counts = st.adapter.item_counts(st.part, samples)
+        self.real = not st.fsdp or sum(self.counts.values()) > 0
+        self.outputs = _encode(st, samples if self.real else st.adapter.stand_in_samples(st.part))
+        self.offsets = _row_offsets(st.adapter, st.part, samples)
+        self.sp_state = ulysses.save_state(tower) if st.is_sp else None
+        if st.leader:
+            self._send(st, step)
+
+    def _send(self, st: Stage, step: int) -> None:
+        first, llm = 0, st.adapter.llm_part
+        for t, n in self.routes:
+            tensors = {}
+            for c in st.adapter.crossings(st.part):
+                a, b = self.offsets[c.name][first], self.offsets[c.name][first + n]
+                if b > a:
+                    tensors[c.name] = self.outputs[c.name][a:b].detach()
+            first += n
+            dst = st.args.leader_side_rank(st.side, llm, t)
+            st.pending.append(
+                st.side.send_tensors(dst, tensors, {"step": step, "mb": self.j}, False)
+            )
+
+    def backward(self, st: Stage, tower, step: int, last: bool) -> float:
+        """Receive the gradients and run backward; returns the seconds spent waiting."""
+        grads = {c.name: [] for c in st.adapter.crossings(st.part)}
+        t_wait = time.perf_counter()
+        if st.leader:
+            for t, _n in self.routes:
+                src = st.args.leader_side_rank(st.side, st.adapter.llm_part, t)
+                meta, received = st.side.recv_tensors(src, st.device)
+                if (meta["step"], meta["mb"]) != (step, self.j):
+                    raise RuntimeError(
+                        f"{st.part} group got step {meta['step']} microbatch {meta['mb']} "
+                        f"gradients at step {step} microbatch {self.j}"
+                    )
+                for name, g in received.items():
+                    grads[name].append(g)
+        t_wait = time.perf_counter() - t_wait
+        if self.sp_state is not None:  # a recomputing backward reads this slice state
+            ulysses.load_state(tower, self.sp_state)
+        st.grad_sync(last)
+        outs, out_grads = [], []
+        for name, out in self.outputs.items():
+            # sp: non-leaders hold an empty slice but must join the backward;
+            # tp: every rank holds the replicated output and needs the full gradient
+            has = st.leader and self.real
+            grad = torch.cat(grads[name]).to(st.device) if has else torch.zeros_like(out)
+            grad = grad.to(st.device, out.dtype)
+            if st.is_tp:
+                dist.broadcast(grad, src=st.mp_src, group=st.mp_mesh.get_group())
+            outs.append(out)
+            out_grads.append(grad)
+        if outs:
+            torch.autograd.backward(outs, out_grads)
+        self.outputs = None
+        return t_wait
+
+
 def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
     st = Stage(args, part)
-    adapter, cfg, plan, side = st.adapter, st.cfg, args.plan, st.side
-    llm = adapter.llm_part
+    adapter, cfg = st.adapter, st.cfg
     model = st.build()
     tower = adapter.part_roots(model, part)[0]
     if st.is_sp:
@@ -52,64 +134,41 @@ def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
     if st.is_tp:
         tp.parallelize_vision(tower, adapter.tower_tp_plan(part), st.mp_mesh)
     start = st.setup(model)
-    crossings = adapter.crossings(part)
+    k, limit = cfg.micro_batches, cfg.max_in_flight or 1
 
     for step in range(start, cfg.max_steps):
         lc.maybe_inject_failure(cfg, part, st.group_rank, step)
-        routes = plan.routes(part, st.dp_rank, llm) if st.leader else []
         t_wait = time.perf_counter()
-        samples = []
-        for t, _lo, _hi in routes:
-            meta = side.recv_object(args.leader_side_rank(side, llm, t))
-            if meta["step"] != step:
-                raise RuntimeError(f"{part} group got step {meta['step']} inputs at step {step}")
-            samples += meta["samples"]
+        mbs = _receive_inputs(st, step) if st.leader else None
         t_wait = time.perf_counter() - t_wait
-        t0 = time.perf_counter()
-        samples = st.broadcast_object(samples)
-        # FSDP2: every rank must run the same units; one without inputs runs a stand-in
-        counts = adapter.item_counts(part, samples)
-        real = not st.fsdp or sum(counts.values()) > 0
-        outputs = _encode(st, samples if real else adapter.stand_in_samples(part))
-        offsets = _row_offsets(adapter, part, samples)
-        t_compute = time.perf_counter() - t0
-
+        t_compute = time.perf_counter()
+        mbs = st.broadcast_object(mbs)
+        t_compute = time.perf_counter() - t_compute
+        in_flight, done, peak = [], 0, 0
+        counts: dict[str, int] = {}
+        while done < k:
+            t0 = time.perf_counter()
+            if len(in_flight) + done < k and len(in_flight) < limit:  # forward the next one
+                j = len(in_flight) + done
+                lc.maybe_inject_failure(cfg, part, st.group_rank, step, j)
+                mb = _Microbatch(st, tower, *mbs[j], step, j)
+                in_flight.append(mb)
+                peak = max(peak, len(in_flight))
+                for name, n in mb.counts.items():
+                    counts[name] = counts.get(name, 0) + n
+                t_compute += time.perf_counter() - t0
+            else:  # the oldest one's gradients (waiting for them is the bubble)
+                mb = in_flight.pop(0)
+                waited = mb.backward(st, tower, step, last=done == k - 1)
+                done += 1
+                t_wait += waited
+                t_compute += time.perf_counter() - t0 - waited
         t1 = time.perf_counter()
-        base = plan.span(part, st.dp_rank)[0]
-        for t, lo, hi in routes:
-            spans = {
-                c.name: (offsets[c.name][lo - base], offsets[c.name][hi - base]) for c in crossings
-            }
-            tensors = {n: outputs[n][a:b].detach() for n, (a, b) in spans.items() if b > a}
-            rows = {n: b - a for n, (a, b) in spans.items()}
-            side.send_tensors(
-                args.leader_side_rank(side, llm, t), tensors, {"step": step, "rows": rows}
-            )
-        grads = {c.name: [] for c in crossings}
-        for t, _lo, _hi in routes:
-            meta, received = side.recv_tensors(args.leader_side_rank(side, llm, t), st.device)
-            if meta["step"] != step:
-                raise RuntimeError(f"{part} group got step {meta['step']} gradients at step {step}")
-            for name, g in received.items():
-                grads[name].append(g)
+        st.wait_pending()
         t_wait += time.perf_counter() - t1
-
-        t2 = time.perf_counter()
-        outs, out_grads = [], []
-        for name, out in outputs.items():
-            # sp: non-leaders hold an empty slice but must join the backward;
-            # tp: every rank holds the replicated output and needs the full gradient
-            has = st.leader and real
-            grad = torch.cat(grads[name]).to(st.device) if has else torch.zeros_like(out)
-            if st.is_tp:
-                dist.broadcast(grad, src=st.mp_src, group=st.mp_mesh.get_group())
-            outs.append(out)
-            out_grads.append(grad.to(st.device, out.dtype))
-        if outs:
-            torch.autograd.backward(outs, out_grads)
         stats = st.layout.new()
         if st.leader:
             for name, n in counts.items():
                 stats[st.layout.index[name]] = n
-        ids = [s.get("id") for s in samples]
-        st.finish(step, stats, t_compute + time.perf_counter() - t2, t_wait, sample_ids=ids)
+        ids = [s.get("id") for samples, _ in mbs for s in samples]
+        st.finish(step, stats, t_compute, t_wait, sample_ids=ids, inflight=peak)

@@ -23,16 +23,18 @@ class MapStyleSource:
     def __init__(self, dataset, plan, group: str):
         self.dataset, self.plan, self.group = dataset, plan, group
 
-    def take(self, step: int, dp_rank: int) -> list[tuple[int, dict]]:
-        lo, hi = self.plan.span(self.group, dp_rank)
-        return [(i, self.dataset[i]) for i in self.plan.global_indices(step)[lo:hi]]
+    def take(self, step: int, positions: list[int]) -> list[tuple[int, dict]]:
+        indices = self.plan.global_indices(step)
+        return [(indices[p], self.dataset[indices[p]]) for p in positions]
 
 
 class StreamSource:
     def __init__(self, split, per_step: int):
         self.split, self.per_step, self._rows, self._seen = split, per_step, None, 0
 
-    def take(self, step: int, dp_rank: int) -> list[tuple[int, dict]]:
+    def take(self, step: int, positions: list[int]) -> list[tuple[int, dict]]:
+        # the replica's contiguous share (streams are never balanced), in order
+        assert len(positions) == self.per_step, (len(positions), self.per_step)
         out = []
         while len(out) < self.per_step:
             if self._rows is None:
@@ -62,11 +64,11 @@ def make_source(data, plan, dp_rank: int, is_leader: bool, group: str):
     return StreamSource(box[0][dp_rank], per_step) if is_leader else None
 
 
-def read_samples(source, step, dp_rank, args) -> list[dict]:
-    """This step's samples of replica ``dp_rank``, validated unless the driver already
-    validated the whole (map-style) dataset before the run."""
+def read_samples(source, step, positions, args) -> list[dict]:
+    """This step's samples at batch ``positions`` (a replica's share), validated unless
+    the driver already validated the whole (map-style) dataset before the run."""
     samples = []
-    for index, sample in source.take(step, dp_rank):
+    for index, sample in source.take(step, positions):
         if not args.samples_validated:
             args.adapter.validate_sample(sample, index)
         samples.append(sample)

@@ -1,12 +1,14 @@
 """Training loop of the LLM group's workers.
 
-LLM data-parallel replica ``t`` (its tp rank 0) is where samples are read: it reads its
-slice of each global batch, sends every encoder replica routed to it the encoder fields
-of their shared samples, receives back the crossing tensors (image/video/audio embeddings,
-DeepStack features, in batch order) and shares them and the text fields with its tp
-peers. Every rank computes the loss through the adapter (HF's own merge and rope); the tp
-leader sends the crossings' gradients back; gradients are summed over ``"dp"`` and the
-optimizer steps.
+LLM data-parallel replica ``t`` (its tp rank 0) is where samples are read: at the start
+of a step it reads its share of the global batch (``BatchPlan.assign``) and sends every
+encoder replica the encoder fields of the samples it will encode, for every microbatch.
+Then, microbatch by microbatch, it receives the crossing tensors (image/video/audio
+embeddings, DeepStack features) of its samples from the encoder replicas, puts them in
+its samples' order, shares them with its tp peers, computes the loss through the adapter
+(HF's own merge and rope; normalised by the global batch's label tokens), runs backward
+and posts the crossings' gradients back. Gradients accumulate over the microbatches and
+are summed over ``"dp"`` once; the optimizer steps.
 """
 
 from __future__ import annotations
@@ -35,66 +37,76 @@ def _plain(v):
     return v.item() if hasattr(v, "item") else v
 
 
-def _send_inputs(st: Stage, samples, step: int) -> None:
-    args, adapter = st.args, st.adapter
-    base = args.plan.span(adapter.llm_part, st.dp_rank)[0]
+def _send_inputs(st: Stage, samples: dict, mbs, step: int) -> None:
+    """One message per encoder replica: per microbatch, the encoder fields of the samples
+    of this replica it encodes (so encoders can run ahead of this replica)."""
+    adapter, mine = st.adapter, [set(mb[st.part][st.dp_rank]) for mb in mbs]
     for part in adapter.encoder_parts:
         keys = ("id", *adapter.encoder_fields(part))
-        for d, lo, hi in args.plan.routes(adapter.llm_part, st.dp_rank, part):
-            sub = [{k: s[k] for k in keys if k in s} for s in samples[lo - base : hi - base]]
-            st.side.send_object(
-                {"step": step, "samples": sub}, args.leader_side_rank(st.side, part, d)
-            )
+        for d in range(st.args.plan.dp_sizes[part]):
+            per_mb = [
+                [{k: samples[p][k] for k in keys if k in samples[p]} for p in mb[part][d] if p in m]
+                for mb, m in zip(mbs, mine)
+            ]
+            dst = st.args.leader_side_rank(st.side, part, d)
+            st.pending.append(st.side.send_tensors(dst, {}, {"step": step, "mbs": per_mb}, False))
 
 
-def _receive_crossings(st: Stage, step: int):
-    """``{crossing: rows of this replica's samples}`` (float32 leaves) and, per encoder
-    route, the rows and dtype of each crossing (to send the gradients back the same way)."""
-    args, adapter = st.args, st.adapter
-    received, route_rows = {}, []
+def _receive_crossings(st: Stage, step: int, j: int, mb, samples: dict):
+    """``{crossing: rows of this replica's microbatch, in its samples' order}`` (float32)
+    and, per encoder replica it heard from, the positions and dtypes (for the gradients)."""
+    adapter, mine = st.adapter, mb[st.part][st.dp_rank]
+    pieces, routes, own = {}, [], set(mine)
     for part in adapter.encoder_parts:
-        parts = {c.name: [] for c in adapter.crossings(part)}
-        for d, _lo, _hi in args.plan.routes(adapter.llm_part, st.dp_rank, part):
-            src = args.leader_side_rank(st.side, part, d)
+        for d in range(st.args.plan.dp_sizes[part]):
+            positions = [p for p in mb[part][d] if p in own]
+            if not positions:
+                continue
+            src = st.args.leader_side_rank(st.side, part, d)
             meta, tensors = st.side.recv_tensors(src, st.device)
-            if meta["step"] != step:
-                raise RuntimeError(f"LLM group got step {meta['step']} {part} data at step {step}")
+            if (meta["step"], meta["mb"]) != (step, j):
+                raise RuntimeError(
+                    f"LLM group got step {meta['step']} microbatch {meta['mb']} {part} data "
+                    f"at step {step} microbatch {j}"
+                )
+            rows = [adapter.crossing_rows(part, samples[p]) for p in positions]
             for name, t in tensors.items():
-                parts[name].append(t)
-            dtypes = {name: t.dtype for name, t in tensors.items()}
-            route_rows.append((part, src, meta["rows"], dtypes))
-        for k, v in parts.items():
-            if v:  # the loss runs in float32 (autocast inside), as the single-process model
-                received[k] = (v[0] if len(v) == 1 else torch.cat(v)).float()
-    return received, route_rows
+                for p, piece in zip(positions, t.split([r[name] for r in rows])):
+                    pieces[(name, p)] = piece
+            routes.append((part, src, positions, {n: t.dtype for n, t in tensors.items()}))
+    received = {}
+    for part in adapter.encoder_parts:
+        for c in adapter.crossings(part):
+            parts = [pieces[(c.name, p)] for p in mine if (c.name, p) in pieces]
+            if parts:  # the loss runs in float32 (autocast inside), as the single-process model
+                received[c.name] = (parts[0] if len(parts) == 1 else torch.cat(parts)).float()
+    return received, routes
 
 
-def _send_grads(st: Stage, received: dict, route_rows, step: int) -> None:
-    offsets = dict.fromkeys(received, 0)
-    for part, dst, rows, dtypes in route_rows:
+def _send_grads(st: Stage, received: dict, routes, mb, samples: dict, step: int, j: int) -> None:
+    mine, adapter = mb[st.part][st.dp_rank], st.adapter
+    for part, dst, positions, dtypes in routes:
         grads = {}
-        for c in st.adapter.crossings(part):
-            n = rows[c.name]
-            if n:
-                g = received[c.name].grad
-                g = torch.zeros_like(received[c.name]) if g is None else g
-                o = offsets[c.name]
-                grads[c.name] = g[o : o + n].to(dtypes[c.name])  # the encoder output's dtype
-                offsets[c.name] += n
-        st.side.send_tensors(dst, grads, {"step": step})
+        for name in dtypes:
+            rows = [adapter.crossing_rows(part, samples[p])[name] for p in mine]
+            g = received[name].grad
+            g = torch.zeros_like(received[name]) if g is None else g
+            by_pos = dict(zip(mine, g.split(rows)))
+            grads[name] = torch.cat([by_pos[p] for p in positions]).to(dtypes[name])
+        st.pending.append(st.side.send_tensors(dst, grads, {"step": step, "mb": j}, False))
 
 
-def _share(st: Stage, items, received):
-    """tp: the leader's text items and crossing tensors on every tp rank."""
+def _share(st: Stage, received):
+    """tp: the leader's crossing tensors on every tp rank."""
     shapes = {k: tuple(v.shape) for k, v in received.items()} if st.leader else None
-    items, shapes = st.broadcast_object((items, shapes))
+    shapes = st.broadcast_object(shapes)
     received = {k: v.to(st.device) for k, v in received.items()}
     if st.mp_size > 1:
         if not st.leader:
             received = {k: torch.empty(s, device=st.device) for k, s in shapes.items()}
         for k in sorted(received):
             dist.broadcast(received[k], src=st.mp_src, group=st.mp_mesh.get_group())
-    return items, received
+    return received
 
 
 def llm_train_loop(args: lc.LoopArgs) -> None:
@@ -111,47 +123,64 @@ def llm_train_loop(args: lc.LoopArgs) -> None:
     data = ray.get(args.dataset_ref[0])
     source = ingest.make_source(data, plan, st.dp_rank, st.leader, st.part)
     text_keys = ("id", "input_ids", "labels", *adapter.llm_fields())
+    k = cfg.micro_batches
 
     for step in range(start, cfg.max_steps):
         lc.maybe_inject_failure(cfg, st.part, st.group_rank, step)
+        mbs = plan.assign(step)
+        share = [p for mb in mbs for p in mb[st.part][st.dp_rank]]
         t_wait = time.perf_counter()
-        items, received, route_rows = None, {}, []
+        samples = {}
         if st.leader:
-            samples = ingest.read_samples(source, step, st.dp_rank, args)
-            _send_inputs(st, samples, step)
-            received, route_rows = _receive_crossings(st, step)
-            items = [{k: s[k] for k in text_keys if k in s} for s in samples]
+            samples = dict(zip(share, ingest.read_samples(source, step, share, args)))
+            _send_inputs(st, samples, mbs, step)
         t_wait = time.perf_counter() - t_wait
         t0 = time.perf_counter()
-        items, received = _share(st, items, received)
-        received = {k: v.requires_grad_() for k, v in received.items()}
-        batch = adapter.collate_llm(items)
-        local_labels = sum(count_label_tokens(adapter.labels(it)) for it in items)
+        items = {p: {k: s[k] for k in text_keys if k in s} for p, s in samples.items()}
+        items = st.broadcast_object(items)
+        local_labels = sum(count_label_tokens(adapter.labels(it)) for it in items.values())
         n_labels = torch.tensor([local_labels], dtype=torch.float64, device=st.device)
         dist.all_reduce(n_labels, group=st.dp_mesh.get_group())
-        batch = {k: v.to(st.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        loss_args = (batch, received, max(float(n_labels), 1.0), tp_group, vocab_start)
-        with torch.autocast(st.device.type, torch.bfloat16, enabled=cfg.bf16):
-            loss = st.runner(functools.partial(_loss, adapter, lm_head, *loss_args))
-        loss.backward()
+        n_labels = max(float(n_labels), 1.0)
         t_compute = time.perf_counter() - t0
-
-        t1 = time.perf_counter()
-        if st.leader:
-            _send_grads(st, received, route_rows, step)
-        t_wait += time.perf_counter() - t1
+        loss_sum, tokens = 0.0, 0
+        for j, mb in enumerate(mbs):
+            lc.maybe_inject_failure(cfg, st.part, st.group_rank, step, j)
+            t1 = time.perf_counter()
+            received, routes = {}, []
+            if st.leader:
+                received, routes = _receive_crossings(st, step, j, mb, samples)
+            t_wait += time.perf_counter() - t1
+            t2 = time.perf_counter()
+            received = {n: v.requires_grad_() for n, v in _share(st, received).items()}
+            batch = adapter.collate_llm([items[p] for p in mb[st.part][st.dp_rank]])
+            batch = {n: v.to(st.device) if torch.is_tensor(v) else v for n, v in batch.items()}
+            loss_args = (batch, received, n_labels, tp_group, vocab_start)
+            st.grad_sync(last=j == k - 1)
+            with torch.autocast(st.device.type, torch.bfloat16, enabled=cfg.bf16):
+                loss = st.runner(functools.partial(_loss, adapter, lm_head, *loss_args))
+            loss.backward()
+            loss_sum += loss.item()
+            tokens += int(batch["attention_mask"].sum())
+            if st.leader:
+                _send_grads(st, received, routes, mb, samples, step, j)
+            t_compute += time.perf_counter() - t2
+        t3 = time.perf_counter()
+        st.wait_pending()
+        t_wait += time.perf_counter() - t3
 
         stats = st.layout.new()
         if st.leader:
             ix = st.layout.index
-            stats[ix["loss"]] = loss.item()
+            stats[ix["loss"]] = loss_sum
             stats[ix["label_tokens"]] = local_labels
-            stats[ix["llm_tokens"]] = int(batch["attention_mask"].sum())
+            stats[ix["llm_tokens"]] = tokens
+        ordered = [items[p] for p in sorted(items)]
         extra = None
         if cfg.extra.get("report_sample_ids"):  # which samples this step used (for audits)
-            ids = [_plain(it.get("id")) for it in items] if st.leader else []
+            ids = [_plain(it.get("id")) for it in ordered] if st.leader else []
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, ids)
             extra = {"sample_ids": [i for part in gathered for i in part]}
-        ids = [_plain(it.get("id")) for it in items]
+        ids = [_plain(it.get("id")) for it in ordered]
         st.finish(step, stats, t_compute, t_wait, extra, sample_ids=ids)

@@ -29,15 +29,16 @@ class StatsLayout:
     - ``cycle``: wall seconds since the previous exchange, the LLM group's rank 0;
     - ``transfer_fallbacks``: tensor messages sent over gloo instead of their planned tier
       (e.g. a full /dev/shm), every rank;
-    - ``<group>_{sq,time,wait,peak}``: squared grad norm, compute and wait seconds, peak
-      memory (MB) of each group, from its rank 0;
+    - ``<group>_{sq,time,wait,peak,inflight}``: squared grad norm, compute and wait
+      seconds, peak memory (MB), most microbatches alive at once, of each group, from its
+      rank 0;
     - counters (``images``, ``videos``, ``audios``): the encoder groups' DP leaders.
     """
 
     def __init__(self, groups: list[str], counters: list[str]):
         self.groups, self.counters = list(groups), list(counters)
         names = ["loss", "label_tokens", "llm_tokens", "cycle", "transfer_fallbacks"]
-        names += [f"{g}_{k}" for g in groups for k in ("sq", "time", "wait", "peak")]
+        names += [f"{g}_{k}" for g in groups for k in ("sq", "time", "wait", "peak", "inflight")]
         names += list(counters)
         self.index = {n: i for i, n in enumerate(names)}
 
@@ -64,6 +65,7 @@ class StatsLayout:
             out[f"{g}_compute_s"] = s[f"{g}_time"]
             out[f"{g}_wait_s"] = s[f"{g}_wait"]
             out[f"{g}_peak_memory_mb"] = s[f"{g}_peak"]
+            out[f"{g}_max_in_flight"] = int(s[f"{g}_inflight"])
         out.update({c: int(s[c]) for c in self.counters})
         return out
 
@@ -264,13 +266,18 @@ def restore(model, optimizer, module: str, args: LoopArgs) -> int:
         return checkpointing.trained_steps(module_dir)
 
 
-def maybe_inject_failure(cfg: TrainLoopConfig, module: str, group_rank: int, step: int) -> None:
+def maybe_inject_failure(
+    cfg: TrainLoopConfig, module: str, group_rank: int, step: int, micro_batch: int | None = None
+) -> None:
     """Fault drill: ``extra={"inject_failure_once": {"group", "step", "marker"[, "rank",
-    "kill"]}}`` kills that worker's process at the start of that step, once (the marker
+    "kill", "micro_batch"]}}`` kills that worker's process at the start of that step (or
+    of that microbatch of it), once (the marker
     file records that it happened), to exercise ``FailureConfig`` restarts; with
     ``"kill": "coordinator"`` that worker kills the coordinator instead."""
     drill = cfg.extra.get("inject_failure_once")
     if not drill or drill["group"] != module or drill["step"] != step:
+        return
+    if drill.get("micro_batch") != micro_batch:
         return
     if group_rank == drill.get("rank", 0) and not os.path.exists(drill["marker"]):
         with open(drill["marker"], "w") as f:

@@ -138,8 +138,13 @@ class SideGroup:
                 raise RuntimeError(f"transfer tier {name!r} is not set up on this worker")
         return self._tiers[name]
 
-    def send_tensors(self, dst: int, tensors: dict[str, torch.Tensor], meta=None) -> None:
-        """Send named tensors (any dtype and device) and a picklable ``meta`` to ``dst``."""
+    def send_tensors(
+        self, dst: int, tensors: dict[str, torch.Tensor], meta=None, wait: bool = True
+    ):
+        """Send named tensors (any dtype and device) and a picklable ``meta`` to ``dst``.
+        With ``wait=False`` the sends are only posted: returns a handle whose ``wait()``
+        must be called before the tensors are modified (messages to one peer arrive in
+        order either way)."""
         name = self.tier_name(dst)
         items = list(tensors.values())
         tier = self._tier(name)
@@ -153,9 +158,11 @@ class SideGroup:
             self.fallbacks += 1
         header = {"meta": meta, "specs": describe(tensors), "tier": name, "payload": payload}
         posted = self._post_object(header, dst)  # the receiver wakes up while data is written
-        tier.after_header(items, dst)
-        for work in posted:
-            work.wait()
+        posted += [_Posted(w, b) for w, b in tier.after_header(items, dst)]
+        handle = _Pending(posted)
+        if wait:
+            handle.wait()
+        return handle
 
     def recv_tensors(self, src: int, device=None) -> tuple[object, dict[str, torch.Tensor]]:
         """``(meta, {name: tensor})`` sent by ``src``'s :meth:`send_tensors`; tensors land on
@@ -181,6 +188,18 @@ class _Posted:
     def wait(self) -> None:
         self.work.wait()
         self.buf = None
+
+
+class _Pending:
+    """Posted sends of one message."""
+
+    def __init__(self, posted: list[_Posted]):
+        self.posted = posted
+
+    def wait(self) -> None:
+        for p in self.posted:
+            p.wait()
+        self.posted = []
 
 
 def host_store(addr: str, timeout_s: float):

@@ -52,6 +52,13 @@ class Stage:
         self.is_tp = self.mp_axis == "tp" and self.mp_size > 1
         self.is_sp = self.mp_axis == "sp" and self.mp_size > 1
         self.skipped = 0  # steps not applied (no label token, or non-finite with skipping)
+        self.pending = []  # posted cross-group sends of this step
+
+    def wait_pending(self) -> None:
+        """Wait for this step's posted sends (before their tensors may change)."""
+        for handle in self.pending:
+            handle.wait()
+        self.pending = []
 
     def build(self) -> torch.nn.Module:
         """The part on the ``meta`` device (no memory yet): the loop applies its SP/TP plan,
@@ -104,8 +111,21 @@ class Stage:
         dist.broadcast_object_list(box, src=self.mp_src, group=self.mp_mesh.get_group())
         return box[0]
 
+    def grad_sync(self, last: bool) -> None:
+        """FSDP2: reduce-scatter gradients only in the last microbatch's backward (earlier
+        ones accumulate unsharded gradients locally)."""
+        if self.fsdp:
+            self.runner.set_requires_gradient_sync(last)
+
     def finish(
-        self, step: int, stats, t_compute: float, t_wait: float, extra=None, sample_ids=()
+        self,
+        step: int,
+        stats,
+        t_compute: float,
+        t_wait: float,
+        extra=None,
+        sample_ids=(),
+        inflight: int = 1,
     ) -> None:
         t0 = time.perf_counter()
         # tp: replicas of a shard differ in samples only; dp x sp: replicas hold different
@@ -122,6 +142,7 @@ class Stage:
             stats[ix[f"{self.part}_time"]] = t_compute + time.perf_counter() - t0
             stats[ix[f"{self.part}_wait"]] = t_wait
             stats[ix[f"{self.part}_peak"]] = lc.peak_memory_mb(self.device)
+            stats[ix[f"{self.part}_inflight"]] = inflight
         stats[ix["transfer_fallbacks"]] = self.side.fallbacks
         self.side.fallbacks = 0
         is_timer = self.part == self.adapter.llm_part and self.group_rank == 0

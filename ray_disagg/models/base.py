@@ -166,6 +166,14 @@ class ModelAdapter:
         """Sample keys (besides ``input_ids``/``labels``) the LLM part reads."""
         raise NotImplementedError
 
+    def encoder_cost(self, part: str, sample: dict) -> float:
+        """Estimated encoder compute of ``sample`` (for balancing encoder replicas): its
+        output rows ``n`` (merged patches) plus ``n**2 / 1024`` for the attention of the
+        full-attention blocks. Only the ranking matters; families may refine it."""
+        rows = self.crossing_rows(part, sample)
+        n = float(rows[self.crossings(part)[0].name]) if rows else 0.0
+        return n + n * n / 1024.0
+
     def item_counts(self, part: str, samples: Sequence[dict]) -> dict[str, int]:
         """Counters reported in the metrics (e.g. ``{"images": 3, "videos": 1}``)."""
         return {}

@@ -225,6 +225,19 @@ def enable_ulysses(tower, plan: TowerPlan, group: dist.ProcessGroup) -> None:
         m._ulysses = state
 
 
+def save_state(tower) -> tuple:
+    """The per-call slice state of the last :func:`sp_tower_forward` (a recomputing
+    backward reads it: with several microbatches in flight, restore it with
+    :func:`load_state` before that microbatch's backward)."""
+    sp: _SPState = tower._ulysses
+    return sp.seq_lens, sp.cu_seqlens, sp.stand_in
+
+
+def load_state(tower, state: tuple) -> None:
+    sp: _SPState = tower._ulysses
+    sp.seq_lens, sp.cu_seqlens, sp.stand_in = state
+
+
 def sp_tower_forward(tower, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
     """The tower's forward with this rank holding only its slice of the patch sequence.
 

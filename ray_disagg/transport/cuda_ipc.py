@@ -43,8 +43,8 @@ class CudaIpcTier:
             out.append((rebuild, tuple(args)))
         return out
 
-    def after_header(self, tensors: list[torch.Tensor], dst: int) -> None:
-        pass
+    def after_header(self, tensors: list[torch.Tensor], dst: int) -> list:
+        return []
 
     def _local_index(self, uuid: str) -> int:
         if uuid not in self._index_of:

@@ -21,10 +21,14 @@ class GlooTier:
     def pack(self, tensors: list[torch.Tensor], dst: int):
         return None
 
-    def after_header(self, tensors: list[torch.Tensor], dst: int) -> None:
+    def after_header(self, tensors: list[torch.Tensor], dst: int) -> list:
+        """Posts the sends; returns ``(work, buffer)`` pairs to wait on."""
+        out = []
         for t in tensors:
             if t.numel():
-                self.pg.send([as_bytes(t.cpu())], dst, 0).wait()
+                buf = as_bytes(t.cpu())
+                out.append((self.pg.send([buf], dst, 0), buf))
+        return out
 
     def unpack(self, specs: list[TensorSpec], payload, src: int, device) -> list[torch.Tensor]:
         out = []

@@ -40,11 +40,14 @@ class NcclTier:
     def pack(self, tensors: list[torch.Tensor], dst: int):
         return None
 
-    def after_header(self, tensors: list[torch.Tensor], dst: int) -> None:
-        pg = self.groups[dst]
+    def after_header(self, tensors: list[torch.Tensor], dst: int) -> list:
+        """Posts the sends; returns ``(work, buffer)`` pairs to wait on."""
+        pg, out = self.groups[dst], []
         for t in tensors:
             if t.numel():
-                pg.send([t.detach().to(self.device).contiguous()], self._peer(dst), 0).wait()
+                buf = t.detach().to(self.device).contiguous()
+                out.append((pg.send([buf], self._peer(dst), 0), buf))
+        return out
 
     def unpack(self, specs: list[TensorSpec], payload, src: int, device) -> list[torch.Tensor]:
         pg, out = self.groups[src], []

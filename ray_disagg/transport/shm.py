@@ -189,10 +189,10 @@ class ShmTier:
             "retired": self._retired.pop(dst, []),
         }
 
-    def after_header(self, tensors: list[torch.Tensor], dst: int) -> None:
+    def after_header(self, tensors: list[torch.Tensor], dst: int) -> list:
         """Copy the data into the reserved segment, then mark it ready."""
         if dst not in self._pending:
-            return
+            return []
         seg, offsets, seq = self._pending.pop(dst)
         try:
             data = torch.from_numpy(seg.data(seg.capacity))
@@ -205,6 +205,7 @@ class ShmTier:
             seg.words[_BUSY] = 0
             raise
         seg.words[_READY] = seq
+        return []
 
     # ---- receiver --------------------------------------------------------------------
 
