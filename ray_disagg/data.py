@@ -12,6 +12,7 @@ and the family's modality fields (Qwen: ``pixel_values`` + ``image_grid_thw``,
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +52,13 @@ def balanced_split(
         loads[r] += c
         out[r].append(p)
     return [sorted(o) for o in out]
+
+
+@functools.lru_cache(maxsize=4)
+def _order(num_samples: int, seed: int, epoch: int) -> tuple[int, ...]:
+    """The epoch's sample permutation (cached: every step of the epoch slices it)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return tuple(torch.randperm(num_samples, generator=g).tolist())
 
 
 @dataclass(frozen=True)
@@ -100,13 +108,11 @@ class BatchPlan:
 
     def global_indices(self, step: int) -> list[int]:
         epoch, pos = divmod(step, self.steps_per_epoch)
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            order = torch.randperm(self.num_samples, generator=g).tolist()
-        else:
-            order = list(range(self.num_samples))
+        order = _order(self.num_samples, self.seed, epoch) if self.shuffle else None
         b = self.global_batch_size
-        return order[pos * b : (pos + 1) * b]
+        if order is None:
+            return list(range(pos * b, (pos + 1) * b))
+        return list(order[pos * b : (pos + 1) * b])
 
     def span(self, group: str, rank: int) -> tuple[int, int]:
         """Batch positions ``[lo, hi)`` of replica ``rank`` of ``group``."""
@@ -122,8 +128,8 @@ class BatchPlan:
         image may be a replica's only sample). With one microbatch
         and no costs this is :meth:`span` for every group."""
         b, k = self.global_batch_size, self.micro_batches
-        indices = self.global_indices(step)
         costs = self.costs
+        indices = self.global_indices(step) if costs is not None else None
 
         def split(group: str, positions: list[int]) -> list[list[int]]:
             n = self.dp_sizes[group]
@@ -146,6 +152,27 @@ class BatchPlan:
                     mb[group] = split(group, union)
             out.append(mb)
         return out
+
+    def peers(self, group: str, rank: int, other: str, step: int) -> list[int]:
+        """Replicas of ``other`` that share samples with replica ``rank`` of ``group`` in
+        some microbatch of ``step`` (they exchange messages that step), ascending."""
+        mbs = self.assign(step)
+        return [
+            r
+            for r in range(self.dp_sizes[other])
+            if any(set(mb[group][rank]) & set(mb[other][r]) for mb in mbs)
+        ]
+
+    def exchange_pairs(self, group: str, other: str) -> set[tuple[int, int]]:
+        """``(rank, other_rank)`` replica pairs that may ever exchange samples: the
+        overlaps of the contiguous slices, or (balanced) every pair."""
+        if self.costs is not None:
+            return {
+                (a, b) for a in range(self.dp_sizes[group]) for b in range(self.dp_sizes[other])
+            }
+        return {
+            (a, b) for a in range(self.dp_sizes[group]) for b in self.peers(group, a, other, step=0)
+        }
 
     def routes(self, group: str, rank: int, other: str) -> list[tuple[int, int, int]]:
         """``(other_rank, lo, hi)``: the positions ``[lo, hi)`` that replica ``rank`` of

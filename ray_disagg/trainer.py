@@ -161,9 +161,12 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
                 check_compatible(root, model.load_config(), self.loop_config.max_steps)
         validate_layout(adapter, self.groups)
         model.check_weights()
-        self._train_data = self._validate_datasets(datasets, adapter, validate_samples)
+        self._train_data = self._validate_datasets(datasets)
         self._samples_validated = validate_samples and not is_ray_dataset(self._train_data)
-        self.loop_config = self._resolve_schedule(self.loop_config, placement, self._train_data)
+        self.loop_config = self._resolve_schedule(
+            self.loop_config, placement, self._train_data, self._samples_validated
+        )
+        costs = self._scan(self._train_data, adapter, self.loop_config, self._samples_validated)
         llm_dp = self.groups[adapter.llm_part].dp_size
         self.plan = BatchPlan(
             num_samples=self._num_samples(self._train_data, llm_dp),
@@ -173,7 +176,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             shuffle=self.loop_config.shuffle,
             micro_batches=self.loop_config.micro_batches,
             reader=adapter.llm_part,
-            costs=self._costs(self._train_data, adapter, self.loop_config),
+            costs=costs,
         )
         total = sum(g.num_workers for g in self.groups.values())
         super().__init__(
@@ -217,31 +220,29 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         return transfer
 
     def _transfer_pairs(self) -> tuple:
-        """``((encoder, rank), (llm, rank))`` for every pair of replica leaders (each LLM
-        replica may send samples to, and receive crossings from, every encoder replica)."""
-        llm = self.adapter.llm_part
+        """``((encoder, rank), (llm, rank))`` for every pair of replica leaders that may
+        exchange tensors under the plan (overlapping slices, or every pair when balanced)."""
+        llm, g = self.adapter.llm_part, self.groups
         pairs = set()
         for part in self.adapter.encoder_parts:
-            for t in range(self.groups[llm].dp_size):
-                for d in range(self.groups[part].dp_size):
-                    pairs.add(
-                        (
-                            (part, d * self.groups[part].model_parallel_size),
-                            (llm, t * self.groups[llm].model_parallel_size),
-                        )
-                    )
+            for d, t in self.plan.exchange_pairs(part, llm):
+                leaders = (d * g[part].model_parallel_size, t * g[llm].model_parallel_size)
+                pairs.add(((part, leaders[0]), (llm, leaders[1])))
         return tuple(sorted(pairs))
 
     @staticmethod
-    def _resolve_schedule(cfg: TrainLoopConfig, placement: str, data) -> TrainLoopConfig:
+    def _resolve_schedule(cfg: TrainLoopConfig, placement: str, data, validated: bool):
         """Defaults that depend on the run: the schedule (1F1B for separate placement with
-        several microbatches), ``max_in_flight`` and the assignment."""
+        several microbatches), ``max_in_flight`` and the assignment (``auto``: balanced
+        when the driver reads every sample anyway to validate it, contiguous for Ray Data,
+        unvalidated data and colocated placement, whose pairs share a device)."""
         k = cfg.micro_batches
         schedule = cfg.schedule or ("1f1b" if k > 1 and placement == "separate" else "sequential")
         in_flight = 1 if schedule == "sequential" else (cfg.max_in_flight or min(2, k))
         assignment = cfg.assignment
         if assignment == "auto":
-            assignment = "contiguous" if is_ray_dataset(data) else "balanced"
+            balanced = validated and placement == "separate" and not is_ray_dataset(data)
+            assignment = "balanced" if balanced else "contiguous"
         elif assignment == "balanced" and is_ray_dataset(data):
             raise ValueError(
                 "train_loop_config['assignment']='balanced' needs a map-style dataset (costs "
@@ -253,20 +254,25 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         )
 
     @staticmethod
-    def _costs(data, adapter, cfg: TrainLoopConfig):
-        """Per sample: the LLM's token count and each encoder part's estimated cost."""
-        if cfg.assignment != "balanced":
+    def _scan(data, adapter, cfg: TrainLoopConfig, validate: bool):
+        """One pass over a map-style dataset: validate every sample (``validate``) and, for
+        balanced assignment, its costs (LLM tokens, each encoder part's estimate)."""
+        balanced = cfg.assignment == "balanced"
+        if is_ray_dataset(data) or not (validate or balanced):
             return None
-        costs = {part: np.zeros(len(data)) for part in adapter.parts}
+        costs = {part: np.zeros(len(data), np.float32) for part in adapter.parts}
         for i in range(len(data)):
             sample = data[i]
-            costs[adapter.llm_part][i] = len(sample["input_ids"])
-            for part in adapter.encoder_parts:
-                costs[part][i] = adapter.encoder_cost(part, sample)
-        return costs
+            if validate:
+                adapter.validate_sample(sample, i)
+            if balanced:
+                costs[adapter.llm_part][i] = len(sample["input_ids"])
+                for part in adapter.encoder_parts:
+                    costs[part][i] = adapter.encoder_cost(part, sample)
+        return costs if balanced else None
 
     @staticmethod
-    def _validate_datasets(datasets, adapter, validate_samples: bool):
+    def _validate_datasets(datasets):
         if not datasets or "train" not in datasets:
             raise ValueError('datasets={"train": ...} is required.')
         extra = sorted(set(datasets) - {"train"})
@@ -282,9 +288,6 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             )
         if len(data) == 0:
             raise ValueError("datasets['train'] is empty.")
-        if validate_samples:
-            for i in range(len(data)):
-                adapter.validate_sample(data[i], i)
         return data
 
     @staticmethod

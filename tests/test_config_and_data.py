@@ -221,3 +221,17 @@ def test_micro_batches_must_divide_each_replicas_share():
         TrainLoopConfig(max_steps=1, global_batch_size=4, schedule="gpipe")
     with pytest.raises(ValueError, match="assignment"):
         TrainLoopConfig(max_steps=1, global_batch_size=4, assignment="random")
+
+
+@pytest.mark.parametrize("balanced", [False, True])
+def test_both_sides_agree_on_who_exchanges_messages(balanced):
+    plan = _plan(2, 4, 2, _skewed_costs() if balanced else None, b=16)
+    pairs = plan.exchange_pairs("vision", "text")
+    for step in range(4):
+        for d in range(2):
+            for t in range(4):
+                sends = d in plan.peers("text", t, "vision", step)
+                assert sends == (t in plan.peers("vision", d, "text", step))
+                assert not sends or (d, t) in pairs
+    if not balanced:  # contiguous slices: only overlapping replicas ever talk
+        assert pairs == {(0, 0), (0, 1), (1, 2), (1, 3)}

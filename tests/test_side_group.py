@@ -12,19 +12,25 @@ from ray_disagg._internal import side_group as sg
 WORLD = 3
 
 
+def _join(rank, port_q, timeout_s, tiers=None) -> sg.SideGroup:
+    """Side ranks [vision 0, vision 1, text 0]; rank 0 hosts the store."""
+    store = None
+    if rank == 0:
+        store, port = sg.host_store("127.0.0.1", timeout_s)
+        for _ in range(WORLD - 1):
+            port_q.put(port)
+    else:
+        port = port_q.get()
+    spec = sg.SideGroupSpec(
+        "127.0.0.1", port, {"vision": 0, "text": 2}, {"vision": 2, "text": 1}, timeout_s, "t",
+        tiers=tiers or {},
+    )  # fmt: skip
+    return sg.join(spec, rank, "127.0.0.1", store=store)
+
+
 def _worker(rank, port_q, result_q, done, timeout_s):
     try:
-        store = None
-        if rank == 0:
-            store, port = sg.host_store("127.0.0.1", timeout_s)
-            for _ in range(WORLD - 1):
-                port_q.put(port)
-        else:
-            port = port_q.get()
-        spec = sg.SideGroupSpec(
-            "127.0.0.1", port, {"vision": 0, "text": 2}, {"vision": 2, "text": 1}, timeout_s, "t"
-        )
-        side = sg.join(spec, rank, "127.0.0.1", store=store)
+        side = _join(rank, port_q, timeout_s)
         out = {}
         if rank in (0, 1):
             side.send_object({"from": rank, "ids": list(range(rank + 3))}, side.rank_of("text", 0))
@@ -82,19 +88,7 @@ def _tensors(rank: int) -> dict:
 
 def _tier_worker(rank, port_q, result_q, done, timeout_s):
     try:
-        store = None
-        if rank == 0:
-            store, port = sg.host_store("127.0.0.1", timeout_s)
-            for _ in range(WORLD - 1):
-                port_q.put(port)
-        else:
-            port = port_q.get()
-        tiers = {(0, 2): "shm", (1, 2): "gloo"}
-        spec = sg.SideGroupSpec(
-            "127.0.0.1", port, {"vision": 0, "text": 2}, {"vision": 2, "text": 1}, timeout_s,
-            "t", tiers=tiers,
-        )  # fmt: skip
-        side = sg.join(spec, rank, "127.0.0.1", store=store)
+        side = _join(rank, port_q, timeout_s, tiers={(0, 2): "shm", (1, 2): "gloo"})
         out = {"tier": side.tier_name(2) if rank < 2 else None}
         if rank in (0, 1):
             for step in range(3):  # buffers are reused once the receiver freed them

@@ -86,11 +86,11 @@ def spread():
     return ModuleGroup(scaling_config=ScalingConfig(num_workers=1, placement_strategy="SPREAD"))
 
 
-def make(vision, text, **kwargs):
+def make(vision, text, train_loop_config=None, **kwargs):
     return DisaggregatedTrainer(
         model=Qwen2_5_VLSpec(config=CFG),
         groups={"vision": vision, "text": text},
-        train_loop_config={"max_steps": 1, "global_batch_size": 4},
+        train_loop_config={"max_steps": 1, "global_batch_size": 4, **(train_loop_config or {})},
         datasets={"train": DATA},
         **kwargs,
     )
@@ -99,11 +99,15 @@ def make(vision, text, **kwargs):
 def test_colocated_bundle_sums_one_worker_of_each_group():
     t = make(g(2, CPU=0.5), g(2, CPU=1), placement="colocated")
     assert t.colocation.bundle == {"CPU": 1.5} and t.colocation.num_bundles == 2
+    # colocated pairs keep contiguous slices (each talks to its own bundle's peer)
+    assert t.loop_config.assignment == "contiguous"
+    assert t._transfer_pairs() == ((("vision", 0), ("text", 0)), (("vision", 1), ("text", 1)))
+    assert make(g(2), g(2)).loop_config.assignment == "balanced"
     t = make(g(2, GPU=0.5), g(2, GPU=0.5), placement="colocated")
     assert t.colocation.bundle["GPU"] == 1.0
     assert make(g(2), g(1)).colocation is None  # separate (the default)
     # the pairs that exchange tensors: every vision leader with the text leaders it feeds
-    pairs = make(g(2), g(1))._transfer_pairs()
+    pairs = make(g(2), g(1), train_loop_config={"assignment": "contiguous"})._transfer_pairs()
     assert pairs == ((("vision", 0), ("text", 0)), (("vision", 1), ("text", 0)))
 
 

@@ -46,10 +46,11 @@ def _encode(st: Stage, samples) -> dict:
 
 
 def _receive_inputs(st: Stage, step: int):
-    """Per microbatch: its samples (LLM replicas in order) and ``(llm replica, count)``."""
+    """Per microbatch: its samples (LLM replicas in order) and ``(llm replica, count)``,
+    from every LLM replica it shares samples with this step."""
     args, llm = st.args, st.adapter.llm_part
     mbs = [([], []) for _ in range(st.cfg.micro_batches)]
-    for t in range(args.plan.dp_sizes[llm]):
+    for t in args.plan.peers(st.part, st.dp_rank, llm, step):
         meta, _ = st.side.recv_tensors(args.leader_side_rank(st.side, llm, t))
         if meta["step"] != step:
             raise RuntimeError(f"{st.part} group got step {meta['step']} inputs at step {step}")
@@ -64,7 +65,7 @@ class _Microbatch:
     """One microbatch in flight: its outputs (holding the graph) until its backward."""
 
     def __init__(self, st: Stage, tower, samples, routes, step: int, j: int):
-        self.samples, self.routes, self.j = samples, routes, j
+        self.samples, self.routes, self.j, self.handles = samples, routes, j, []
         # FSDP2: every rank must run the same units; one without inputs runs a stand-in
         self.counts = st.adapter.item_counts(st.part, samples)
         self.real = not st.fsdp or sum(self.counts.values()) > 0
@@ -88,7 +89,7 @@ class _Microbatch:
                 st.side.send_tensors(dst, tensors, {"step": step, "mb": self.j}, False)
             )
 
-    def backward(self, st: Stage, tower, step: int, last: bool) -> float:
+    def backward(self, st: Stage, tower, step: int) -> float:
         """Receive the gradients and run backward; returns the seconds spent waiting."""
         grads = {c.name: [] for c in st.adapter.crossings(st.part)}
         t_wait = time.perf_counter()
@@ -103,10 +104,12 @@ class _Microbatch:
                     )
                 for name, g in received.items():
                     grads[name].append(g)
+        for handle in self.handles:  # answered, so delivered: release the send buffers
+            handle.wait()
+        self.handles = []
         t_wait = time.perf_counter() - t_wait
         if self.sp_state is not None:  # a recomputing backward reads this slice state
             ulysses.load_state(tower, self.sp_state)
-        st.grad_sync(last)
         outs, out_grads = [], []
         for name, out in self.outputs.items():
             # sp: non-leaders hold an empty slice but must join the backward;
@@ -159,7 +162,7 @@ def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
                 t_compute += time.perf_counter() - t0
             else:  # the oldest one's gradients (waiting for them is the bubble)
                 mb = in_flight.pop(0)
-                waited = mb.backward(st, tower, step, last=done == k - 1)
+                waited = mb.backward(st, tower, step)
                 done += 1
                 t_wait += waited
                 t_compute += time.perf_counter() - t0 - waited

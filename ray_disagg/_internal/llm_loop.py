@@ -38,12 +38,12 @@ def _plain(v):
 
 
 def _send_inputs(st: Stage, samples: dict, mbs, step: int) -> None:
-    """One message per encoder replica: per microbatch, the encoder fields of the samples
-    of this replica it encodes (so encoders can run ahead of this replica)."""
+    """One message per encoder replica it shares samples with: per microbatch, the
+    encoder fields of those samples (so encoders can run ahead of this replica)."""
     adapter, mine = st.adapter, [set(mb[st.part][st.dp_rank]) for mb in mbs]
     for part in adapter.encoder_parts:
         keys = ("id", *adapter.encoder_fields(part))
-        for d in range(st.args.plan.dp_sizes[part]):
+        for d in st.args.plan.peers(st.part, st.dp_rank, part, step):
             per_mb = [
                 [{k: samples[p][k] for k in keys if k in samples[p]} for p in mb[part][d] if p in m]
                 for mb, m in zip(mbs, mine)
@@ -123,7 +123,6 @@ def llm_train_loop(args: lc.LoopArgs) -> None:
     data = ray.get(args.dataset_ref[0])
     source = ingest.make_source(data, plan, st.dp_rank, st.leader, st.part)
     text_keys = ("id", "input_ids", "labels", *adapter.llm_fields())
-    k = cfg.micro_batches
 
     for step in range(start, cfg.max_steps):
         lc.maybe_inject_failure(cfg, st.part, st.group_rank, step)
@@ -150,13 +149,15 @@ def llm_train_loop(args: lc.LoopArgs) -> None:
             received, routes = {}, []
             if st.leader:
                 received, routes = _receive_crossings(st, step, j, mb, samples)
+                # the encoders have the inputs and microbatch j-1's gradients (they sent j
+                # and wait for nothing else before taking j-1's): release those buffers
+                st.wait_pending()
             t_wait += time.perf_counter() - t1
             t2 = time.perf_counter()
             received = {n: v.requires_grad_() for n, v in _share(st, received).items()}
             batch = adapter.collate_llm([items[p] for p in mb[st.part][st.dp_rank]])
             batch = {n: v.to(st.device) if torch.is_tensor(v) else v for n, v in batch.items()}
             loss_args = (batch, received, n_labels, tp_group, vocab_start)
-            st.grad_sync(last=j == k - 1)
             with torch.autocast(st.device.type, torch.bfloat16, enabled=cfg.bf16):
                 loss = st.runner(functools.partial(_loss, adapter, lm_head, *loss_args))
             loss.backward()

@@ -226,6 +226,8 @@ def join(spec: SideGroupSpec, rank: int, node_ip: str, store=None, device=None) 
     if peers:
         from ray_disagg.transport.nccl import NcclTier, pair_group
 
-        groups = {p: pair_group(store, spec.prefix, rank, p, device, spec.timeout_s) for p in peers}
-        tiers["nccl"] = NcclTier(rank, groups, device)
+        t = spec.timeout_s
+        outgoing = {p: pair_group(store, spec.prefix, rank, p, rank, t) for p in peers}
+        incoming = {p: pair_group(store, spec.prefix, p, rank, rank, t) for p in peers}
+        tiers["nccl"] = NcclTier(rank, outgoing, incoming, device)
     return SideGroup(pg, spec, rank, store, tiers)

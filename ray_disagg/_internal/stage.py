@@ -111,12 +111,6 @@ class Stage:
         dist.broadcast_object_list(box, src=self.mp_src, group=self.mp_mesh.get_group())
         return box[0]
 
-    def grad_sync(self, last: bool) -> None:
-        """FSDP2: reduce-scatter gradients only in the last microbatch's backward (earlier
-        ones accumulate unsharded gradients locally)."""
-        if self.fsdp:
-            self.runner.set_requires_gradient_sync(last)
-
     def finish(
         self,
         step: int,

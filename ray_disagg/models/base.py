@@ -168,10 +168,9 @@ class ModelAdapter:
 
     def encoder_cost(self, part: str, sample: dict) -> float:
         """Estimated encoder compute of ``sample`` (for balancing encoder replicas): its
-        output rows ``n`` (merged patches) plus ``n**2 / 1024`` for the attention of the
-        full-attention blocks. Only the ranking matters; families may refine it."""
-        rows = self.crossing_rows(part, sample)
-        n = float(rows[self.crossings(part)[0].name]) if rows else 0.0
+        output rows ``n`` over all crossings plus ``n**2 / 1024`` for attention. Only the
+        ranking matters; families refine it (e.g. attention per image or frame)."""
+        n = float(sum(self.crossing_rows(part, sample).values()))
         return n + n * n / 1024.0
 
     def item_counts(self, part: str, samples: Sequence[dict]) -> dict[str, int]:

@@ -228,6 +228,19 @@ class QwenVLAdapter(ModelAdapter):
         grid = sample.get(key)
         return None if grid is None else np.asarray(grid, dtype=np.int64).reshape(-1, 3)
 
+    def encoder_cost(self, part, sample):
+        """Per image and video frame of ``n`` merged tokens: ``n + n**2 / 1024`` (the
+        full-attention blocks attend within a frame)."""
+        if part != "vision":
+            return super().encoder_cost(part, sample)
+        cost, m2 = 0.0, self.merge**2
+        for key in ("image_grid_thw", "video_grid_thw"):
+            grid = self._grid(sample, key)
+            for t, h, w in grid if grid is not None else ():
+                n = float(h * w) / m2
+                cost += float(t) * (n + n * n / 1024.0)
+        return cost
+
     def tokens(self, sample: dict, modality: str) -> int:
         grid = self._grid(sample, MODALITIES[modality][1])
         return 0 if grid is None else int(grid.prod(-1).sum()) // self.merge**2

@@ -1,7 +1,12 @@
-"""Cross-device GPU tier: a two-rank NCCL group per pair of workers on different GPUs
-(NCCL refuses two ranks of one communicator on the same GPU, so colocated pairs use
-``cuda_ipc``). Built from the side group's store; the communicator itself is created by
-NCCL on the pair's first transfer."""
+"""Cross-device GPU tier: two-rank NCCL groups between workers on different GPUs (NCCL
+refuses two ranks of one communicator on the same GPU, so colocated pairs use
+``cuda_ipc``). Built from the side group's store; the communicators are created by NCCL on
+the first transfer.
+
+Each direction of a pair has its own group: NCCL runs a group's sends and receives in issue
+order on one stream, so with several microbatches in flight (an encoder posting two sends
+before it receives, the LLM receiving, sending, receiving) one shared group would wait in
+a cycle."""
 
 from __future__ import annotations
 
@@ -15,15 +20,13 @@ from ray_disagg.transport.base import TensorSpec
 __all__ = ["NcclTier", "pair_group"]
 
 
-def pair_group(store, prefix: str, me: int, peer: int, device, timeout_s: float):
-    """The NCCL group of side ranks ``me`` and ``peer`` (call on both, same arguments)."""
-    lo, hi = sorted((me, peer))
+def pair_group(store, prefix: str, src: int, dst: int, me: int, timeout_s: float):
+    """The NCCL group that carries side rank ``src``'s tensors to ``dst`` (rank 0 is the
+    sender); call on both with the same ``src, dst``."""
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=timeout_s)
-    pg = dist.ProcessGroupNCCL(
-        dist.PrefixStore(f"{prefix}/nccl/{lo}-{hi}", store), int(me == hi), 2, opts
-    )
-    return pg
+    store = dist.PrefixStore(f"{prefix}/nccl/{src}-to-{dst}", store)
+    return dist.ProcessGroupNCCL(store, int(me == dst), 2, opts)
 
 
 class NcclTier:
@@ -31,29 +34,27 @@ class NcclTier:
 
     name = "nccl"
 
-    def __init__(self, me: int, groups: dict, device):
-        self.me, self.groups, self.device = me, groups, device  # groups: peer -> pair group
-
-    def _peer(self, other: int) -> int:
-        return int(other > self.me)  # the other's rank inside the two-rank group
+    def __init__(self, me: int, outgoing: dict, incoming: dict, device):
+        # peer -> the group carrying my tensors to it / its tensors to me
+        self.me, self.outgoing, self.incoming, self.device = me, outgoing, incoming, device
 
     def pack(self, tensors: list[torch.Tensor], dst: int):
         return None
 
     def after_header(self, tensors: list[torch.Tensor], dst: int) -> list:
         """Posts the sends; returns ``(work, buffer)`` pairs to wait on."""
-        pg, out = self.groups[dst], []
+        pg, out = self.outgoing[dst], []
         for t in tensors:
             if t.numel():
                 buf = t.detach().to(self.device).contiguous()
-                out.append((pg.send([buf], self._peer(dst), 0), buf))
+                out.append((pg.send([buf], 1, 0), buf))  # the receiver is rank 1
         return out
 
     def unpack(self, specs: list[TensorSpec], payload, src: int, device) -> list[torch.Tensor]:
-        pg, out = self.groups[src], []
+        pg, out = self.incoming[src], []
         for spec in specs:
             t = torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device)
             if t.numel():
-                pg.recv([t], self._peer(src), 0).wait()
+                pg.recv([t], 0, 0).wait()  # the sender is rank 0
             out.append(t.to(device))
         return out
