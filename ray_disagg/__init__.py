@@ -15,6 +15,7 @@ from ray_disagg.config import (
 )
 from ray_disagg.data import BatchPlan, SampleError
 from ray_disagg.export import export_hf
+from ray_disagg.lr_schedule import lr_at
 from ray_disagg.model import HFModelSpec, Qwen2_5_VLSpec
 from ray_disagg.models import (
     ADAPTERS,
@@ -24,6 +25,7 @@ from ray_disagg.models import (
     tiny_qwen2_vl_config,
     tiny_qwen3_vl_config,
 )
+from ray_disagg.plotting import plot_metrics
 from ray_disagg.trainer import DisaggregatedTrainer, load_metrics
 
 __version__ = "0.1.0"
@@ -46,6 +48,8 @@ __all__ = [
     "export_hf",
     "get_adapter",
     "load_metrics",
+    "lr_at",
+    "plot_metrics",
     "tiny_qwen2_5_omni_thinker_config",
     "tiny_qwen2_5_vl_config",
     "tiny_qwen2_vl_config",

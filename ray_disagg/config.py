@@ -108,6 +108,7 @@ class TensorParallel:
 
 PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("sequential", "1f1b")
+LR_SCHEDULES = ("constant", "linear", "cosine")
 ASSIGNMENTS = ("auto", "contiguous", "balanced")
 
 Parallelism = Literal["none"] | DataParallel | SequenceParallel | TensorParallel
@@ -145,6 +146,18 @@ class ModuleGroup:
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward to save memory."""
 
+    trainable: bool = True
+    """``False`` freezes the whole group: it runs forward only (under ``no_grad``), gets no
+    gradients back, keeps no optimizer state and is left out of gradient clipping."""
+
+    freeze: tuple[str, ...] = ()
+    """Parameter-name prefixes (HF names, e.g. ``"model.visual.blocks"``) frozen inside the
+    group; each must match at least one of the group's parameters. Freezing every
+    parameter of an encoder group is the same as ``trainable=False``."""
+
+    lr_multiplier: float = 1.0
+    """This group's learning rate is ``lr_multiplier`` times the scheduled ``lr``."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.scaling_config, ScalingConfig):
             raise ValueError(
@@ -157,6 +170,23 @@ class ModuleGroup:
                 f"ScalingConfig(num_workers={n!r}): each module group needs num_workers >= 1."
             )
         self.parallelism = _normalize_parallelism(self.parallelism)
+        if not isinstance(self.trainable, bool):
+            raise ValueError(f"ModuleGroup(trainable={self.trainable!r}): must be True or False.")
+        if isinstance(self.freeze, str):
+            self.freeze = (self.freeze,)
+        if not isinstance(self.freeze, list | tuple) or not all(
+            isinstance(f, str) and f for f in self.freeze
+        ):
+            raise ValueError(
+                f"ModuleGroup(freeze={self.freeze!r}): must be a list of parameter-name "
+                "prefixes, e.g. ['model.visual.blocks']."
+            )
+        self.freeze = tuple(self.freeze)
+        lm = self.lr_multiplier
+        if isinstance(lm, bool) or not isinstance(lm, int | float) or not (math.isfinite(lm)):
+            raise ValueError(f"ModuleGroup(lr_multiplier={lm!r}): must be a finite float >= 0.")
+        if lm < 0:
+            raise ValueError(f"ModuleGroup(lr_multiplier={lm!r}): must be a finite float >= 0.")
         size = getattr(self.parallelism, "size", 1)
         if n % size:
             raise ValueError(
@@ -205,7 +235,18 @@ class TrainLoopConfig:
     """Samples per optimizer step, summed over all data-parallel replicas."""
 
     lr: float = 1e-3
-    """AdamW learning rate."""
+    """AdamW peak learning rate (after warmup; times each group's ``lr_multiplier``)."""
+
+    lr_schedule: str = "constant"
+    """``"constant"``, ``"linear"`` or ``"cosine"`` decay from ``lr`` after the warmup to
+    ``min_lr_ratio * lr`` at the last step (see :func:`ray_disagg.lr_at`)."""
+
+    warmup_steps: int = 0
+    """Steps of linear warmup below ``lr``: step ``s < warmup_steps`` uses
+    ``lr * (s + 1) / (warmup_steps + 1)``; step ``warmup_steps`` is the first at ``lr``."""
+
+    min_lr_ratio: float = 0.0
+    """The decayed learning rate at the last step, as a fraction of ``lr``."""
 
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
@@ -269,6 +310,20 @@ class TrainLoopConfig:
     token count; greedy longest-processing-time with equal sample counts), or ``"auto"``
     (balanced for map-style datasets, contiguous for Ray Data)."""
 
+    eval_every: int | None = None
+    """With ``datasets={"validation": ...}``: compute ``val_loss`` (mean over the label
+    tokens of the validation set, no gradients, on the same groups) every N steps and at
+    every checkpoint step (so ``checkpoint_score_attribute="val_loss"`` always has it).
+    ``None``: at checkpoint steps only."""
+
+    pack_sequences: bool = False
+    """Pack several samples into each LLM row (no attention across samples, positions
+    restarting per sample) instead of padding every row to the longest sample."""
+
+    max_seq_len: int | None = None
+    """Packed row length (tokens); required with ``pack_sequences``. A longer sample is a
+    ``ValueError`` naming it."""
+
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form values, passed through untouched (e.g. for callbacks)."""
 
@@ -304,6 +359,37 @@ class TrainLoopConfig:
         if not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise ValueError(
                 f"train_loop_config['micro_batches']={self.micro_batches!r}: must be an int >= 1."
+            )
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"train_loop_config['lr_schedule']={self.lr_schedule!r}: must be one of "
+                f"{LR_SCHEDULES}."
+            )
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(
+                f"train_loop_config['warmup_steps']={self.warmup_steps!r}: must be an int >= 0."
+            )
+        _check_float("min_lr_ratio", self.min_lr_ratio, lambda v: 0 <= v <= 1, "in [0, 1]")
+        if self.eval_every is not None and (
+            not isinstance(self.eval_every, int) or self.eval_every < 1
+        ):
+            raise ValueError(
+                f"train_loop_config['eval_every']={self.eval_every!r}: must be None or an int >= 1."
+            )
+        if not isinstance(self.pack_sequences, bool):
+            raise ValueError(
+                f"train_loop_config['pack_sequences']={self.pack_sequences!r}: must be a bool."
+            )
+        if self.max_seq_len is not None and (
+            not isinstance(self.max_seq_len, int) or self.max_seq_len < 2
+        ):
+            raise ValueError(
+                f"train_loop_config['max_seq_len']={self.max_seq_len!r}: must be an int >= 2."
+            )
+        if self.pack_sequences and self.max_seq_len is None:
+            raise ValueError(
+                "train_loop_config['pack_sequences']=True needs 'max_seq_len' (tokens per "
+                "packed row), e.g. 4096."
             )
         if self.schedule not in (None, *SCHEDULES):
             raise ValueError(

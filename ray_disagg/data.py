@@ -153,10 +153,11 @@ class BatchPlan:
             out.append(mb)
         return out
 
-    def peers(self, group: str, rank: int, other: str, step: int) -> list[int]:
+    def peers(self, group: str, rank: int, other: str, step: int, mbs=None) -> list[int]:
         """Replicas of ``other`` that share samples with replica ``rank`` of ``group`` in
-        some microbatch of ``step`` (they exchange messages that step), ascending."""
-        mbs = self.assign(step)
+        some microbatch of ``step`` (they exchange messages that step), ascending; ``mbs``:
+        ``assign(step)`` when the caller has it already."""
+        mbs = self.assign(step) if mbs is None else mbs
         return [
             r
             for r in range(self.dp_sizes[other])

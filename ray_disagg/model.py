@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from dataclasses import dataclass
 
 from torch import nn
@@ -106,15 +107,32 @@ class HFModelSpec:
             return loading.InitSource(meta, self.seed)
         return loading.SafetensorsSource(self.pretrained_path, meta)
 
-    def materialize(self, module: nn.Module, device="cpu", part: str | None = None) -> None:
+    def materialize(
+        self, module: nn.Module, device="cpu", part: str | None = None, log=None
+    ) -> None:
         """Allocate only this rank's shards of ``module`` (a :meth:`meta_model`, possibly
         sharded by DTensor TP/FSDP2) on ``device`` and fill them, one tensor at a time,
-        from the pretrained weights or the per-name random init."""
+        from the pretrained weights or the per-name random init. ``log(message)`` gets
+        where the weights come from and the progress (every quarter and at the end)."""
         meta = self.meta_model(part)
         params = self.weight_source(meta)
         if isinstance(params, loading.SafetensorsSource):
             params.check(_hf_shapes(module))
-        loading.materialize(module, device, params, loading.InitSource(meta, self.seed))
+        progress = None
+        if log is not None:
+            what = part or "model"
+            source = self.pretrained_path or f"random init (seed {self.seed})"
+            log(f"{what}: loading weights from {source}")
+            t0, marks = time.perf_counter(), set()
+
+            def progress(done: int, total: int) -> None:
+                quarter = 4 * done // total
+                if quarter not in marks and (quarter > 0 or done == total):
+                    marks.add(quarter)
+                    log(f"{what}: loaded {done}/{total} tensors ({time.perf_counter() - t0:.1f}s)")
+
+        init = loading.InitSource(meta, self.seed)
+        loading.materialize(module, device, params, init, progress)
 
     def build_full(self) -> nn.Module:
         """The whole HF model on the CPU (the single-process reference)."""

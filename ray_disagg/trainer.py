@@ -5,16 +5,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import threading
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import ray
 from ray.train import Checkpoint, Result, RunConfig, ScalingConfig
 
+from ray_disagg._internal import dataset_checks as dsc
 from ray_disagg._internal import ray_compat as rc
 from ray_disagg._internal.checkpointing import check_compatible
 from ray_disagg._internal.controller import DisaggregatedController
@@ -33,12 +34,14 @@ from ray_disagg._internal.worker_groups import GroupLaunch, Transfers
 from ray_disagg.backend import ModuleBackendConfig
 from ray_disagg.config import ModuleGroup, SequenceParallel, TrainLoopConfig
 from ray_disagg.data import BatchPlan
+from ray_disagg.freezing import frozen_parts
 from ray_disagg.model import HFModelSpec
 from ray_disagg.transport import TIERS
 
 __all__ = ["DisaggregatedTrainer", "load_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
+logger = logging.getLogger(__name__)
 
 
 def metrics_path(run_config: RunConfig) -> str | None:
@@ -161,15 +164,16 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
                 check_compatible(root, model.load_config(), self.loop_config.max_steps)
         validate_layout(adapter, self.groups)
         model.check_weights()
-        self._train_data = self._validate_datasets(datasets)
+        self.frozen_parts = frozen_parts(model, self.groups)
+        self._train_data = dsc.train_set(datasets)
         self._samples_validated = validate_samples and not is_ray_dataset(self._train_data)
         self.loop_config = self._resolve_schedule(
             self.loop_config, placement, self._train_data, self._samples_validated
         )
-        costs = self._scan(self._train_data, adapter, self.loop_config, self._samples_validated)
+        costs = dsc.scan(self._train_data, adapter, self.loop_config, self._samples_validated)
         llm_dp = self.groups[adapter.llm_part].dp_size
         self.plan = BatchPlan(
-            num_samples=self._num_samples(self._train_data, llm_dp),
+            num_samples=dsc.num_samples(self._train_data, llm_dp),
             global_batch_size=self.loop_config.global_batch_size,
             dp_sizes={name: g.dp_size for name, g in self.groups.items()},
             seed=self.loop_config.seed,
@@ -177,6 +181,9 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             micro_batches=self.loop_config.micro_batches,
             reader=adapter.llm_part,
             costs=costs,
+        )
+        self._val_data, self.val_plan = dsc.validation_set(
+            datasets, adapter, self.loop_config, self.groups
         )
         total = sum(g.num_workers for g in self.groups.values())
         super().__init__(
@@ -253,52 +260,6 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             cfg, schedule=schedule, max_in_flight=in_flight, assignment=assignment
         )
 
-    @staticmethod
-    def _scan(data, adapter, cfg: TrainLoopConfig, validate: bool):
-        """One pass over a map-style dataset: validate every sample (``validate``) and, for
-        balanced assignment, its costs (LLM tokens, each encoder part's estimate)."""
-        balanced = cfg.assignment == "balanced"
-        if is_ray_dataset(data) or not (validate or balanced):
-            return None
-        costs = {part: np.zeros(len(data), np.float32) for part in adapter.parts}
-        for i in range(len(data)):
-            sample = data[i]
-            if validate:
-                adapter.validate_sample(sample, i)
-            if balanced:
-                costs[adapter.llm_part][i] = len(sample["input_ids"])
-                for part in adapter.encoder_parts:
-                    costs[part][i] = adapter.encoder_cost(part, sample)
-        return costs if balanced else None
-
-    @staticmethod
-    def _validate_datasets(datasets):
-        if not datasets or "train" not in datasets:
-            raise ValueError('datasets={"train": ...} is required.')
-        extra = sorted(set(datasets) - {"train"})
-        if extra:
-            raise ValueError(f"Only a 'train' dataset is supported, got extra keys {extra}.")
-        data = datasets["train"]
-        if is_ray_dataset(data):
-            return data  # streamed by the LLM group; each row is validated when read
-        if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
-            raise ValueError(
-                "datasets['train'] must be a ray.data.Dataset or a map-style dataset (list of "
-                f"sample dicts, datasets.Dataset, ...), got {type(data).__name__}."
-            )
-        if len(data) == 0:
-            raise ValueError("datasets['train'] is empty.")
-        return data
-
-    @staticmethod
-    def _num_samples(data, reader_dp: int) -> int:
-        if not is_ray_dataset(data):
-            return len(data)
-        n = data.count()
-        if n == 0:
-            raise ValueError("datasets['train'] is empty.")
-        return n - n % reader_dp  # streaming_split(equal=True) drops the remainder
-
     # ---- Ray Train hooks ------------------------------------------------------------
 
     def _create_default_callbacks(self):
@@ -317,6 +278,9 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             resume_from_checkpoint=self.resume_from_checkpoint,
             samples_validated=self._samples_validated,
             metrics_path=metrics_path(self.run_config),
+            frozen_parts=self.frozen_parts,
+            val_ref=None if self._val_data is None else [ray.put(self._val_data)],
+            val_plan=self.val_plan,
         )
         launches = {}
         # The LLM group first: the union's rank 0 is then the LLM group's rank 0, whose

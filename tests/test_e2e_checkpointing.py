@@ -15,6 +15,7 @@ from ray_disagg import (
 )
 from ray_disagg._internal.reference import reference_batch, reference_train
 from ray_disagg.examples_data import synthetic_samples
+from ray_disagg.lr_schedule import lr_at
 from tests.helpers import assert_params_close, checkpoint_state, group, vt
 from tests.helpers import run_layout as fit
 
@@ -38,10 +39,15 @@ def test_text_worker_death_restarts_all_groups_and_matches_uninterrupted(
     _, spec, data = setup
     marker = tmp_path / "killed"
     drill = {"group": "text", "step": 2, "marker": str(marker)}
-    loop = dict(LOOP, extra={"inject_failure_once": drill})
+    # a learning-rate schedule that changes every step: the restart must continue it
+    scheduled = dict(LOOP, lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
+    loop = dict(scheduled, extra={"inject_failure_once": drill})
     result = fit(spec, data, loop, vt(group(2), group(1)), tmp_path, "ft", failures=1)
     assert marker.exists()  # the text worker really died at step 2
-    clean = fit(spec, data, LOOP, vt(group(2), group(1)), tmp_path, "clean")
+    clean = fit(spec, data, scheduled, vt(group(2), group(1)), tmp_path, "clean")
+    lrs = result.metrics_dataframe.sort_values("step")["lr"].tolist()
+    assert lrs == [lr_at(TrainLoopConfig(**scheduled), s) for s in range(4)]
+    assert len(set(lrs)) == 4
     assert [int(s) for s in result.metrics_dataframe.sort_values("step")["step"]] == [1, 2, 3, 4]
     assert losses(result) == losses(clean)  # bit-identical on CPU
     got, ref = checkpoint_state(result.checkpoint), checkpoint_state(clean.checkpoint)

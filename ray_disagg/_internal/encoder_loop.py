@@ -13,6 +13,7 @@ step run once per step.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -45,15 +46,16 @@ def _encode(st: Stage, samples) -> dict:
         return st.runner(run)
 
 
-def _receive_inputs(st: Stage, step: int):
+def _receive_inputs(st: Stage, plan, step: int, key):
     """Per microbatch: its samples (LLM replicas in order) and ``(llm replica, count)``,
-    from every LLM replica it shares samples with this step."""
+    from every LLM replica it shares samples with this step (``key``: the step's name in
+    messages; validation steps have their own)."""
     args, llm = st.args, st.adapter.llm_part
-    mbs = [([], []) for _ in range(st.cfg.micro_batches)]
-    for t in args.plan.peers(st.part, st.dp_rank, llm, step):
+    mbs = [([], []) for _ in range(plan.micro_batches)]
+    for t in plan.peers(st.part, st.dp_rank, llm, step):
         meta, _ = st.side.recv_tensors(args.leader_side_rank(st.side, llm, t))
-        if meta["step"] != step:
-            raise RuntimeError(f"{st.part} group got step {meta['step']} inputs at step {step}")
+        if meta["step"] != key:
+            raise RuntimeError(f"{st.part} group got step {meta['step']} inputs at step {key}")
         for (samples, routes), sub in zip(mbs, meta["mbs"]):
             if sub:
                 samples += sub
@@ -64,16 +66,20 @@ def _receive_inputs(st: Stage, step: int):
 class _Microbatch:
     """One microbatch in flight: its outputs (holding the graph) until its backward."""
 
-    def __init__(self, st: Stage, tower, samples, routes, step: int, j: int):
+    def __init__(self, st: Stage, tower, samples, routes, step, j: int, grad: bool = True):
         self.samples, self.routes, self.j, self.handles = samples, routes, j, []
         # FSDP2: every rank must run the same units; one without inputs runs a stand-in
         self.counts = st.adapter.item_counts(st.part, samples)
         self.real = not st.fsdp or sum(self.counts.values()) > 0
-        self.outputs = _encode(st, samples if self.real else st.adapter.stand_in_samples(st.part))
+        inputs = samples if self.real else st.adapter.stand_in_samples(st.part)
+        with torch.set_grad_enabled(grad):  # forward only: frozen group, validation
+            self.outputs = _encode(st, inputs)
         self.offsets = _row_offsets(st.adapter, st.part, samples)
-        self.sp_state = ulysses.save_state(tower) if st.is_sp else None
+        self.sp_state = ulysses.save_state(tower) if st.is_sp and grad else None
         if st.leader:
             self._send(st, step)
+        if not grad:
+            self.outputs = None
 
     def _send(self, st: Stage, step: int) -> None:
         first, llm = 0, st.adapter.llm_part
@@ -123,8 +129,29 @@ class _Microbatch:
             out_grads.append(grad)
         if outs:
             torch.autograd.backward(outs, out_grads)
+            st.backward_passes += 1
         self.outputs = None
         return t_wait
+
+
+def _forward_only(st: Stage, tower, mbs, key) -> dict[str, int]:
+    """A step's microbatches forward only, one at a time; returns the item counts."""
+    counts: dict[str, int] = {}
+    for j, (samples, routes) in enumerate(mbs):
+        mb = _Microbatch(st, tower, samples, routes, key, j, grad=False)
+        for name, n in mb.counts.items():
+            counts[name] = counts.get(name, 0) + n
+    st.wait_pending()
+    return counts
+
+
+def _evaluate(st: Stage, tower, plan, step: int) -> list[float]:
+    """Encode the validation set for the LLM group (which computes the loss)."""
+    for v in range(plan.steps_per_epoch):
+        key = ("val", step, v)
+        mbs = _receive_inputs(st, plan, v, key) if st.leader else None
+        _forward_only(st, tower, st.broadcast_object(mbs), key)
+    return [0.0, 0.0]
 
 
 def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
@@ -138,17 +165,24 @@ def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
         tp.parallelize_vision(tower, adapter.tower_tp_plan(part), st.mp_mesh)
     start = st.setup(model)
     k, limit = cfg.micro_batches, cfg.max_in_flight or 1
+    evaluate = None
+    if args.val_plan is not None:
+        evaluate = functools.partial(_evaluate, st, tower, args.val_plan)
 
     for step in range(start, cfg.max_steps):
         lc.maybe_inject_failure(cfg, part, st.group_rank, step)
         t_wait = time.perf_counter()
-        mbs = _receive_inputs(st, step) if st.leader else None
+        mbs = _receive_inputs(st, args.plan, step, step) if st.leader else None
         t_wait = time.perf_counter() - t_wait
         t_compute = time.perf_counter()
         mbs = st.broadcast_object(mbs)
         t_compute = time.perf_counter() - t_compute
         in_flight, done, peak = [], 0, 0
         counts: dict[str, int] = {}
+        if st.frozen:  # nothing to train: forward only, no gradients come back
+            t0 = time.perf_counter()
+            counts, done, peak = _forward_only(st, tower, mbs, step), k, 1
+            t_compute += time.perf_counter() - t0
         while done < k:
             t0 = time.perf_counter()
             if len(in_flight) + done < k and len(in_flight) < limit:  # forward the next one
@@ -174,4 +208,4 @@ def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
             for name, n in counts.items():
                 stats[st.layout.index[name]] = n
         ids = [s.get("id") for samples, _ in mbs for s in samples]
-        st.finish(step, stats, t_compute, t_wait, sample_ids=ids, inflight=peak)
+        st.finish(step, stats, t_compute, t_wait, sample_ids=ids, inflight=peak, evaluate=evaluate)

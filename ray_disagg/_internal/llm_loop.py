@@ -37,19 +37,19 @@ def _plain(v):
     return v.item() if hasattr(v, "item") else v
 
 
-def _send_inputs(st: Stage, samples: dict, mbs, step: int) -> None:
+def _send_inputs(st: Stage, samples: dict, mbs, plan, key) -> None:
     """One message per encoder replica it shares samples with: per microbatch, the
     encoder fields of those samples (so encoders can run ahead of this replica)."""
     adapter, mine = st.adapter, [set(mb[st.part][st.dp_rank]) for mb in mbs]
     for part in adapter.encoder_parts:
         keys = ("id", *adapter.encoder_fields(part))
-        for d in st.args.plan.peers(st.part, st.dp_rank, part, step):
+        for d in plan.peers(st.part, st.dp_rank, part, None, mbs):
             per_mb = [
                 [{k: samples[p][k] for k in keys if k in samples[p]} for p in mb[part][d] if p in m]
                 for mb, m in zip(mbs, mine)
             ]
             dst = st.args.leader_side_rank(st.side, part, d)
-            st.pending.append(st.side.send_tensors(dst, {}, {"step": step, "mbs": per_mb}, False))
+            st.pending.append(st.side.send_tensors(dst, {}, {"step": key, "mbs": per_mb}, False))
 
 
 def _receive_crossings(st: Stage, step: int, j: int, mb, samples: dict):
@@ -73,7 +73,8 @@ def _receive_crossings(st: Stage, step: int, j: int, mb, samples: dict):
             for name, t in tensors.items():
                 for p, piece in zip(positions, t.split([r[name] for r in rows])):
                     pieces[(name, p)] = piece
-            routes.append((part, src, positions, {n: t.dtype for n, t in tensors.items()}))
+            if part not in st.args.frozen_parts:  # a frozen encoder gets no gradients
+                routes.append((part, src, positions, {n: t.dtype for n, t in tensors.items()}))
     received = {}
     for part in adapter.encoder_parts:
         for c in adapter.crossings(part):
@@ -81,6 +82,16 @@ def _receive_crossings(st: Stage, step: int, j: int, mb, samples: dict):
             if parts:  # the loss runs in float32 (autocast inside), as the single-process model
                 received[c.name] = (parts[0] if len(parts) == 1 else torch.cat(parts)).float()
     return received, routes
+
+
+def _trainable_crossings(st: Stage) -> set[str]:
+    """Names of the crossings whose encoder has something to train."""
+    return {
+        c.name
+        for part in st.adapter.encoder_parts
+        if part not in st.args.frozen_parts
+        for c in st.adapter.crossings(part)
+    }
 
 
 def _send_grads(st: Stage, received: dict, routes, mb, samples: dict, step: int, j: int) -> None:
@@ -109,6 +120,62 @@ def _share(st: Stage, received):
     return received
 
 
+def _collate(st: Stage, items: list[dict]) -> dict:
+    if st.cfg.pack_sequences:
+        batch = st.adapter.collate_llm_packed(items, st.cfg.max_seq_len)
+    else:
+        batch = st.adapter.collate_llm(items)
+    return {n: v.to(st.device) if torch.is_tensor(v) else v for n, v in batch.items()}
+
+
+class _LLM:
+    """The pieces of one LLM worker that training and validation share."""
+
+    def __init__(self, st: Stage, model, lm_head, tp_group, vocab_start):
+        self.st, self.model, self.lm_head = st, model, lm_head
+        self.tp_group, self.vocab_start = tp_group, vocab_start
+        self.text_keys = ("id", "input_ids", "labels", *st.adapter.llm_fields())
+        self.grad_names = _trainable_crossings(st)
+
+    def read(self, source, plan, step: int, key, mbs):
+        """The replica's samples of ``step`` (sent on to the encoders) and their LLM items
+        on every tp rank; returns ``(samples, items, label tokens)``."""
+        st, share = self.st, [p for mb in mbs for p in mb[self.st.part][self.st.dp_rank]]
+        samples = {}
+        if st.leader:
+            samples = dict(zip(share, ingest.read_samples(source, step, share, st.args)))
+            _send_inputs(st, samples, mbs, plan, key)
+        items = {p: {k: s[k] for k in self.text_keys if k in s} for p, s in samples.items()}
+        items = st.broadcast_object(items)
+        labels = sum(count_label_tokens(st.adapter.labels(it)) for it in items.values())
+        return samples, items, labels
+
+    def loss(self, items, mb, received, n_labels):
+        st = self.st
+        batch = _collate(st, [items[p] for p in mb[st.part][st.dp_rank]])
+        loss_args = (batch, received, n_labels, self.tp_group, self.vocab_start)
+        with torch.autocast(st.device.type, torch.bfloat16, enabled=st.cfg.bf16):
+            return st.runner(functools.partial(_loss, st.adapter, self.lm_head, *loss_args))
+
+    def evaluate(self, source, plan, step: int) -> list[float]:
+        """This rank's ``[summed token loss, label tokens]`` over the validation set
+        (non-zero on replica leaders only), forward only."""
+        st, loss_sum, n_labels = self.st, 0.0, 0
+        for v in range(plan.steps_per_epoch):
+            key, mbs = ("val", step, v), plan.assign(v)
+            samples, items, labels = self.read(source, plan, v, key, mbs)
+            n_labels += labels
+            for j, mb in enumerate(mbs):
+                received = {}
+                if st.leader:
+                    received, _ = _receive_crossings(st, key, j, mb, samples)
+                with torch.no_grad():
+                    received = _share(st, received)
+                    loss_sum += float(self.loss(items, mb, received, 1.0))
+            st.wait_pending()
+        return [loss_sum, n_labels] if st.leader else [0.0, 0.0]
+
+
 def llm_train_loop(args: lc.LoopArgs) -> None:
     st = Stage(args, args.adapter.llm_part)
     adapter, cfg, plan = st.adapter, st.cfg, args.plan
@@ -122,22 +189,19 @@ def llm_train_loop(args: lc.LoopArgs) -> None:
     start = st.setup(model)
     data = ray.get(args.dataset_ref[0])
     source = ingest.make_source(data, plan, st.dp_rank, st.leader, st.part)
-    text_keys = ("id", "input_ids", "labels", *adapter.llm_fields())
+    llm = _LLM(st, model, lm_head, tp_group, vocab_start)
+    evaluate = None
+    if args.val_plan is not None:
+        val = ingest.MapStyleSource(ray.get(args.val_ref[0]), args.val_plan, st.part)
+        evaluate = functools.partial(llm.evaluate, val, args.val_plan)
 
     for step in range(start, cfg.max_steps):
         lc.maybe_inject_failure(cfg, st.part, st.group_rank, step)
         mbs = plan.assign(step)
-        share = [p for mb in mbs for p in mb[st.part][st.dp_rank]]
         t_wait = time.perf_counter()
-        samples = {}
-        if st.leader:
-            samples = dict(zip(share, ingest.read_samples(source, step, share, args)))
-            _send_inputs(st, samples, mbs, step)
-        t_wait = time.perf_counter() - t_wait
+        samples, items, local_labels = llm.read(source, plan, step, step, mbs)
+        t_wait = time.perf_counter() - t_wait  # reading and sending (the leader's)
         t0 = time.perf_counter()
-        items = {p: {k: s[k] for k in text_keys if k in s} for p, s in samples.items()}
-        items = st.broadcast_object(items)
-        local_labels = sum(count_label_tokens(adapter.labels(it)) for it in items.values())
         n_labels = torch.tensor([local_labels], dtype=torch.float64, device=st.device)
         dist.all_reduce(n_labels, group=st.dp_mesh.get_group())
         n_labels = max(float(n_labels), 1.0)
@@ -154,15 +218,14 @@ def llm_train_loop(args: lc.LoopArgs) -> None:
                 st.wait_pending()
             t_wait += time.perf_counter() - t1
             t2 = time.perf_counter()
-            received = {n: v.requires_grad_() for n, v in _share(st, received).items()}
-            batch = adapter.collate_llm([items[p] for p in mb[st.part][st.dp_rank]])
-            batch = {n: v.to(st.device) if torch.is_tensor(v) else v for n, v in batch.items()}
-            loss_args = (batch, received, n_labels, tp_group, vocab_start)
-            with torch.autocast(st.device.type, torch.bfloat16, enabled=cfg.bf16):
-                loss = st.runner(functools.partial(_loss, adapter, lm_head, *loss_args))
+            received = {
+                n: v.requires_grad_(n in llm.grad_names) for n, v in _share(st, received).items()
+            }
+            loss = llm.loss(items, mb, received, n_labels)
             loss.backward()
+            st.backward_passes += 1
             loss_sum += loss.item()
-            tokens += int(batch["attention_mask"].sum())
+            tokens += sum(len(items[p]["input_ids"]) for p in mb[st.part][st.dp_rank])
             if st.leader:
                 _send_grads(st, received, routes, mb, samples, step, j)
             t_compute += time.perf_counter() - t2
@@ -184,4 +247,4 @@ def llm_train_loop(args: lc.LoopArgs) -> None:
             dist.all_gather_object(gathered, ids)
             extra = {"sample_ids": [i for part in gathered for i in part]}
         ids = [_plain(it.get("id")) for it in ordered]
-        st.finish(step, stats, t_compute, t_wait, extra, sample_ids=ids)
+        st.finish(step, stats, t_compute, t_wait, extra, sample_ids=ids, evaluate=evaluate)

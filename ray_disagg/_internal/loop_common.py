@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -17,6 +18,7 @@ import torch
 from ray_disagg._internal.side_group import SideGroup
 from ray_disagg.config import ModuleGroup, TrainLoopConfig
 from ray_disagg.data import BatchPlan
+from ray_disagg.lr_schedule import lr_at
 from ray_disagg.model import HFModelSpec
 
 
@@ -29,23 +31,27 @@ class StatsLayout:
     - ``cycle``: wall seconds since the previous exchange, the LLM group's rank 0;
     - ``transfer_fallbacks``: tensor messages sent over gloo instead of their planned tier
       (e.g. a full /dev/shm), every rank;
-    - ``<group>_{sq,time,wait,peak,inflight}``: squared grad norm, compute and wait
-      seconds, peak memory (MB), most microbatches alive at once, of each group, from its
-      rank 0;
+    - ``<group>_{sq,time,wait,peak,inflight,bwd}``: squared grad norm, compute and wait
+      seconds, peak memory (MB), most microbatches alive at once, backward passes run, of
+      each group, from its rank 0;
     - counters (``images``, ``videos``, ``audios``): the encoder groups' DP leaders.
     """
 
     def __init__(self, groups: list[str], counters: list[str]):
         self.groups, self.counters = list(groups), list(counters)
         names = ["loss", "label_tokens", "llm_tokens", "cycle", "transfer_fallbacks"]
-        names += [f"{g}_{k}" for g in groups for k in ("sq", "time", "wait", "peak", "inflight")]
+        per_group = ("sq", "time", "wait", "peak", "inflight", "bwd")
+        names += [f"{g}_{k}" for g in groups for k in per_group]
         names += list(counters)
         self.index = {n: i for i, n in enumerate(names)}
 
     def new(self) -> torch.Tensor:
         return torch.zeros(len(self.index), dtype=torch.float64)
 
-    def metrics(self, stats, step: int, epoch: int, lr: float, mean_step_time: float) -> dict:
+    def metrics(
+        self, stats, step: int, epoch: int, lrs: dict[str, float], mean_step_time: float
+    ) -> dict:
+        """``lrs``: ``"lr"`` (the schedule's) and ``"<group>_lr"`` of this step."""
         s = {n: float(stats[i]) for n, i in self.index.items()}
         cycle = max(s["cycle"], 1e-9)
         out = {
@@ -53,7 +59,7 @@ class StatsLayout:
             "epoch": epoch,
             "loss": s["loss"],
             "grad_norm": sum(s[f"{g}_sq"] for g in self.groups) ** 0.5,
-            "lr": lr,
+            **lrs,
             "label_tokens": int(s["label_tokens"]),
             "step_time_s": s["cycle"],
             "mean_step_time_s": mean_step_time,
@@ -66,6 +72,7 @@ class StatsLayout:
             out[f"{g}_wait_s"] = s[f"{g}_wait"]
             out[f"{g}_peak_memory_mb"] = s[f"{g}_peak"]
             out[f"{g}_max_in_flight"] = int(s[f"{g}_inflight"])
+            out[f"{g}_backward_passes"] = int(s[f"{g}_bwd"])
         out.update({c: int(s[c]) for c in self.counters})
         return out
 
@@ -94,6 +101,9 @@ class LoopArgs:
     resume_from_checkpoint: object = None
     samples_validated: bool = False  # the driver checked every sample before the run
     metrics_path: str | None = None  # <run dir>/metrics.jsonl: every reported step
+    frozen_parts: tuple[str, ...] = ()  # groups whose parameters are all frozen
+    val_ref: list | None = None  # [ObjectRef] of the map-style validation samples
+    val_plan: BatchPlan | None = None
 
     @property
     def adapter(self):
@@ -110,9 +120,27 @@ class LoopArgs:
         return side.rank_of(group, dp_rank * self.groups[group].model_parallel_size)
 
 
+class NoOptimizer:
+    """The optimizer of a group with nothing to train (every parameter frozen)."""
+
+    state: dict = {}
+    param_groups: list = []
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainLoopConfig, zero1: bool):
     """AdamW; with ``zero1`` its state is sharded over the default (whole group's) process
-    group by ``ZeroRedundancyOptimizer`` (each rank updates its shard, then broadcasts)."""
+    group by ``ZeroRedundancyOptimizer`` (each rank updates its shard, then broadcasts).
+    No trainable parameter: :class:`NoOptimizer`. The learning rate is set every step
+    (:func:`set_lr`)."""
+    params = list(params)
+    if not params:
+        return NoOptimizer()
     kwargs = {"lr": cfg.lr, "betas": cfg.betas, "eps": cfg.eps, "weight_decay": cfg.weight_decay}
     if zero1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -121,9 +149,39 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainLoopConfig, 
     return torch.optim.AdamW(list(params), **kwargs)
 
 
+def set_lr(optimizer, cfg: TrainLoopConfig, step: int, multiplier: float) -> float:
+    """The scheduled learning rate of ``step`` times the group's multiplier, set on every
+    parameter group (ZeRO-1 copies it into its local optimizer on ``step()``)."""
+    lr = lr_at(cfg, step, multiplier)
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    return lr
+
+
+def group_lrs(args: LoopArgs, step: int) -> dict[str, float]:
+    """``lr`` (the schedule's) and ``<group>_lr`` (times its multiplier; 0 when frozen)."""
+    out = {"lr": lr_at(args.cfg, step)}
+    for name, g in args.groups.items():
+        frozen = name in args.frozen_parts
+        out[f"{name}_lr"] = 0.0 if frozen else lr_at(args.cfg, step, g.lr_multiplier)
+    return out
+
+
+def is_eval_step(args: LoopArgs, step: int) -> bool:
+    """Validation runs every ``eval_every`` steps and at every checkpoint step."""
+    if args.val_plan is None:
+        return False
+    every = args.cfg.eval_every
+    return is_checkpoint_step(args.cfg, step) or (every is not None and (step + 1) % every == 0)
+
+
 def is_checkpoint_step(cfg: TrainLoopConfig, step: int) -> bool:
     last = step == cfg.max_steps - 1
     return last or (cfg.checkpoint_every is not None and (step + 1) % cfg.checkpoint_every == 0)
+
+
+def is_reported_step(cfg: TrainLoopConfig, step: int) -> bool:
+    return is_checkpoint_step(cfg, step) or (step + 1) % cfg.report_every == 0
 
 
 def clip_coef(total_norm: float, max_norm: float | None) -> float:
@@ -175,6 +233,7 @@ class ShardWriter:
     module: str
     lead: bool
     hf_config: object = None
+    cfg: TrainLoopConfig | None = None
 
     def write(self, root: str, step: int, model, optimizer) -> None:
         from ray_disagg._internal import checkpointing
@@ -182,8 +241,13 @@ class ShardWriter:
         d = os.path.join(root, self.module)
         checkpointing.save_sharded(model, optimizer, d)
         if self.lead:
+            state = {"step": step + 1}
+            if self.cfg is not None:  # the schedule is a function of the step
+                keys = ("lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "max_steps")
+                state["lr_schedule"] = {k: getattr(self.cfg, k) for k in keys}
+                state["next_lr"] = lr_at(self.cfg, step + 1)
             with open(os.path.join(d, "trainer_state.json"), "w") as f:
-                json.dump({"step": step + 1}, f)
+                json.dump(state, f)
             if self.hf_config is not None:
                 self.hf_config.save_pretrained(root)
 
@@ -219,18 +283,14 @@ def maybe_report(
     (tensor parallel) and the optimizer state (ZeRO-1)."""
     cfg = args.cfg
     ckpt = is_checkpoint_step(cfg, step)
-    if ckpt or (step + 1) % cfg.report_every == 0:
+    if is_reported_step(cfg, step):
         t0 = time.perf_counter()
         epoch = step // args.plan.steps_per_epoch
-        metrics = args.stats.metrics(stats, step, epoch, cfg.lr, timer.mean_step_time)
+        lrs = group_lrs(args, step)
+        metrics = args.stats.metrics(stats, step, epoch, lrs, timer.mean_step_time)
         metrics.update(extra_metrics or {})
         if writer.module == args.adapter.llm_part and writer.lead:
-            print(
-                f"[ray_disagg] step {step + 1}/{cfg.max_steps} loss {metrics['loss']:.4f} "
-                f"grad_norm {metrics['grad_norm']:.3f} step_time {metrics['step_time_s']:.3f}s "
-                f"tokens/s {metrics['tokens_per_s']:.0f}",
-                flush=True,
-            )
+            log_step(metrics, cfg.max_steps)
         if args.metrics_path and writer.lead and writer.module == args.adapter.llm_part:
             append_metrics(args.metrics_path, metrics)
         if ckpt:
@@ -238,6 +298,24 @@ def maybe_report(
         else:
             report(metrics, step, writer=writer)
         timer.excluded += time.perf_counter() - t0
+
+
+def log_line(message: str) -> None:
+    """One line on the worker's stdout, which Ray forwards to the driver once. (Ray
+    Train's patched ``print`` in workers both tees to stdout and logs the message, so a
+    ``print`` shows up twice.)"""
+    sys.stdout.write(f"[ray_disagg] {message}\n")
+    sys.stdout.flush()
+
+
+def log_step(metrics: dict, max_steps: int) -> None:
+    """One line per reported step, from the LLM group's rank 0 only."""
+    val = f" val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""
+    log_line(
+        f"step {metrics['step']}/{max_steps} loss {metrics['loss']:.4f}{val} "
+        f"lr {metrics['lr']:.3g} grad_norm {metrics['grad_norm']:.3f} "
+        f"step_time {metrics['step_time_s']:.3f}s tokens/s {metrics['tokens_per_s']:.0f}"
+    )
 
 
 def append_metrics(path: str, metrics: dict) -> None:

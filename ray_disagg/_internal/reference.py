@@ -8,7 +8,9 @@ import time
 import torch
 
 from ray_disagg.config import TrainLoopConfig
-from ray_disagg.data import BatchPlan
+from ray_disagg.data import BatchPlan, count_label_tokens
+from ray_disagg.freezing import is_frozen
+from ray_disagg.lr_schedule import lr_at
 from ray_disagg.model import HFModelSpec
 
 
@@ -17,30 +19,72 @@ def reference_batch(spec: HFModelSpec, samples) -> dict:
     return spec.adapter.reference_inputs(samples)
 
 
-def reference_train(spec: HFModelSpec, dataset, cfg: TrainLoopConfig):
+def _param_groups(spec: HFModelSpec, model, groups) -> list[dict]:
+    """AdamW parameter groups by module group (for per-group LR multipliers), frozen
+    parameters left out (``requires_grad=False``)."""
+    adapter, out = spec.adapter, []
+    for part, paths in adapter.part_modules.items():
+        group = (groups or {}).get(part)
+        params = []
+        for path in paths:
+            for name, p in model.get_submodule(path).named_parameters(prefix=path):
+                if group is not None and is_frozen(name, group):
+                    p.requires_grad_(False)
+                elif p.requires_grad and all(p is not q for q in params):
+                    params.append(p)
+        mult = group.lr_multiplier if group is not None else 1.0
+        if params:
+            out.append({"params": params, "mult": mult})
+    return out
+
+
+@torch.no_grad()
+def reference_val_loss(spec: HFModelSpec, model, dataset, cfg: TrainLoopConfig) -> float:
+    """Mean token loss over the label tokens of the validation batches (in order)."""
+    plan = BatchPlan(num_samples=len(dataset), global_batch_size=cfg.global_batch_size)
+    loss_sum = labels = 0.0
+    for step in range(plan.steps_per_epoch):
+        samples = [dataset[i] for i in plan.global_indices(step)]
+        n = sum(count_label_tokens(spec.adapter.labels(s)) for s in samples)
+        loss_sum += float(model(**reference_batch(spec, samples)).loss) * n
+        labels += n
+    return loss_sum / labels
+
+
+def reference_train(spec: HFModelSpec, dataset, cfg: TrainLoopConfig, groups=None, val=None):
     """Train ``spec``'s full HF model (``...ForConditionalGeneration(..., labels=...)``)
-    for ``cfg.max_steps`` on the same global batches as ``DisaggregatedTrainer``; returns
-    ``(losses, step_times_s, model)``."""
+    for ``cfg.max_steps`` on the same global batches as ``DisaggregatedTrainer``, with its
+    learning-rate schedule and, given ``groups``, their freezing and LR multipliers;
+    returns ``(losses, step_times_s, model)``, and with a validation set ``val`` also the
+    ``val_loss`` after every step."""
     model = spec.build_full()
+    param_groups = _param_groups(spec, model, groups)
     opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        param_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
     )
+    trained = [p for g in param_groups for p in g["params"]]
     plan = BatchPlan(
         num_samples=len(dataset),
         global_batch_size=cfg.global_batch_size,
         seed=cfg.seed,
         shuffle=cfg.shuffle,
     )
-    losses, times = [], []
+    losses, times, val_losses = [], [], []
     for step in range(cfg.max_steps):
         t0 = time.perf_counter()
         batch = reference_batch(spec, [dataset[i] for i in plan.global_indices(step)])
         loss = model(**batch).loss
         loss.backward()
         if cfg.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(trained, cfg.max_grad_norm)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cfg, step, g["mult"])
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
+        if val is not None:
+            val_losses.append(reference_val_loss(spec, model, val, cfg))
+    if val is not None:
+        return losses, times, model, val_losses
     return losses, times, model

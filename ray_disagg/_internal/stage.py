@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ray_disagg._internal import loop_common as lc
 from ray_disagg._internal.runtime import get_runtime
+from ray_disagg.freezing import apply_freeze
 from ray_disagg.models import loading
 from ray_disagg.parallel import fsdp
 from ray_disagg.parallel import tensor_parallel as tp
@@ -53,6 +54,9 @@ class Stage:
         self.is_sp = self.mp_axis == "sp" and self.mp_size > 1
         self.skipped = 0  # steps not applied (no label token, or non-finite with skipping)
         self.pending = []  # posted cross-group sends of this step
+        self.group = args.groups[part]
+        self.frozen = part in args.frozen_parts  # every parameter frozen: forward only
+        self.backward_passes = 0  # of this step
 
     def wait_pending(self) -> None:
         """Wait for this step's posted sends (before their tensors may change)."""
@@ -66,6 +70,7 @@ class Stage:
         model = self.args.spec.meta_model(self.part)
         if self.cfg.param_dtype == "bfloat16":  # pure bf16
             loading.cast_parameters(model, torch.bfloat16)
+        apply_freeze(model, self.group)  # before any plan: every wrapper keeps the flag
         if self.args.groups[self.part].activation_checkpointing:
             for root in self.adapter.part_roots(model, self.part):
                 if hasattr(root, "gradient_checkpointing_enable"):  # not e.g. an lm_head
@@ -83,7 +88,8 @@ class Stage:
             # tp: shard over dp_shard (FSDP2 x TP); sp/dp: over every rank of the group
             shard_mesh = self.dp_mesh if self.is_tp else _flat_mesh(mesh, self.device)
             fsdp.apply_fsdp(self.runner, shard_mesh, self.cfg.bf16, self._own_units(model))
-        self.args.spec.materialize(model, self.device, self.part)
+        log = lc.log_line if self.group_rank == 0 else None
+        self.args.spec.materialize(model, self.device, self.part, log=log)
         if self.is_tp:
             tp.mark_partial_grads(model, self.adapter.per_head_norms)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -91,8 +97,16 @@ class Stage:
         self.opt = lc.build_optimizer(self.params, self.cfg, zero1=zero1)
         lead = self.group_rank == 0
         hf_config = self.args.spec.load_config() if self.part == self.adapter.llm_part else None
-        self.writer = lc.ShardWriter(self.part, lead=lead, hf_config=hf_config)
-        return lc.restore(model, self.opt, self.part, self.args)
+        self.writer = lc.ShardWriter(self.part, lead=lead, hf_config=hf_config, cfg=self.cfg)
+        self.start = lc.restore(model, self.opt, self.part, self.args)
+        if log is not None:
+            n_all = sum(p.numel() for p in model.parameters())
+            n_train = sum(p.numel() for p in self.params)
+            log(
+                f"{self.part}: ready, {n_train:,} of {n_all:,} local parameter elements "
+                f"trainable; starting at step {self.start + 1}/{self.cfg.max_steps}"
+            )
+        return self.start
 
     def _own_units(self, model) -> list[torch.nn.Module]:
         """FSDP2 units besides the blocks: the LLM's input embedding and ``lm_head`` (large
@@ -120,7 +134,11 @@ class Stage:
         extra=None,
         sample_ids=(),
         inflight: int = 1,
+        evaluate=None,
     ) -> None:
+        """Reduce the gradients, exchange the step's stats, clip, step (at the scheduled
+        learning rate), run ``evaluate(step)`` (returns this rank's ``[loss sum, label
+        tokens]`` of the validation set) on evaluation steps, and report."""
         t0 = time.perf_counter()
         # tp: replicas of a shard differ in samples only; dp x sp: replicas hold different
         # samples and sp ranks partial sums of the replicated weights
@@ -137,6 +155,8 @@ class Stage:
             stats[ix[f"{self.part}_wait"]] = t_wait
             stats[ix[f"{self.part}_peak"]] = lc.peak_memory_mb(self.device)
             stats[ix[f"{self.part}_inflight"]] = inflight
+            stats[ix[f"{self.part}_bwd"]] = self.backward_passes
+        self.backward_passes = 0
         stats[ix["transfer_fallbacks"]] = self.side.fallbacks
         self.side.fallbacks = 0
         is_timer = self.part == self.adapter.llm_part and self.group_rank == 0
@@ -147,6 +167,7 @@ class Stage:
                 p.grad = None  # so AdamW skips these parameters, as single-process does
         if self._should_apply(step, stats, total_norm, sample_ids):
             lc.scale_grads(self.params, lc.clip_coef(total_norm, self.cfg.max_grad_norm))
+            lc.set_lr(self.opt, self.cfg, step, self.group.lr_multiplier)
             self.opt.step()
         else:
             self.skipped += 1
@@ -157,9 +178,24 @@ class Stage:
             "skipped_steps": self.skipped,
             **self.placement_metrics(fallbacks),
         }
+        if evaluate is not None and lc.is_eval_step(self.args, step):
+            extra.update(self._validate(evaluate, step))
         lc.maybe_report(
             self.args, stats, step, self.writer, self.timer, self.model, self.opt, extra
         )
+        first = step == self.start and not lc.is_reported_step(self.cfg, step)
+        if first and self.group_rank == 0 and self.part == self.adapter.llm_part:
+            lc.log_line(f"step {step + 1}/{self.cfg.max_steps} done (first of this run)")
+
+    def _validate(self, evaluate, step: int) -> dict:
+        """``val_loss``: the validation set's summed token losses over its label tokens,
+        all-reduced over every rank of every group (its time is not step time)."""
+        t0 = time.perf_counter()
+        sums = torch.tensor(evaluate(step), dtype=torch.float64)
+        sums = self.side.all_reduce_sum(sums)
+        self.timer.excluded += time.perf_counter() - t0
+        loss_sum, labels = float(sums[0]), float(sums[1])
+        return {"val_loss": loss_sum / labels if labels else float("nan")}
 
     def placement_metrics(self, fallbacks: int = 0) -> dict:
         """``transfer_tier``: the tiers that carried tensors between the groups this step

@@ -208,6 +208,13 @@ class ModelAdapter:
     def collate_llm(self, items: Sequence[dict]) -> dict[str, Any]:
         raise NotImplementedError
 
+    def collate_llm_packed(self, items: Sequence[dict], max_seq_len: int) -> dict[str, Any]:
+        """Like ``collate_llm`` but several samples share a row (``ray_disagg.models.packing``):
+        rows of at most ``max_seq_len`` tokens filled in item order, ``labels`` with each
+        sample's first token ``IGNORE_INDEX``, no ``attention_mask``; ``llm_hidden`` keeps
+        the samples apart. ``ValueError`` naming a sample longer than ``max_seq_len``."""
+        raise NotImplementedError
+
     def reference_inputs(self, samples: Sequence[dict]) -> dict[str, Any]:
         """Keyword arguments of ``hf_class.forward`` (with ``labels``) for ``samples``."""
         raise NotImplementedError

@@ -214,14 +214,18 @@ def fill(p: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def materialize(module: nn.Module, device, params, buffers: InitSource) -> None:
+def materialize(module: nn.Module, device, params, buffers: InitSource, progress=None) -> None:
     """Allocate ``module``'s (possibly sharded) tensors on ``device`` and fill them: the
-    parameters from ``params``, the buffers from ``buffers``, one tensor at a time."""
+    parameters from ``params``, the buffers from ``buffers``, one tensor at a time.
+    ``progress(done, total)`` is called after each parameter."""
     module.to_empty(device=device)
-    for name, p in module.named_parameters():
+    named = list(module.named_parameters())
+    for i, (name, p) in enumerate(named):
         try:
             fill(p, part_tensor(params, name))
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
+        if progress is not None:
+            progress(i + 1, len(named))
     for name, b in module.named_buffers():
         fill(b, buffers.get(name))

@@ -283,11 +283,24 @@ class Qwen2_5OmniThinkerAdapter(QwenVLAdapter):
                 )
             embeds = embeds.masked_scatter(audio_mask, audio.to(embeds.device, embeds.dtype))
         out = inner(
-            **self.llm_kwargs(batch),
+            **self.llm_inputs(inner, batch),
             inputs_embeds=embeds,
             mm_encoder_outputs=self.mm_encoder_outputs(received),
         )
         return out.last_hidden_state
+
+    def rope_index(self, inner, rope_inputs):
+        """HF's Omni ``get_rope_index`` takes audio lengths and ``second_per_grids``."""
+        r, mask = rope_inputs, rope_inputs["feature_attention_mask"]
+        pos, _ = inner.get_rope_index(
+            r["input_ids"],
+            image_grid_thw=r["image_grid_thw"],
+            video_grid_thw=r["video_grid_thw"],
+            attention_mask=r["attention_mask"],
+            audio_seqlens=None if mask is None else mask.sum(-1),
+            second_per_grids=r["video_second_per_grid"],
+        )
+        return pos[:, 0]
 
     def reference_inputs(self, samples):
         kwargs = super().reference_inputs(samples)

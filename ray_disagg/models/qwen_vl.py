@@ -29,6 +29,7 @@ from ray_disagg.models.base import (
     SampleError,
     tensor_or_none,
 )
+from ray_disagg.models.packing import PackedQwenMixin
 from ray_disagg.parallel.ulysses import TowerPlan, merge_unit, sp_tower_forward
 
 __all__ = [
@@ -149,7 +150,7 @@ class WindowOrderPlan(NaturalOrderPlan):
         return torch.argsort(self._windows(tower, grid_thw)[0])
 
 
-class QwenVLAdapter(ModelAdapter):
+class QwenVLAdapter(PackedQwenMixin, ModelAdapter):
     """Shared logic of the Qwen VL families (see module docstring)."""
 
     encoder_parts = ("vision",)
@@ -363,8 +364,9 @@ class QwenVLAdapter(ModelAdapter):
         mask = torch.zeros((len(items), length), dtype=torch.long)
         for row, it in enumerate(items):
             n = len(it["input_ids"])
-            ids[row, :n] = torch.as_tensor(np.asarray(it["input_ids"], dtype=np.int64))
-            labels[row, :n] = torch.as_tensor(self.labels(it))
+            # np.array copies: arrays from Ray's object store are read-only
+            ids[row, :n] = torch.from_numpy(np.array(it["input_ids"], dtype=np.int64))
+            labels[row, :n] = torch.from_numpy(np.array(self.labels(it)))
             mask[row, :n] = 1
         types = torch.zeros_like(ids, dtype=torch.int32)
         for _, _, tok_attr, type_id in MODALITIES.values():
@@ -396,7 +398,8 @@ class QwenVLAdapter(ModelAdapter):
 
     def llm_hidden(self, module, batch, received):
         out = module.model(
-            **self.llm_kwargs(batch), mm_encoder_outputs=self.mm_encoder_outputs(received)
+            **self.llm_inputs(module.model, batch),
+            mm_encoder_outputs=self.mm_encoder_outputs(received),
         )
         return out.last_hidden_state
 

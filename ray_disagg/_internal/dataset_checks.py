@@ -1,0 +1,114 @@
+"""Driver-side checks of ``datasets``: the training set, the validation set and its
+plan, and one pass over map-style samples (validation, packing lengths, balancing costs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+
+from ray_disagg._internal.ingest import _from_row, is_ray_dataset
+from ray_disagg.config import TrainLoopConfig
+from ray_disagg.data import BatchPlan
+from ray_disagg.models.base import sample_name
+
+logger = logging.getLogger("ray_disagg.trainer")
+
+
+def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups):
+    """The validation samples (map-style; a Ray Dataset is materialized) and their
+    plan: global batches of ``global_batch_size`` in order, split like training."""
+    data = datasets.get("validation")
+    if data is None:
+        if cfg.eval_every is not None:
+            raise ValueError(
+                "train_loop_config['eval_every'] is set but there is no validation set: "
+                'pass datasets={"train": ..., "validation": ...}.'
+            )
+        return None, None
+    if is_ray_dataset(data):
+        data = [_from_row(r) for r in data.take_all()]
+    if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
+        raise ValueError(
+            "datasets['validation'] must be a map-style dataset or a ray.data.Dataset, "
+            f"got {type(data).__name__}."
+        )
+    b = cfg.global_batch_size
+    if len(data) < b:
+        raise ValueError(
+            f"datasets['validation'] has {len(data)} samples, fewer than "
+            f"global_batch_size={b}: validation runs in global batches of that size."
+        )
+    if len(data) % b:
+        logger.warning(
+            "datasets['validation']: %d samples is not a multiple of global_batch_size=%d;"
+            " the last %d are not used. Use a multiple to evaluate every sample.",
+            len(data),
+            b,
+            len(data) % b,
+        )
+    scan(data, adapter, dataclasses.replace(cfg, assignment="contiguous"), True)
+    plan = BatchPlan(
+        num_samples=len(data),
+        global_batch_size=b,
+        dp_sizes={name: g.dp_size for name, g in groups.items()},
+        micro_batches=cfg.micro_batches,
+        reader=adapter.llm_part,
+    )
+    return data, plan
+
+
+def scan(data, adapter, cfg: TrainLoopConfig, validate: bool):
+    """One pass over a map-style dataset: validate every sample (``validate``: fields,
+    and the length when packing) and, for balanced assignment, its costs (LLM tokens,
+    each encoder part's estimate)."""
+    balanced = cfg.assignment == "balanced"
+    if is_ray_dataset(data) or not (validate or balanced):
+        return None
+    costs = {part: np.zeros(len(data), np.float32) for part in adapter.parts}
+    for i in range(len(data)):
+        sample = data[i]
+        if validate:
+            adapter.validate_sample(sample, i)
+            if cfg.pack_sequences and len(sample["input_ids"]) > cfg.max_seq_len:
+                raise ValueError(
+                    f"{sample_name(sample, i)} has {len(sample['input_ids'])} tokens, more "
+                    f"than train_loop_config['max_seq_len']={cfg.max_seq_len}: raise "
+                    "max_seq_len or drop the sample."
+                )
+        if balanced:
+            costs[adapter.llm_part][i] = len(sample["input_ids"])
+            for part in adapter.encoder_parts:
+                costs[part][i] = adapter.encoder_cost(part, sample)
+    return costs if balanced else None
+
+
+def train_set(datasets):
+    if not datasets or "train" not in datasets:
+        raise ValueError('datasets={"train": ...} is required.')
+    extra = sorted(set(datasets) - {"train", "validation"})
+    if extra:
+        raise ValueError(
+            f"datasets keys must be 'train' and optionally 'validation', got extra keys {extra}."
+        )
+    data = datasets["train"]
+    if is_ray_dataset(data):
+        return data  # streamed by the LLM group; each row is validated when read
+    if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
+        raise ValueError(
+            "datasets['train'] must be a ray.data.Dataset or a map-style dataset (list of "
+            f"sample dicts, datasets.Dataset, ...), got {type(data).__name__}."
+        )
+    if len(data) == 0:
+        raise ValueError("datasets['train'] is empty.")
+    return data
+
+
+def num_samples(data, reader_dp: int) -> int:
+    if not is_ray_dataset(data):
+        return len(data)
+    n = data.count()
+    if n == 0:
+        raise ValueError("datasets['train'] is empty.")
+    return n - n % reader_dp  # streaming_split(equal=True) drops the remainder

@@ -1,0 +1,131 @@
+"""``ray-disagg``: train or plan a run from a recipe (see :mod:`ray_disagg.recipe`).
+
+    ray-disagg plan RECIPE [key=value ...]    # check the recipe, print layout + memory
+    ray-disagg train RECIPE [key=value ...]   # build the trainer and fit()
+    ray-disagg recipes                        # list the bundled recipes
+
+``RECIPE`` is a YAML file or the name of a bundled recipe (``digits_cpu``,
+``qwen2_5_vl_32b_8gpu``). ``python -m ray_disagg`` is the same command. A recipe error
+exits with status 2 and one message on stderr.
+
+``train`` calls ``ray.init()`` only when Ray is not initialized: with ``RAY_ADDRESS`` set
+(e.g. under ``ray job submit``) it connects to that cluster, else it starts a local one.
+
+Example:
+    >>> text = main(["plan", "digits_cpu", "train_loop_config.max_steps=4"])  # doctest: +ELLIPSIS
+    recipe digits_cpu: qwen2_5_vl, config (random init)
+    ...
+    >>> result = main(["train", "digits_cpu", "train_loop_config.max_steps=2"])  # doctest: +SKIP
+    >>> result.metrics["loss"]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+
+__all__ = ["main", "plan", "train"]
+
+
+def plan(recipe: str, overrides=()) -> str:
+    """The plan of a recipe as text (no Ray, no workers, no weights)."""
+    from ray_disagg.plan import render
+    from ray_disagg.recipe import load_recipe
+
+    return render(load_recipe(recipe, overrides))
+
+
+def _ensure_ray(groups) -> None:
+    """``ray.init()`` unless Ray is up: ``RAY_ADDRESS`` (Ray Jobs) or a running local
+    cluster is joined as is; a new local one gets the groups' CPUs if the machine has fewer
+    (the fractional-CPU layouts of small machines)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    cpus = sum(
+        g.scaling_config.num_workers * g.scaling_config._resources_per_worker_not_none.get("CPU", 0)
+        for g in groups.values()
+    )
+    if os.environ.get("RAY_ADDRESS") or math.ceil(cpus) <= (os.cpu_count() or 1):
+        ray.init()
+    else:
+        ray.init(num_cpus=math.ceil(cpus))
+
+
+def _print_result(result) -> None:
+    metrics = result.metrics or {}
+    print("\nfinal metrics:")
+    for key in sorted(metrics):
+        value = metrics[key]
+        if isinstance(value, bool | int | float | str):
+            print(f"  {key}: {value:.6g}" if isinstance(value, float) else f"  {key}: {value}")
+    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
+    print(f"checkpoint: {checkpoint}\nrun directory: {result.path}")
+
+
+def train(recipe: str, overrides=()):
+    """Build the recipe's ``DisaggregatedTrainer``, ``fit()`` it and return the Result."""
+    from ray_disagg.plan import render
+    from ray_disagg.recipe import load_recipe, trainer_kwargs
+    from ray_disagg.trainer import DisaggregatedTrainer
+
+    r = load_recipe(recipe, overrides, for_training=True)
+    print(render(r), flush=True)
+    _ensure_ray(r.groups)
+    result = DisaggregatedTrainer(**trainer_kwargs(r)).fit()
+    _print_result(result)
+    return result
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ray-disagg",
+        description="Disaggregated training of multimodal models on Ray Train, from recipes.",
+        epilog="Overrides are dotted keys with YAML values, e.g. train_loop_config.max_steps=4 "
+        "groups.vision.trainable=false 'groups.text.parallelism={type: tensor, size: 2}'.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,recipes}")
+    for name, text in (
+        ("train", "build the trainer from RECIPE and fit() it"),
+        ("plan", "check RECIPE without starting Ray; print the layout and memory per worker"),
+    ):
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("recipe", help="a recipe YAML file or a bundled recipe's name")
+        p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
+    sub.add_parser("recipes", help="list the bundled recipes")
+    return parser
+
+
+def main(argv: list[str] | None = None):
+    """Run the command line ``argv`` (default ``sys.argv[1:]``).
+
+    Called with ``argv`` it returns what the command produced (``train``: the
+    ``ray.train.Result``; ``plan``: the printed text); without (the console script,
+    ``python -m ray_disagg``) it returns the exit status 0. A recipe error (a
+    ``ValueError``, a missing file, bad YAML) prints ``ray-disagg: error: ...`` on stderr
+    and raises ``SystemExit(2)``."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "recipes":
+            from ray_disagg.recipe import bundled_recipes
+
+            out = "\n".join(f"{k}  {v}" for k, v in sorted(bundled_recipes().items()))
+            print(out)
+        elif args.command == "plan":
+            out = plan(args.recipe, args.overrides)
+            print(out)
+        else:
+            out = train(args.recipe, args.overrides)
+    except (ValueError, OSError) as e:
+        print(f"ray-disagg: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return out if argv is not None else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,105 @@
+"""The data sources of a recipe (``data.train`` / ``data.validation``): parsed without
+loading anything (for ``plan``), loaded for ``train``.
+
+- ``{type: digits, num_samples: N, start: 0, image_size: 16}``: scikit-learn's digits
+  (:func:`ray_disagg.examples_data.digits_samples`), samples ``start .. start + N``;
+- ``{type: llava, annotations: F, image_root: D, tokenizer, image_processor, min_pixels,
+  max_pixels, user_turn, assistant_turn}``: :func:`ray_disagg.llava.load_llava`, tokenizer
+  and image processor from local directories (default: ``model.pretrained_path``);
+- ``{type: parquet | json, paths: P}``: a Ray Data dataset (``ray.data.read_<type>``).
+
+Example:
+    >>> parse_data({"type": "digits", "num_samples": 8}, "data.train")["start"]
+    0
+"""
+
+from __future__ import annotations
+
+import os
+
+from ray_disagg._internal.recipe_schema import REQUIRED, at, check, fail, section
+
+__all__ = ["DATA", "build_dataset", "parse_data"]
+
+DATA = {  # type -> keys (with defaults)
+    "digits": {"num_samples": None, "start": 0, "image_size": 16},
+    "llava": {
+        "annotations": REQUIRED,
+        "image_root": REQUIRED,
+        "tokenizer": None,
+        "image_processor": None,
+        "min_pixels": None,
+        "max_pixels": None,
+        "user_turn": ["user:", ""],
+        "assistant_turn": ["assistant:", ""],
+    },
+    "parquet": {"paths": REQUIRED},
+    "json": {"paths": REQUIRED},
+}
+
+
+def parse_data(value, path: str) -> dict:
+    if not isinstance(value, dict) or value.get("type") not in DATA:
+        fail(
+            f"{path}={value!r}: must be a mapping with type one of {list(DATA)}, e.g. "
+            "{type: digits, num_samples: 512}."
+        )
+    d = section({k: v for k, v in value.items() if k != "type"}, path, DATA[value["type"]])
+    for k in ("num_samples", "start", "image_size", "min_pixels", "max_pixels"):
+        if d.get(k) is not None:
+            check(d[k], f"{path}.{k}", int, "an int")
+    for k in ("user_turn", "assistant_turn"):
+        if k in d and not (isinstance(d[k], list) and len(d[k]) == 2):
+            fail(f"{path}.{k}={d[k]!r}: must be [prefix, suffix].")
+    return {"type": value["type"], **d}
+
+
+def _local(path: str, key: str) -> str:
+    path = os.path.expanduser(str(path))
+    if "://" not in path and not os.path.exists(path):
+        fail(f"{key}={path!r}: no such file or directory.")
+    return path
+
+
+def build_dataset(recipe, which: str):
+    """Load ``recipe.data[which]`` (Ray Data sources need Ray to be initialized)."""
+    d, key = recipe.data[which], f"data.{which}"
+    config = recipe.model.load_config()
+    if d["type"] == "digits":
+        from ray_disagg.examples_data import digits_samples
+
+        n = None if d["num_samples"] is None else d["start"] + d["num_samples"]
+        with at(key):
+            return digits_samples(config, n=n, image_size=d["image_size"])[d["start"] :]
+    if d["type"] in ("parquet", "json"):
+        import ray.data
+
+        paths = d["paths"] if isinstance(d["paths"], list) else [d["paths"]]
+        paths = [_local(p, f"{key}.paths") for p in paths]
+        with at(key):
+            return getattr(ray.data, f"read_{d['type']}")(paths)
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from ray_disagg.llava import load_llava
+
+    tok = d["tokenizer"] or recipe.model.pretrained_path
+    if tok is None:
+        fail(
+            f"{key}.tokenizer: required (a local tokenizer directory) when the model has no "
+            "pretrained_path."
+        )
+    tok = _local(tok, f"{key}.tokenizer")
+    proc = _local(d["image_processor"] or tok, f"{key}.image_processor")
+    pixels = {k: d[k] for k in ("min_pixels", "max_pixels") if d[k] is not None}
+    with at(key):
+        return load_llava(
+            _local(d["annotations"], f"{key}.annotations"),
+            image_root=_local(d["image_root"], f"{key}.image_root"),
+            tokenizer=AutoTokenizer.from_pretrained(tok, local_files_only=True),
+            image_processor=AutoImageProcessor.from_pretrained(
+                proc, local_files_only=True, **pixels
+            ),
+            config=config,
+            user_turn=tuple(d["user_turn"]),
+            assistant_turn=tuple(d["assistant_turn"]),
+        )

@@ -1,0 +1,129 @@
+"""Tier 3: what users expect of a trainer, on a real Ray cluster, against the single-process
+model: learning-rate schedules with per-group multipliers, freezing (name prefixes and a
+whole group), validation with checkpoint scoring, sequence packing, and Ray Train user
+callbacks. One fit exercises several features and is checked several ways. (A whole
+frozen group is tested through the CLI: tests/test_cli.py.)"""
+
+import json
+import os
+import re
+
+import pytest
+import torch
+from ray.train import Checkpoint, CheckpointConfig, RunConfig, UserCallback
+
+from ray_disagg import (
+    DisaggregatedTrainer,
+    Qwen2_5_VLSpec,
+    TensorParallel,
+    TrainLoopConfig,
+    load_metrics,
+    tiny_qwen2_5_vl_config,
+)
+from ray_disagg._internal.reference import reference_train
+from ray_disagg.examples_data import synthetic_samples
+from ray_disagg.lr_schedule import lr_at
+from tests.helpers import assert_params_close, checkpoint_state, group, vt
+
+# lengths differ a lot (text-only up to 12x8 patches), so packing puts several in a row
+GRIDS = [(1, 4, 4), (1, 12, 8), None, (1, 4, 8), None, (1, 8, 8), (1, 4, 4), None]
+LOOP = {
+    "max_steps": 4,
+    "global_batch_size": 8,
+    "micro_batches": 2,
+    "checkpoint_every": 1,
+    "lr": 2e-3,
+    "eps": 1e-6,
+    "seed": 7,
+    "lr_schedule": "cosine",
+    "warmup_steps": 1,
+    "min_lr_ratio": 0.2,
+    "eval_every": 1,
+    "pack_sequences": True,
+    "max_seq_len": 96,
+}
+FROZEN = ("model.visual.patch_embed", "model.visual.blocks")  # the tower, not the merger
+
+
+class RecordReports(UserCallback):
+    """Appends every report the controller sees to a file (callbacks run in the
+    controller actor, not in the test process)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def after_report(self, run_context, metrics, checkpoint):
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": metrics[0]["step"], "ckpt": checkpoint is not None}))
+            f.write("\n")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = tiny_qwen2_5_vl_config()
+    spec = Qwen2_5_VLSpec(config=cfg, seed=11)
+    return spec, synthetic_samples(cfg, 16, grids=GRIDS), synthetic_samples(cfg, 8, seed=1)
+
+
+def fit(spec, data, val, loop, groups, root, name, callbacks=(), ckpt=None):
+    trainer = DisaggregatedTrainer(
+        model=spec,
+        groups=groups,
+        train_loop_config=loop,
+        datasets={"train": data, "validation": val},
+        run_config=RunConfig(
+            name=name,
+            storage_path=str(root),
+            callbacks=list(callbacks),
+            checkpoint_config=ckpt or CheckpointConfig(num_to_keep=None),
+        ),
+    )
+    return trainer, trainer.fit()
+
+
+def test_schedule_freezing_validation_packing_and_callbacks_match_reference(
+    ray_start_4_cpus, setup, tmp_path
+):
+    spec, data, val = setup
+    groups = vt(group(1), group(2, TensorParallel(size=2)))
+    groups["vision"].freeze, groups["vision"].lr_multiplier = FROZEN, 3.0
+    reports = tmp_path / "reports.jsonl"
+    score = CheckpointConfig(
+        num_to_keep=2, checkpoint_score_attribute="val_loss", checkpoint_score_order="min"
+    )
+    _, result = fit(
+        spec, data, val, LOOP, groups, tmp_path, "features", [RecordReports(str(reports))], score
+    )
+    cfg = TrainLoopConfig(**LOOP)
+    ref_losses, _, ref_model, ref_val = reference_train(spec, data, cfg, groups=groups, val=val)
+    history = load_metrics(result)  # every step (metrics_dataframe: the kept checkpoints)
+    rtol = {"rtol": 1e-5, "atol": 0.0}
+    torch.testing.assert_close(
+        torch.tensor(history["loss"].tolist()), torch.tensor(ref_losses), **rtol
+    )
+    torch.testing.assert_close(
+        torch.tensor(history["val_loss"].tolist()), torch.tensor(ref_val), **rtol
+    )
+    # the schedule, and the vision group's multiplier
+    assert history["lr"].tolist() == [lr_at(cfg, s) for s in range(4)]
+    assert history["vision_lr"].tolist() == [lr_at(cfg, s, 3.0) for s in range(4)]
+    # parameters: the frozen tower is bit-identical to the initial weights, the rest equals
+    # the single-process run with the same freezing
+    last = os.path.join(result.path, "checkpoint_000004")
+    state = checkpoint_state(Checkpoint(last))
+    initial = spec.build_full().state_dict()
+    frozen = [k for k in state if k.startswith(FROZEN)]
+    assert frozen and all(torch.equal(state[k], initial[k]) for k in frozen)
+    assert not torch.equal(
+        state["model.visual.merger.mlp.0.weight"], initial["model.visual.merger.mlp.0.weight"]
+    )
+    assert_params_close(state, ref_model.state_dict())
+    # checkpoint scoring by val_loss kept the two best checkpoints (and the latest)
+    kept = {d for d in os.listdir(result.path) if re.fullmatch(r"checkpoint_\d{6}", d)}
+    best = history.nsmallest(2, "val_loss")["step"].tolist()
+    assert (
+        {f"checkpoint_{s:06d}" for s in best} <= kept <= {f"checkpoint_{s:06d}" for s in [*best, 4]}
+    )
+    # the user callback saw every report, once, each with its checkpoint
+    seen = [json.loads(line) for line in reports.read_text().splitlines()]
+    assert seen == [{"step": s, "ckpt": True} for s in range(1, 5)]
