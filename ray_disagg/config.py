@@ -370,6 +370,11 @@ class TrainLoopConfig:
                 f"train_loop_config['warmup_steps']={self.warmup_steps!r}: must be an int >= 0."
             )
         _check_float("min_lr_ratio", self.min_lr_ratio, lambda v: 0 <= v <= 1, "in [0, 1]")
+        if self.min_lr_ratio and self.lr_schedule == "constant":
+            raise ValueError(
+                f"train_loop_config['min_lr_ratio']={self.min_lr_ratio!r} applies to the "
+                "'linear' and 'cosine' lr_schedule only; set lr_schedule or drop min_lr_ratio."
+            )
         if self.eval_every is not None and (
             not isinstance(self.eval_every, int) or self.eval_every < 1
         ):

@@ -58,14 +58,17 @@ def caption_sample(config, pixel_values, grid_thw, words: list[str], sample_id) 
     }
 
 
-def digits_samples(config, n: int | None = None, image_size: int = 16) -> list[dict]:
-    """Samples from ``sklearn.datasets.load_digits`` (1797 images shipped with sklearn)."""
+def digits_samples(
+    config, n: int | None = None, image_size: int = 16, start: int = 0
+) -> list[dict]:
+    """``n`` samples from ``sklearn.datasets.load_digits`` (1797 images shipped with
+    sklearn), from image ``start`` on (e.g. ``start=1600`` for a held-out set)."""
     try:
         from sklearn.datasets import load_digits
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError("digits_samples needs scikit-learn: pip install scikit-learn") from e
     digits = load_digits()
-    images, targets = digits.images, digits.target
+    images, targets = digits.images[start:], digits.target[start:]
     if n is not None:
         images, targets = images[:n], targets[:n]
     proc = _image_processor(config, image_size)
@@ -74,7 +77,8 @@ def digits_samples(config, n: int | None = None, image_size: int = 16) -> list[d
     for i, (img, y) in enumerate(zip(rgb, targets)):
         enc = proc(images=[img], return_tensors="np")
         words = ["a", "handwritten", NUMBER_WORDS[int(y)]]
-        out.append(caption_sample(config, enc["pixel_values"], enc["image_grid_thw"], words, i))
+        pixels, grid = enc["pixel_values"], enc["image_grid_thw"]
+        out.append(caption_sample(config, pixels, grid, words, start + i))
     return out
 
 

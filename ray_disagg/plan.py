@@ -180,8 +180,10 @@ def estimate(r) -> dict[str, WorkerMemory]:
             act = _vision_activations(cfg, r, group, sched, a, gated)
         else:
             act = None
+        if act is not None and part != adapter.llm_part and trainable == 0:
+            act /= sched.max_in_flight * max(1, cfg.vision_config.depth)  # no_grad: ~a block
         if act is not None and r.loop.bf16 and r.loop.param_dtype == "float32" and not group.fsdp:
-            act += 2 * local  # autocast's cached bf16 copies of the parameters
+            act += 2 * trainable  # autocast caches bf16 copies of trainable leaf weights
         out[part] = WorkerMemory(
             num_params=local,
             params=local * p_bytes,
@@ -335,7 +337,7 @@ def render(r) -> str:
     if not gpu:
         lines.append("no GPUs: the totals are host memory per worker process")
     if r.loop.bf16 and r.loop.param_dtype == "float32":
-        lines.append("activations include autocast's bf16 copy of each (non-FSDP2) parameter")
+        lines.append("activations include autocast's bf16 copy of trainable non-FSDP2 weights")
     lines += [
         "(an estimate: AdamW 2 states, ZeRO-1/FSDP2/TP sharding, no gradient or optimizer",
         " state for frozen parameters; the activation formula is in ray_disagg.plan)",

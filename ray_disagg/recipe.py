@@ -147,7 +147,9 @@ def _read(source) -> tuple[str, dict]:
         return "recipe", source
     path, bundled = Path(os.fspath(source)).expanduser(), bundled_recipes()
     if not path.is_file():
-        path = bundled.get(path.name.removesuffix(".yaml"))
+        # only a bare name means a bundled recipe; a missing file path is an error
+        is_name = os.sep not in os.fspath(source) and not path.suffix
+        path = bundled.get(path.name) if is_name else None
         if path is None:
             fail(
                 f"recipe {os.fspath(source)!r}: no such file and not a bundled recipe "

@@ -68,9 +68,10 @@ def build_dataset(recipe, which: str):
     if d["type"] == "digits":
         from ray_disagg.examples_data import digits_samples
 
-        n = None if d["num_samples"] is None else d["start"] + d["num_samples"]
         with at(key):
-            return digits_samples(config, n=n, image_size=d["image_size"])[d["start"] :]
+            return digits_samples(
+                config, n=d["num_samples"], image_size=d["image_size"], start=d["start"]
+            )
     if d["type"] in ("parquet", "json"):
         import ray.data
 

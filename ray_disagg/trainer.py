@@ -183,7 +183,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             costs=costs,
         )
         self._val_data, self.val_plan = dsc.validation_set(
-            datasets, adapter, self.loop_config, self.groups
+            datasets, adapter, self.loop_config, self.groups, validate_samples
         )
         total = sum(g.num_workers for g in self.groups.values())
         super().__init__(

@@ -237,6 +237,11 @@ def test_unknown_recipe_and_bad_yaml(no_ray, capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")
     assert "is not valid YAML" in cli_error(capsys, "plan", str(bad))
+    # a missing file is an error, never a bundled recipe of the same name
+    missing = str(tmp_path / "digits_cpu.yaml")
+    assert "no such file" in cli_error(capsys, "plan", missing)
+    # an override fills an empty (null) section
+    assert apply_overrides({"plan": None}, ["plan.seq_len=32"]) == {"plan": {"seq_len": 32}}
 
 
 def test_python_m_and_console_script_exit_codes():

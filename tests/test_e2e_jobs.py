@@ -248,3 +248,8 @@ def test_example_as_ray_job(head_node):
     assert png.is_file(), f"no {png}; job logs:\n{logs[-4000:]}"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"loss curve: {png}" in logs
+    # each step's line reaches the job's output exactly once (Ray Train's patched print
+    # used to put every line there twice), and the groups logged their weight loading
+    for step in range(1, STEPS + 1):
+        assert logs.count(f"[ray_disagg] step {step}/{STEPS} ") == 1, logs[-4000:]
+    assert "[ray_disagg] text: loading weights from random init" in logs

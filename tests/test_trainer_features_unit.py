@@ -4,6 +4,7 @@ arithmetic, and the errors a wrong setting raises on the driver (no worker start
 import math
 
 import pytest
+import torch
 from ray.train import ScalingConfig
 
 from ray_disagg import (
@@ -14,8 +15,11 @@ from ray_disagg import (
     lr_at,
     tiny_qwen2_5_vl_config,
 )
+from ray_disagg._internal.loop_common import LoopArgs, is_reported_step
 from ray_disagg.examples_data import synthetic_samples
 from ray_disagg.freezing import apply_freeze, is_frozen
+from ray_disagg.parallel.data_parallel import all_reduce_gradients
+from ray_disagg.parallel.tensor_parallel import SplitQKV
 
 CFG = tiny_qwen2_5_vl_config()
 DATA = synthetic_samples(CFG, 8)
@@ -133,3 +137,29 @@ def test_packing_length_is_checked_on_the_driver():
     with pytest.raises(ValueError, match="more than train_loop_config\\['max_seq_len'\\]"):
         make(loop={"pack_sequences": True, "max_seq_len": longest - 1})
     assert make(loop={"pack_sequences": True, "max_seq_len": longest}).loop_config.pack_sequences
+
+
+def test_min_lr_ratio_needs_a_decaying_schedule():
+    with pytest.raises(ValueError, match="applies to the 'linear' and 'cosine'"):
+        TrainLoopConfig(**dict(LOOP, min_lr_ratio=0.1))
+
+
+def test_frozen_weights_stay_frozen_when_a_tp_plan_splits_them():
+    qkv = torch.nn.Linear(8, 24)
+    qkv.requires_grad_(False)
+    split = SplitQKV(qkv)
+    assert not any(p.requires_grad for p in split.parameters())
+    assert all(p.requires_grad for p in SplitQKV(torch.nn.Linear(8, 24)).parameters())
+
+
+def test_a_group_with_nothing_to_train_issues_no_collective():
+    all_reduce_gradients([], group=None)  # no process group exists here: would raise
+
+
+def test_evaluation_steps_are_reported():
+    cfg = TrainLoopConfig(**dict(LOOP, max_steps=9, report_every=5, eval_every=3))
+    args = LoopArgs(spec=None, cfg=cfg, groups={}, plan=None, val_plan=object())
+    reported = [s + 1 for s in range(9) if is_reported_step(args, s)]
+    assert reported == [3, 5, 6, 9]
+    no_val = LoopArgs(spec=None, cfg=cfg, groups={}, plan=None)
+    assert [s + 1 for s in range(9) if is_reported_step(no_val, s)] == [5, 9]

@@ -16,7 +16,7 @@ from ray_disagg.models.base import sample_name
 logger = logging.getLogger("ray_disagg.trainer")
 
 
-def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups):
+def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups, validate: bool = True):
     """The validation samples (map-style; a Ray Dataset is materialized) and their
     plan: global batches of ``global_batch_size`` in order, split like training."""
     data = datasets.get("validation")
@@ -48,7 +48,7 @@ def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups):
             b,
             len(data) % b,
         )
-    scan(data, adapter, dataclasses.replace(cfg, assignment="contiguous"), True)
+    scan(data, adapter, dataclasses.replace(cfg, assignment="contiguous"), validate)
     plan = BatchPlan(
         num_samples=len(data),
         global_batch_size=b,

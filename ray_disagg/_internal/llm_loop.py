@@ -222,8 +222,9 @@ def llm_train_loop(args: lc.LoopArgs) -> None:
                 n: v.requires_grad_(n in llm.grad_names) for n, v in _share(st, received).items()
             }
             loss = llm.loss(items, mb, received, n_labels)
-            loss.backward()
-            st.backward_passes += 1
+            if loss.requires_grad:  # not: a frozen LLM with nothing trainable upstream
+                loss.backward()
+                st.backward_passes += 1
             loss_sum += loss.item()
             tokens += sum(len(items[p]["input_ids"]) for p in mb[st.part][st.dp_rank])
             if st.leader:

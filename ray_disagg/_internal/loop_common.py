@@ -180,8 +180,11 @@ def is_checkpoint_step(cfg: TrainLoopConfig, step: int) -> bool:
     return last or (cfg.checkpoint_every is not None and (step + 1) % cfg.checkpoint_every == 0)
 
 
-def is_reported_step(cfg: TrainLoopConfig, step: int) -> bool:
-    return is_checkpoint_step(cfg, step) or (step + 1) % cfg.report_every == 0
+def is_reported_step(args: LoopArgs, step: int) -> bool:
+    """Every ``report_every`` steps, checkpoint steps and evaluation steps (``val_loss``)."""
+    cfg = args.cfg
+    reported = is_checkpoint_step(cfg, step) or (step + 1) % cfg.report_every == 0
+    return reported or is_eval_step(args, step)
 
 
 def clip_coef(total_norm: float, max_norm: float | None) -> float:
@@ -283,7 +286,7 @@ def maybe_report(
     (tensor parallel) and the optimizer state (ZeRO-1)."""
     cfg = args.cfg
     ckpt = is_checkpoint_step(cfg, step)
-    if is_reported_step(cfg, step):
+    if is_reported_step(args, step):
         t0 = time.perf_counter()
         epoch = step // args.plan.steps_per_epoch
         lrs = group_lrs(args, step)
@@ -326,9 +329,26 @@ def append_metrics(path: str, metrics: dict) -> None:
         f.write(json.dumps(metrics, default=float) + "\n")
 
 
-def restore(model, optimizer, module: str, args: LoopArgs) -> int:
+def _schedule_note(module_dir: str, cfg: TrainLoopConfig) -> str | None:
+    """A message when the checkpoint was trained under another lr schedule."""
+    with open(os.path.join(module_dir, "trainer_state.json")) as f:
+        saved = json.load(f).get("lr_schedule")
+    if not saved:
+        return None
+    now = {k: getattr(cfg, k) for k in saved}
+    if now == saved:
+        return None
+    diff = ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in saved if saved[k] != now[k])
+    return (
+        f"resuming under a different learning-rate schedule ({diff}); from here the lr "
+        "follows this run's settings (ray_disagg.lr_at), so it may jump."
+    )
+
+
+def restore(model, optimizer, module: str, args: LoopArgs, log=None) -> int:
     """Load the latest checkpoint of this run (Ray Train hands it to restarted workers)
-    or ``resume_from_checkpoint``; returns the step to start from."""
+    or ``resume_from_checkpoint``; returns the step to start from. ``log`` gets a note
+    when the checkpoint's lr schedule differs from this run's."""
     from ray_disagg._internal import checkpointing
 
     ckpt = ray.train.get_checkpoint() or args.resume_from_checkpoint
@@ -341,6 +361,9 @@ def restore(model, optimizer, module: str, args: LoopArgs) -> int:
             model_state, optimizer_state = checkpointing.read_full(module_dir)
             checkpointing.load_model(model, model_state)
             checkpointing.load_optimizer(optimizer, model, optimizer_state)
+        note = _schedule_note(module_dir, args.cfg)
+        if note and log is not None:
+            log(f"{module}: {note}")
         return checkpointing.trained_steps(module_dir)
 
 

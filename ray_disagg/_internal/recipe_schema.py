@@ -102,7 +102,9 @@ def apply_overrides(raw: dict, overrides) -> dict:
             fail(f"override {item!r}: the value is not valid YAML ({e}).")
         node, parts = raw, key.split(".")
         for i, k in enumerate(parts[:-1]):
-            node = node.setdefault(k, {})
+            if node.get(k) is None:  # an absent or empty (null) section
+                node[k] = {}
+            node = node[k]
             if not isinstance(node, dict):
                 fail(f"override {item!r}: {'.'.join(parts[: i + 1])} is {node!r}, not a mapping.")
         node[parts[-1]] = value

@@ -98,7 +98,7 @@ class Stage:
         lead = self.group_rank == 0
         hf_config = self.args.spec.load_config() if self.part == self.adapter.llm_part else None
         self.writer = lc.ShardWriter(self.part, lead=lead, hf_config=hf_config, cfg=self.cfg)
-        self.start = lc.restore(model, self.opt, self.part, self.args)
+        self.start = lc.restore(model, self.opt, self.part, self.args, log=log)
         if log is not None:
             n_all = sum(p.numel() for p in model.parameters())
             n_train = sum(p.numel() for p in self.params)
@@ -183,7 +183,7 @@ class Stage:
         lc.maybe_report(
             self.args, stats, step, self.writer, self.timer, self.model, self.opt, extra
         )
-        first = step == self.start and not lc.is_reported_step(self.cfg, step)
+        first = step == self.start and not lc.is_reported_step(self.args, step)
         if first and self.group_rank == 0 and self.part == self.adapter.llm_part:
             lc.log_line(f"step {step + 1}/{self.cfg.max_steps} done (first of this run)")
 

@@ -115,8 +115,9 @@ class PackedQwenMixin:
                 n, it = lengths[i], items[i]
                 lab = np.array(self.labels(it), dtype=np.int64)
                 lab[0] = IGNORE_INDEX  # would be predicted from the previous sample
-                ids[r, start : start + n] = torch.as_tensor(
-                    np.asarray(it["input_ids"], dtype=np.int64)
+                # np.array copies: arrays from Ray's object store are read-only
+                ids[r, start : start + n] = torch.from_numpy(
+                    np.array(it["input_ids"], dtype=np.int64)
                 )
                 labels[r, start : start + n] = torch.as_tensor(lab)
                 rope = self.collate_llm([it]) if self.needs_rope(it) else None

@@ -53,7 +53,9 @@ def all_reduce_gradients(params: Iterable[torch.nn.Parameter], group: dist.Proce
     step whose batch has no image) keeps ``grad=None``, so the optimizer skips it, as
     single-process training does."""
     params = [p for p in params if p.requires_grad]
-    device = params[0].device if params else "cpu"
+    if not params:  # a frozen group (and no CPU tensor for an NCCL-only group)
+        return
+    device = params[0].device
     had = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=device)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(had, group=group)

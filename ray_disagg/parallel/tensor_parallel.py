@@ -143,6 +143,9 @@ class SplitQKV(torch.nn.Module):
                 lin.weight.copy_(qkv.weight[i * out : (i + 1) * out])
                 if qkv.bias is not None:
                     lin.bias.copy_(qkv.bias[i * out : (i + 1) * out])
+            lin.weight.requires_grad_(qkv.weight.requires_grad)  # frozen stays frozen
+            if qkv.bias is not None:
+                lin.bias.requires_grad_(qkv.bias.requires_grad)
             setattr(self, name, lin)
 
     def forward(self, x):
