@@ -127,3 +127,32 @@ def test_schedule_freezing_validation_packing_and_callbacks_match_reference(
     # the user callback saw every report, once, each with its checkpoint
     seen = [json.loads(line) for line in reports.read_text().splitlines()]
     assert seen == [{"step": s, "ckpt": True} for s in range(1, 5)]
+
+
+def test_frozen_llm_trains_the_encoder_through_text_only_microbatches(
+    ray_start_4_cpus, setup, tmp_path
+):
+    """Only the vision group trains (the LLM passes gradients through, keeps its weights);
+    the second microbatch of every step is text-only, so nothing upstream of its loss
+    trains and its backward is skipped."""
+    spec, _, _ = setup
+    cfg = spec.load_config()
+    grids = [(1, 4, 4), (1, 8, 4), (1, 4, 8), (1, 4, 4), None, None, None, None]
+    data = synthetic_samples(cfg, 8, grids=grids)
+    loop = {"max_steps": 2, "global_batch_size": 8, "micro_batches": 2, "shuffle": False}
+    loop.update(checkpoint_every=1, eps=1e-6, schedule="sequential")
+    groups = vt(group(1), group(1))
+    groups["text"].trainable = False
+    _, result = fit(spec, data, data[:8], loop, groups, tmp_path, "frozen-llm")
+    history = load_metrics(result)
+    assert history["text_backward_passes"].tolist() == [1, 1]
+    assert history["vision_backward_passes"].tolist() == [1, 1]
+    assert history["text_grad_norm"].tolist() == [0.0, 0.0]
+    ref_losses, _, ref_model = reference_train(spec, data, TrainLoopConfig(**loop), groups)
+    torch.testing.assert_close(
+        torch.tensor(history["loss"].tolist()), torch.tensor(ref_losses), rtol=1e-5, atol=0.0
+    )
+    state = checkpoint_state(result.checkpoint)
+    initial = spec.build_full().state_dict()
+    assert all(torch.equal(state[k], initial[k]) for k in state if not k.startswith("model.visual"))
+    assert_params_close(state, ref_model.state_dict())
