@@ -45,6 +45,8 @@ def frozen_parts(spec, groups: Mapping[str, ModuleGroup]) -> tuple[str, ...]:
     and when nothing at all would be trained."""
     adapter, out = spec.adapter, []
     for part, group in groups.items():
+        if group.trainable and not group.freeze:
+            continue  # nothing to check: no model built
         names = [n for n, _ in spec.meta_model(part).named_parameters()]
         for prefix in group.freeze:
             if not any(_under(n, (prefix,)) for n in names):

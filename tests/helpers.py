@@ -21,20 +21,35 @@ def group(n: int, parallelism="none", cpus: float = 0.5, ac: bool = False) -> Mo
 
 
 def run_layout(
-    spec, data, loop: dict, groups, storage, name, *, failures: int = 0, resume=None, **kwargs
+    spec,
+    data,
+    loop: dict,
+    groups,
+    storage,
+    name,
+    *,
+    failures: int = 0,
+    resume=None,
+    validation=None,
+    callbacks=(),
+    checkpoint_config=None,
+    **kwargs,
 ):
     """Fit one layout (``groups``: name -> ModuleGroup), keeping every checkpoint (their
-    metrics are the per-step history); ``kwargs`` go to the trainer (placement, ...)."""
+    metrics are the per-step history) unless ``checkpoint_config`` says otherwise;
+    ``kwargs`` go to the trainer (placement, ...)."""
+    datasets = {"train": data} if validation is None else {"train": data, "validation": validation}
     trainer = DisaggregatedTrainer(
         model=spec,
         groups=groups,
         train_loop_config=loop,
-        datasets={"train": data},
+        datasets=datasets,
         run_config=RunConfig(
             name=name,
             storage_path=str(storage),
             failure_config=FailureConfig(max_failures=failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=None),
+            checkpoint_config=checkpoint_config or CheckpointConfig(num_to_keep=None),
+            callbacks=list(callbacks),
         ),
         resume_from_checkpoint=resume,
         **kwargs,

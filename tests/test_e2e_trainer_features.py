@@ -10,10 +10,9 @@ import re
 
 import pytest
 import torch
-from ray.train import Checkpoint, CheckpointConfig, RunConfig, UserCallback
+from ray.train import Checkpoint, CheckpointConfig, UserCallback
 
 from ray_disagg import (
-    DisaggregatedTrainer,
     Qwen2_5_VLSpec,
     TensorParallel,
     TrainLoopConfig,
@@ -23,7 +22,7 @@ from ray_disagg import (
 from ray_disagg._internal.reference import reference_train
 from ray_disagg.examples_data import synthetic_samples
 from ray_disagg.lr_schedule import lr_at
-from tests.helpers import assert_params_close, checkpoint_state, group, vt
+from tests.helpers import assert_params_close, checkpoint_state, group, run_layout, vt
 
 # lengths differ a lot (text-only up to 12x8 patches), so packing puts several in a row
 GRIDS = [(1, 4, 4), (1, 12, 8), None, (1, 4, 8), None, (1, 8, 8), (1, 4, 4), None]
@@ -65,22 +64,6 @@ def setup():
     return spec, synthetic_samples(cfg, 16, grids=GRIDS), synthetic_samples(cfg, 8, seed=1)
 
 
-def fit(spec, data, val, loop, groups, root, name, callbacks=(), ckpt=None):
-    trainer = DisaggregatedTrainer(
-        model=spec,
-        groups=groups,
-        train_loop_config=loop,
-        datasets={"train": data, "validation": val},
-        run_config=RunConfig(
-            name=name,
-            storage_path=str(root),
-            callbacks=list(callbacks),
-            checkpoint_config=ckpt or CheckpointConfig(num_to_keep=None),
-        ),
-    )
-    return trainer, trainer.fit()
-
-
 def test_schedule_freezing_validation_packing_and_callbacks_match_reference(
     ray_start_4_cpus, setup, tmp_path
 ):
@@ -91,8 +74,16 @@ def test_schedule_freezing_validation_packing_and_callbacks_match_reference(
     score = CheckpointConfig(
         num_to_keep=2, checkpoint_score_attribute="val_loss", checkpoint_score_order="min"
     )
-    _, result = fit(
-        spec, data, val, LOOP, groups, tmp_path, "features", [RecordReports(str(reports))], score
+    result = run_layout(
+        spec,
+        data,
+        LOOP,
+        groups,
+        tmp_path,
+        "features",
+        validation=val,
+        callbacks=[RecordReports(str(reports))],
+        checkpoint_config=score,
     )
     cfg = TrainLoopConfig(**LOOP)
     ref_losses, _, ref_model, ref_val = reference_train(spec, data, cfg, groups=groups, val=val)
@@ -143,7 +134,7 @@ def test_frozen_llm_trains_the_encoder_through_text_only_microbatches(
     loop.update(checkpoint_every=1, eps=1e-6, schedule="sequential")
     groups = vt(group(1), group(1))
     groups["text"].trainable = False
-    _, result = fit(spec, data, data[:8], loop, groups, tmp_path, "frozen-llm")
+    result = run_layout(spec, data, loop, groups, tmp_path, "frozen-llm", validation=data[:8])
     history = load_metrics(result)
     assert history["text_backward_passes"].tolist() == [1, 1]
     assert history["vision_backward_passes"].tolist() == [1, 1]

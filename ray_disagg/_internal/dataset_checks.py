@@ -11,7 +11,7 @@ import numpy as np
 from ray_disagg._internal.ingest import _from_row, is_ray_dataset
 from ray_disagg.config import TrainLoopConfig
 from ray_disagg.data import BatchPlan
-from ray_disagg.models.base import sample_name
+from ray_disagg.models.packing import check_fits
 
 logger = logging.getLogger("ray_disagg.trainer")
 
@@ -71,12 +71,8 @@ def scan(data, adapter, cfg: TrainLoopConfig, validate: bool):
         sample = data[i]
         if validate:
             adapter.validate_sample(sample, i)
-            if cfg.pack_sequences and len(sample["input_ids"]) > cfg.max_seq_len:
-                raise ValueError(
-                    f"{sample_name(sample, i)} has {len(sample['input_ids'])} tokens, more "
-                    f"than train_loop_config['max_seq_len']={cfg.max_seq_len}: raise "
-                    "max_seq_len or drop the sample."
-                )
+            if cfg.pack_sequences:
+                check_fits(sample, i, cfg.max_seq_len)
         if balanced:
             costs[adapter.llm_part][i] = len(sample["input_ids"])
             for part in adapter.encoder_parts:

@@ -31,7 +31,7 @@ import torch
 
 from ray_disagg.models.base import IGNORE_INDEX, sample_name
 
-__all__ = ["PACKED_KEY", "PackedQwenMixin", "is_packed", "pack_rows"]
+__all__ = ["PACKED_KEY", "PackedQwenMixin", "check_fits", "is_packed", "pack_rows"]
 
 PACKED_KEY = "packed_segments"
 """Batch key of the per-item ``(row, start, length, rope_inputs)`` of a packed batch."""
@@ -60,6 +60,18 @@ def pack_rows(lengths: Sequence[int], max_seq_len: int) -> list[list[int]]:
         rows[-1].append(i)
         used += n
     return rows
+
+
+def check_fits(sample: dict, index: int | None, max_seq_len: int) -> None:
+    """``ValueError`` naming ``sample`` when it has more than ``max_seq_len`` tokens (on
+    the driver before the run, and when a packed batch is collated)."""
+    n = len(sample["input_ids"])
+    if n > max_seq_len:
+        raise ValueError(
+            f"{sample_name(sample, index)} has {n} tokens, more than "
+            f"train_loop_config['max_seq_len']: max_seq_len={max_seq_len}. Raise max_seq_len "
+            "or shorten (or drop) the sample."
+        )
 
 
 def is_packed(batch: dict) -> bool:
@@ -96,13 +108,9 @@ class PackedQwenMixin:
         """Pack ``items`` (the dicts ``collate_llm`` takes) into rows of at most
         ``max_seq_len`` tokens in item order, padded to the longest row (see the module
         docstring). ``ValueError`` naming the sample if one is longer than ``max_seq_len``."""
+        for i, it in enumerate(items):
+            check_fits(it, i, max_seq_len)
         lengths = [len(it["input_ids"]) for it in items]
-        for i, (it, n) in enumerate(zip(items, lengths)):
-            if n > max_seq_len:
-                raise ValueError(
-                    f"{sample_name(it, i)} has {n} tokens, more than max_seq_len="
-                    f"{max_seq_len}: raise train_loop_config['max_seq_len'] or shorten it."
-                )
         rows = pack_rows(lengths, max_seq_len)
         width = max(sum(lengths[i] for i in row) for row in rows)
         pad = self.config.text_config.pad_token_id or 0
