@@ -54,10 +54,12 @@ def _send_inputs(st: Stage, samples: dict, mbs, plan, key) -> None:
 
 def _receive_crossings(st: Stage, step: int, j: int, mb, samples: dict):
     """``{crossing: rows of this replica's microbatch, in its samples' order}`` (float32)
-    and, per encoder replica it heard from, the positions and dtypes (for the gradients)."""
+    and, per encoder replica it heard from, the positions, dtypes and every sample's
+    crossing rows (for the gradients)."""
     adapter, mine = st.adapter, mb[st.part][st.dp_rank]
     pieces, routes, own = {}, [], set(mine)
     for part in adapter.encoder_parts:
+        part_rows = None  # {position: {crossing: rows}} of this replica's samples
         for d in range(st.args.plan.dp_sizes[part]):
             positions = [p for p in mb[part][d] if p in own]
             if not positions:
@@ -69,12 +71,14 @@ def _receive_crossings(st: Stage, step: int, j: int, mb, samples: dict):
                     f"LLM group got step {meta['step']} microbatch {meta['mb']} {part} data "
                     f"at step {step} microbatch {j}"
                 )
-            rows = [adapter.crossing_rows(part, samples[p]) for p in positions]
+            if part_rows is None:
+                part_rows = {p: adapter.crossing_rows(part, samples[p]) for p in mine}
             for name, t in tensors.items():
-                for p, piece in zip(positions, t.split([r[name] for r in rows])):
+                for p, piece in zip(positions, t.split([part_rows[p][name] for p in positions])):
                     pieces[(name, p)] = piece
             if part not in st.args.frozen_parts:  # a frozen encoder gets no gradients
-                routes.append((part, src, positions, {n: t.dtype for n, t in tensors.items()}))
+                dtypes = {n: t.dtype for n, t in tensors.items()}
+                routes.append((src, positions, dtypes, part_rows))
     received = {}
     for part in adapter.encoder_parts:
         for c in adapter.crossings(part):
@@ -94,16 +98,18 @@ def _trainable_crossings(st: Stage) -> set[str]:
     }
 
 
-def _send_grads(st: Stage, received: dict, routes, mb, samples: dict, step: int, j: int) -> None:
-    mine, adapter = mb[st.part][st.dp_rank], st.adapter
-    for part, dst, positions, dtypes in routes:
+def _send_grads(st: Stage, received: dict, routes, mb, step: int, j: int) -> None:
+    """Each encoder replica gets the gradients of the rows it sent (split once per
+    crossing, with the rows ``_receive_crossings`` computed)."""
+    mine, by_pos = mb[st.part][st.dp_rank], {}
+    for dst, positions, dtypes, part_rows in routes:
         grads = {}
         for name in dtypes:
-            rows = [adapter.crossing_rows(part, samples[p])[name] for p in mine]
-            g = received[name].grad
-            g = torch.zeros_like(received[name]) if g is None else g
-            by_pos = dict(zip(mine, g.split(rows)))
-            grads[name] = torch.cat([by_pos[p] for p in positions]).to(dtypes[name])
+            if name not in by_pos:
+                g = received[name].grad
+                g = torch.zeros_like(received[name]) if g is None else g
+                by_pos[name] = dict(zip(mine, g.split([part_rows[p][name] for p in mine])))
+            grads[name] = torch.cat([by_pos[name][p] for p in positions]).to(dtypes[name])
         st.pending.append(st.side.send_tensors(dst, grads, {"step": step, "mb": j}, False))
 
 
@@ -228,7 +234,7 @@ def llm_train_loop(args: lc.LoopArgs) -> None:
             loss_sum += loss.item()
             tokens += sum(len(items[p]["input_ids"]) for p in mb[st.part][st.dp_rank])
             if st.leader:
-                _send_grads(st, received, routes, mb, samples, step, j)
+                _send_grads(st, received, routes, mb, step, j)
             t_compute += time.perf_counter() - t2
         t3 = time.perf_counter()
         st.wait_pending()
