@@ -48,8 +48,8 @@ def main() -> int:
     import ray
 
     from ray_disagg import Qwen2_5_VLSpec, TrainLoopConfig, tiny_qwen2_5_vl_config
-    from ray_disagg._internal.reference import reference_train
-    from ray_disagg.examples_data import synthetic_samples
+    from ray_disagg.data.examples import synthetic_samples
+    from ray_disagg.testing.reference import reference_train
 
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     cfg = tiny_qwen2_5_vl_config()

@@ -52,7 +52,7 @@ from ray_disagg import (  # noqa: E402
     load_metrics,
     tiny_qwen2_5_vl_config,
 )
-from ray_disagg.examples_data import synthetic_samples  # noqa: E402
+from ray_disagg.data.examples import synthetic_samples  # noqa: E402
 
 MB = 2**20
 BYTES_PER_PARAM = 16  # fp32 parameter + gradient + AdamW exp_avg + exp_avg_sq
@@ -149,9 +149,9 @@ def _baseline_worker(_config):
 
     import torch.distributed as dist
 
-    import ray_disagg._internal.encoder_loop  # noqa: F401
-    import ray_disagg._internal.llm_loop  # noqa: F401
     import ray_disagg.models  # noqa: F401 - the transformers model classes
+    import ray_disagg.worker.encoder  # noqa: F401
+    import ray_disagg.worker.llm  # noqa: F401
 
     dist.barrier()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -29,7 +29,7 @@ from ray_disagg import (  # noqa: E402
     load_metrics,
     tiny_qwen2_5_vl_config,
 )
-from ray_disagg.examples_data import synthetic_samples  # noqa: E402
+from ray_disagg.data.examples import synthetic_samples  # noqa: E402
 
 
 def skewed_samples(cfg, n: int, long_tokens: int) -> list[dict]:

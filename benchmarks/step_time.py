@@ -28,9 +28,9 @@ from ray_disagg import (  # noqa: E402
     TrainLoopConfig,
     tiny_qwen2_5_vl_config,
 )
-from ray_disagg._internal.loop_common import peak_memory_mb  # noqa: E402
-from ray_disagg._internal.reference import reference_train  # noqa: E402
-from ray_disagg.examples_data import synthetic_samples  # noqa: E402
+from ray_disagg.data.examples import synthetic_samples  # noqa: E402
+from ray_disagg.testing.reference import reference_train  # noqa: E402
+from ray_disagg.worker.common import peak_memory_mb  # noqa: E402
 
 
 def group(n, parallelism="none"):

@@ -25,7 +25,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1
 
 import torch  # noqa: E402
 
-from ray_disagg._internal import side_group as sg  # noqa: E402
+from ray_disagg.transport import channel as sg  # noqa: E402
 
 ROUNDS = 5
 
@@ -134,7 +134,7 @@ def step_times(steps: int) -> dict:
         Qwen2_5_VLSpec,
         tiny_qwen2_5_vl_config,
     )
-    from ray_disagg.examples_data import synthetic_samples
+    from ray_disagg.data.examples import synthetic_samples
 
     cfg = tiny_qwen2_5_vl_config(
         text_hidden=128, text_layers=4, vision_hidden=64, vision_depth=4,

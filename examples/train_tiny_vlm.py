@@ -82,7 +82,7 @@ def main() -> None:
         Qwen2_5_VLSpec,
         tiny_qwen2_5_vl_config,
     )
-    from ray_disagg.examples_data import digits_samples
+    from ray_disagg.data.examples import digits_samples
     from ray_disagg.plotting import plot_metrics
 
     config = tiny_qwen2_5_vl_config()

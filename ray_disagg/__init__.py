@@ -5,7 +5,7 @@ worker group with its own ``ScalingConfig`` and parallelism; see
 :class:`DisaggregatedTrainer`. Supported families: ``ray_disagg.models.ADAPTERS``.
 """
 
-from ray_disagg.backend import ModuleBackendConfig, TextBackendConfig, VisionBackendConfig
+from ray_disagg import _legacy
 from ray_disagg.config import (
     DataParallel,
     ModuleGroup,
@@ -13,8 +13,8 @@ from ray_disagg.config import (
     TensorParallel,
     TrainLoopConfig,
 )
-from ray_disagg.data import BatchPlan, SampleError
 from ray_disagg.export import export_hf
+from ray_disagg.launch.backend import ModuleBackendConfig, TextBackendConfig, VisionBackendConfig
 from ray_disagg.lr_schedule import lr_at
 from ray_disagg.model import HFModelSpec, Qwen2_5_VLSpec
 from ray_disagg.models import (
@@ -25,8 +25,11 @@ from ray_disagg.models import (
     tiny_qwen2_vl_config,
     tiny_qwen3_vl_config,
 )
+from ray_disagg.pipeline.assignment import BatchPlan, SampleError
 from ray_disagg.plotting import plot_metrics
 from ray_disagg.trainer import DisaggregatedTrainer, load_metrics
+
+_legacy.install()
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
-"""``python -m ray_disagg ...`` is the ``ray-disagg`` command (see :mod:`ray_disagg.cli`)."""
+"""``python -m ray_disagg ...`` is the ``ray-disagg`` command (:mod:`ray_disagg.recipes.cli`)."""
 
-from ray_disagg.cli import main
+from ray_disagg.recipes.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -15,10 +15,10 @@ from ray.train import Checkpoint
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig
 
-from ray_disagg._internal.checkpointing import load_alone, read_metadata
-from ray_disagg._internal.safetensors_stream import parse_size, save_streaming
 from ray_disagg.models import get_adapter
+from ray_disagg.models.safetensors_stream import parse_size, save_streaming
 from ray_disagg.parallel.tensor_parallel import split_qkv_name
+from ray_disagg.worker.checkpoint import load_alone, read_metadata
 
 __all__ = ["export_hf"]
 

@@ -15,28 +15,28 @@ import pandas as pd
 import ray
 from ray.train import Checkpoint, Result, RunConfig, ScalingConfig
 
-from ray_disagg._internal import dataset_checks as dsc
-from ray_disagg._internal import ray_compat as rc
-from ray_disagg._internal.checkpointing import check_compatible
-from ray_disagg._internal.controller import DisaggregatedController
-from ray_disagg._internal.encoder_loop import encoder_train_loop
-from ray_disagg._internal.ingest import is_ray_dataset
-from ray_disagg._internal.llm_loop import llm_train_loop
-from ray_disagg._internal.loop_common import LoopArgs
-from ray_disagg._internal.resources import (
+from ray_disagg.config import ModuleGroup, SequenceParallel, TrainLoopConfig
+from ray_disagg.freezing import frozen_parts
+from ray_disagg.launch import datasets as dsc
+from ray_disagg.launch import ray_compat as rc
+from ray_disagg.launch.backend import ModuleBackendConfig
+from ray_disagg.launch.checks import validate_layout
+from ray_disagg.launch.controller import DisaggregatedController
+from ray_disagg.launch.resources import (
     PlacementGroupJanitor,
     check_cluster_capacity,
     colocation_for,
     demand_lines,
 )
-from ray_disagg._internal.validation import validate_layout
-from ray_disagg._internal.worker_groups import GroupLaunch, Transfers
-from ray_disagg.backend import ModuleBackendConfig
-from ray_disagg.config import ModuleGroup, SequenceParallel, TrainLoopConfig
-from ray_disagg.data import BatchPlan
-from ray_disagg.freezing import frozen_parts
+from ray_disagg.launch.worker_groups import GroupLaunch, Transfers
 from ray_disagg.model import HFModelSpec
+from ray_disagg.pipeline.assignment import BatchPlan
 from ray_disagg.transport import TIERS
+from ray_disagg.worker.checkpoint import check_compatible
+from ray_disagg.worker.common import LoopArgs
+from ray_disagg.worker.encoder import encoder_train_loop
+from ray_disagg.worker.ingest import is_ray_dataset
+from ray_disagg.worker.llm import llm_train_loop
 
 __all__ = ["DisaggregatedTrainer", "load_metrics"]
 
@@ -109,7 +109,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         >>> from ray.train import RunConfig, ScalingConfig
         >>> from ray_disagg import DisaggregatedTrainer, ModuleGroup, Qwen2_5_VLSpec
         >>> from ray_disagg import tiny_qwen2_5_vl_config
-        >>> from ray_disagg.examples_data import digits_samples
+        >>> from ray_disagg.data.examples import digits_samples
         >>> cfg = tiny_qwen2_5_vl_config()
         >>> trainer = DisaggregatedTrainer(  # doctest: +SKIP
         ...     model=Qwen2_5_VLSpec(config=cfg),

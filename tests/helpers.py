@@ -8,8 +8,8 @@ import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
 from ray_disagg import DisaggregatedTrainer, ModuleGroup, TrainLoopConfig
-from ray_disagg._internal.checkpointing import read_full
-from ray_disagg._internal.reference import reference_train
+from ray_disagg.testing.reference import reference_train
+from ray_disagg.worker.checkpoint import read_full
 
 
 def group(n: int, parallelism="none", cpus: float = 0.5, ac: bool = False) -> ModuleGroup:

@@ -8,9 +8,9 @@ from tests.dist_utils import run_distributed
 
 def _activation_bytes(rank, world):
     from ray_disagg import Qwen2_5_VLSpec, tiny_qwen2_5_vl_config
-    from ray_disagg._internal.memory import saved_activation_bytes
-    from ray_disagg.examples_data import synthetic_samples
+    from ray_disagg.data.examples import synthetic_samples
     from ray_disagg.parallel.ulysses import enable_ulysses
+    from ray_disagg.worker.memory import saved_activation_bytes
 
     cfg = tiny_qwen2_5_vl_config(vision_depth=4, fullatt_block_indexes=(1, 3))
     spec = Qwen2_5_VLSpec(config=cfg, seed=0)

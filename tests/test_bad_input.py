@@ -15,9 +15,9 @@ from ray_disagg import (
     TrainLoopConfig,
     tiny_qwen2_5_vl_config,
 )
-from ray_disagg._internal.checkpointing import check_compatible
-from ray_disagg.examples_data import synthetic_samples
+from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.models import get_adapter
+from ray_disagg.worker.checkpoint import check_compatible
 
 CFG = tiny_qwen2_5_vl_config()
 LOOP = {"max_steps": 4, "global_batch_size": 4}

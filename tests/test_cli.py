@@ -14,16 +14,16 @@ import ray
 import torch
 
 from ray_disagg import HFModelSpec, load_metrics, tiny_qwen2_5_vl_config
-from ray_disagg._internal.reference import reference_train
-from ray_disagg.cli import main
-from ray_disagg.plan import GiB, estimate, per_gpu
-from ray_disagg.recipe import (
+from ray_disagg.recipes.cli import main
+from ray_disagg.recipes.estimate import GiB, estimate, per_gpu
+from ray_disagg.recipes.recipe import (
     RecipeError,
     apply_overrides,
     bundled_recipes,
     load_recipe,
     trainer_kwargs,
 )
+from ray_disagg.testing.reference import reference_train
 from tests.helpers import assert_params_close, checkpoint_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,10 +54,10 @@ def test_bundled_recipes_ship_and_console_script_exists():
     assert {"digits_cpu", BIG} <= set(bundled_recipes())
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert project["project"]["scripts"]["ray-disagg"] == "ray_disagg.cli:main"
+    assert project["project"]["scripts"]["ray-disagg"] == "ray_disagg.recipes.cli:main"
     assert "recipes/*.yaml" in project["tool"]["setuptools"]["package-data"]["ray_disagg"]
     (entry,) = [e for e in metadata.entry_points(group="console_scripts") if e.name == "ray-disagg"]
-    assert entry.value == "ray_disagg.cli:main" and entry.load() is main
+    assert entry.value == "ray_disagg.recipes.cli:main" and entry.load() is main
 
 
 def test_plan_digits(no_ray, capsys):

@@ -18,9 +18,9 @@ from ray_disagg import (
     VisionBackendConfig,
     tiny_qwen2_5_vl_config,
 )
-from ray_disagg.data import balanced_split, count_label_tokens
-from ray_disagg.examples_data import digits_samples, synthetic_samples
+from ray_disagg.data.examples import digits_samples, synthetic_samples
 from ray_disagg.models import get_adapter
+from ray_disagg.pipeline.assignment import balanced_split, count_label_tokens
 
 
 def test_module_group_defaults_and_degrees():

@@ -13,9 +13,9 @@ from ray_disagg import (
     export_hf,
     tiny_qwen2_5_vl_config,
 )
-from ray_disagg._internal.reference import reference_batch, reference_train
-from ray_disagg.examples_data import synthetic_samples
+from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.lr_schedule import lr_at
+from ray_disagg.testing.reference import reference_batch, reference_train
 from tests.helpers import assert_params_close, checkpoint_state, group, vt
 from tests.helpers import run_layout as fit
 

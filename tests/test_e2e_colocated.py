@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ray_disagg import Qwen2_5_VLSpec, SequenceParallel, TensorParallel, tiny_qwen2_5_vl_config
-from ray_disagg.examples_data import synthetic_samples
+from ray_disagg.data.examples import synthetic_samples
 from tests.helpers import assert_matches_reference, checkpoint_state, group, run_layout, vt
 
 LOOP = {

@@ -12,8 +12,8 @@ from ray_disagg import (
     TrainLoopConfig,
     tiny_qwen2_5_vl_config,
 )
-from ray_disagg._internal.reference import reference_train
-from ray_disagg.examples_data import synthetic_samples
+from ray_disagg.data.examples import synthetic_samples
+from ray_disagg.testing.reference import reference_train
 from tests.helpers import assert_matches_reference, checkpoint_state, group, run_layout, vt
 
 # eps=1e-6 keeps AdamW from turning float noise in ~0 gradients into +-lr steps.

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from ray_disagg import ADAPTERS, HFModelSpec, SequenceParallel, TensorParallel
-from ray_disagg.examples_data import synthetic_samples
+from ray_disagg.data.examples import synthetic_samples
 from tests.helpers import assert_matches_reference, group, run_layout
 
 LOOP = {"max_steps": 3, "global_batch_size": 4, "lr": 1e-3, "eps": 1e-6, "seed": 3}

@@ -11,7 +11,7 @@ from ray_disagg import (
     TensorParallel,
     tiny_qwen2_5_vl_config,
 )
-from ray_disagg.examples_data import synthetic_samples
+from ray_disagg.data.examples import synthetic_samples
 from tests.helpers import assert_matches_reference, checkpoint_state, group, run_layout, vt
 
 # k = 4 microbatches of a global batch of 8; varied images, one text-only sample

@@ -13,7 +13,7 @@ import torch
 from ray.train import Checkpoint
 
 from ray_disagg import HFModelSpec, load_metrics, tiny_qwen2_5_vl_config
-from ray_disagg.examples_data import synthetic_samples
+from ray_disagg.data.examples import synthetic_samples
 from tests.helpers import checkpoint_state, group, run_layout, vt
 
 LOOP = {"max_steps": 3, "global_batch_size": 4, "shuffle": False, "eps": 1e-6}

@@ -19,9 +19,9 @@ from ray_disagg import (
     load_metrics,
     tiny_qwen2_5_vl_config,
 )
-from ray_disagg._internal.reference import reference_train
-from ray_disagg.examples_data import synthetic_samples
+from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.lr_schedule import lr_at
+from ray_disagg.testing.reference import reference_train
 from tests.helpers import assert_params_close, checkpoint_state, group, run_layout, vt
 
 # lengths differ a lot (text-only up to 12x8 patches), so packing puts several in a row

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ray_disagg import HFModelSpec, export_hf
-from ray_disagg._internal import safetensors_stream as sts
+from ray_disagg.models import safetensors_stream as sts
 from ray_disagg.models import tiny_qwen2_5_vl_config
 
 QKV = "model.visual.blocks.0.attn.qkv."

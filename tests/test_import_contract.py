@@ -1,5 +1,7 @@
-"""Tier 1: imports flow one way. Model adapters and parallel techniques never import the
-runtime (``ray_disagg._internal``, the trainer) or Ray."""
+"""Tier 1: imports flow one way. The layers below the runtime (model adapters, parallel
+techniques, transports, the pipeline) never import the worker, the launcher, the trainer,
+the test machinery or Ray; nothing in the package but ``ray_disagg.testing`` itself and the
+tests imports ``ray_disagg.testing`` from a user's path."""
 
 import ast
 import pathlib
@@ -9,7 +11,15 @@ import pytest
 import ray_disagg
 
 ROOT = pathlib.Path(ray_disagg.__file__).parent
-FORBIDDEN = ("ray", "ray_disagg._internal", "ray_disagg.trainer", "ray_disagg.backend")
+LOWER = ("models", "parallel", "transport", "pipeline")
+FORBIDDEN = (
+    "ray",
+    "ray_disagg.worker",
+    "ray_disagg.launch",
+    "ray_disagg.recipes",
+    "ray_disagg.testing",
+    "ray_disagg.trainer",
+)
 
 
 def _imports(path: pathlib.Path) -> list[str]:
@@ -22,21 +32,34 @@ def _imports(path: pathlib.Path) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("package", ["models", "parallel"])
+def _bad(name: str, forbidden) -> list[str]:
+    return [x for x in forbidden if name == x or name.startswith(x + ".")]
+
+
+@pytest.mark.parametrize("package", LOWER)
 def test_layers_below_the_runtime_do_not_import_it(package):
-    files = sorted((ROOT / package).glob("*.py"))
+    files = sorted((ROOT / package).rglob("*.py"))  # every subpackage too
     assert files
     for f in files:
         for name in _imports(f):
-            bad = [x for x in FORBIDDEN if name == x or name.startswith(x + ".")]
-            assert not bad, f"{f.relative_to(ROOT)} imports {name}"
+            assert not _bad(name, FORBIDDEN), f"{f.relative_to(ROOT)} imports {name}"
 
 
-def test_every_registered_adapter_has_its_own_file_and_tiny_config():
+def test_only_tests_reach_the_test_machinery():
+    """``ray_disagg.testing`` (reference runner, fault injection) is imported by no module
+    of the package outside it: a user's configuration cannot reach it."""
+    for f in sorted(ROOT.rglob("*.py")):
+        if f.relative_to(ROOT).parts[0] == "testing":
+            continue
+        for name in _imports(f):
+            assert not _bad(name, ("ray_disagg.testing",)), f"{f.relative_to(ROOT)} imports {name}"
+
+
+def test_every_registered_adapter_has_its_own_module_and_tiny_config():
     from ray_disagg.models import ADAPTERS
 
     for model_type, adapter in ADAPTERS.items():
         assert adapter.model_type == model_type
-        assert pathlib.Path(adapter.__module__.replace(".", "/") + ".py").name != "base.py"
+        assert adapter.__module__.rsplit(".", 1)[-1] != "base"
         cfg = adapter.tiny_config()
         assert cfg.model_type == model_type

@@ -10,9 +10,9 @@ from transformers import PreTrainedTokenizerFast
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from ray_disagg import Qwen2_5_VLSpec, tiny_qwen2_5_vl_config
-from ray_disagg._internal.reference import reference_batch
-from ray_disagg.llava import load_llava
+from ray_disagg.data.llava import load_llava
 from ray_disagg.models import get_adapter
+from ray_disagg.testing.reference import reference_batch
 
 WORDS = ["[UNK]", "user:", "assistant:", "which", "digit", "is", "this", "?", "a", "seven", "hi"]
 

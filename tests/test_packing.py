@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ray_disagg import ADAPTERS, HFModelSpec
-from ray_disagg.examples_data import synthetic_samples
+from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.models.base import IGNORE_INDEX, lm_loss
 from ray_disagg.models.packing import PACKED_KEY, pack_rows
 

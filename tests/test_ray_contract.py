@@ -1,6 +1,6 @@
 """The Ray Train internals ray_disagg relies on (all imported via one module).
 
-If this fails after a Ray upgrade, update ray_disagg/_internal/ray_compat.py (and the
+If this fails after a Ray upgrade, update ray_disagg/launch/ray_compat.py (and the
 pinned range in pyproject.toml); nothing else in the package imports Ray internals.
 """
 
@@ -11,7 +11,7 @@ import re
 
 import ray
 
-from ray_disagg._internal import ray_compat as rc
+from ray_disagg.launch import ray_compat as rc
 
 
 def _params(fn):

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from ray_disagg._internal import side_group as sg
+from ray_disagg.transport import channel as sg
 
 WORLD = 3
 

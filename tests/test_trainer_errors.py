@@ -15,7 +15,7 @@ from ray_disagg import (
     tiny_qwen2_5_omni_thinker_config,
     tiny_qwen2_5_vl_config,
 )
-from ray_disagg.examples_data import synthetic_samples
+from ray_disagg.data.examples import synthetic_samples
 
 CFG = tiny_qwen2_5_vl_config()
 DATA = synthetic_samples(CFG, 8)
@@ -135,7 +135,7 @@ def test_spec_needs_config_or_local_path(tmp_path):
 
 
 def test_resume_from_a_directory_without_shards_is_a_clear_error(tmp_path):
-    from ray_disagg._internal.checkpointing import read_full
+    from ray_disagg.worker.checkpoint import read_full
 
     with pytest.raises(ValueError, match="no DCP .metadata"):
         read_full(str(tmp_path))

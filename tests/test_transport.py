@@ -6,7 +6,7 @@ import torch
 from ray.train import ScalingConfig
 
 from ray_disagg import DisaggregatedTrainer, ModuleGroup, Qwen2_5_VLSpec, tiny_qwen2_5_vl_config
-from ray_disagg.examples_data import synthetic_samples
+from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.transport import Location, choose_tier, describe
 from ray_disagg.transport.base import from_bytes
 

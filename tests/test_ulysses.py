@@ -37,7 +37,7 @@ def test_all_to_all_round_trip_and_gather(seq_lens):
 
 def _sp_tower(rank, world, model_type, spec, seed, heads):
     from ray_disagg import HFModelSpec
-    from ray_disagg.examples_data import synthetic_samples
+    from ray_disagg.data.examples import synthetic_samples
     from ray_disagg.models import ADAPTERS
     from ray_disagg.parallel.ulysses import enable_ulysses
 

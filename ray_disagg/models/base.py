@@ -226,7 +226,7 @@ class ModelAdapter:
         raise NotImplementedError
 
     def sp_plan(self, part: str):
-        """The :class:`~ray_disagg._internal.ulysses.TowerPlan` of an SP-capable part."""
+        """The :class:`~ray_disagg.parallel.ulysses.TowerPlan` of an SP-capable part."""
         raise NotImplementedError
 
     def head_counts(self, part: str) -> dict[str, int]:

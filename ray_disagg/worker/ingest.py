@@ -2,7 +2,7 @@
 is read; each encoder group gets its fields from them).
 
 - map-style data (list, ``datasets.Dataset``): the leaders index the shared dataset with
-  the deterministic :class:`~ray_disagg.data.BatchPlan` (same batches as the reference);
+  the deterministic ``BatchPlan`` (same batches as the reference);
 - a Ray Data ``Dataset``: LLM rank 0 makes ``streaming_split(llm_dp, equal=True)``
   at the start of every run attempt and each leader streams its split; each epoch every
   row is used at most once (the rows that do not fill a last local batch are dropped).

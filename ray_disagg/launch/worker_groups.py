@@ -23,8 +23,7 @@ import ray
 from ray.train import ScalingConfig
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from ray_disagg._internal import runtime
-from ray_disagg._internal.ray_compat import (
+from ray_disagg.launch.ray_compat import (
     AcceleratorSetupCallback,
     BackendSetupCallback,
     ObjectRefWrapper,
@@ -38,8 +37,9 @@ from ray_disagg._internal.ray_compat import (
     WorkerGroupPollStatus,
     group_train_run_context,
 )
-from ray_disagg._internal.side_group import SideGroupSpec
+from ray_disagg.transport.channel import SideGroupSpec
 from ray_disagg.transport.select import choose_tier
+from ray_disagg.worker import runtime
 
 logger = logging.getLogger(__name__)
 

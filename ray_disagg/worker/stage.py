@@ -11,13 +11,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from ray_disagg._internal import loop_common as lc
-from ray_disagg._internal.runtime import get_runtime
 from ray_disagg.freezing import apply_freeze
 from ray_disagg.models import loading
 from ray_disagg.parallel import fsdp
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.parallel.data_parallel import all_reduce_gradients
+from ray_disagg.worker import common as lc
+from ray_disagg.worker.runtime import get_runtime
 
 logger = logging.getLogger(__name__)
 

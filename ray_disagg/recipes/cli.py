@@ -1,4 +1,4 @@
-"""``ray-disagg``: train or plan a run from a recipe (see :mod:`ray_disagg.recipe`).
+"""``ray-disagg``: train or plan a run from a recipe (see :mod:`ray_disagg.recipes.recipe`).
 
     ray-disagg plan RECIPE [key=value ...]    # check the recipe, print layout + memory
     ray-disagg train RECIPE [key=value ...]   # build the trainer and fit()
@@ -33,8 +33,8 @@ __all__ = ["main", "plan", "train"]
 
 def plan(recipe: str, overrides=()) -> str:
     """The plan of a recipe as text (no Ray, no workers, no weights)."""
-    from ray_disagg.plan import render
-    from ray_disagg.recipe import load_recipe
+    from ray_disagg.recipes.estimate import render
+    from ray_disagg.recipes.recipe import load_recipe
 
     return render(load_recipe(recipe, overrides))
 
@@ -70,8 +70,8 @@ def _print_result(result) -> None:
 
 def train(recipe: str, overrides=()):
     """Build the recipe's ``DisaggregatedTrainer``, ``fit()`` it and return the Result."""
-    from ray_disagg.plan import render
-    from ray_disagg.recipe import load_recipe, trainer_kwargs
+    from ray_disagg.recipes.estimate import render
+    from ray_disagg.recipes.recipe import load_recipe, trainer_kwargs
     from ray_disagg.trainer import DisaggregatedTrainer
 
     r = load_recipe(recipe, overrides, for_training=True)
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None):
     args = _parser().parse_args(argv)
     try:
         if args.command == "recipes":
-            from ray_disagg.recipe import bundled_recipes
+            from ray_disagg.recipes.recipe import bundled_recipes
 
             out = "\n".join(f"{k}  {v}" for k, v in sorted(bundled_recipes().items()))
             print(out)

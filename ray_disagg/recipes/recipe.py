@@ -50,7 +50,16 @@ import yaml
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
 from ray_disagg import models
-from ray_disagg._internal.recipe_schema import (
+from ray_disagg.config import (
+    DataParallel,
+    ModuleGroup,
+    SequenceParallel,
+    TensorParallel,
+    TrainLoopConfig,
+)
+from ray_disagg.model import HFModelSpec
+from ray_disagg.recipes.data import build_dataset, parse_data
+from ray_disagg.recipes.schema import (
     REQUIRED,
     RecipeError,
     apply_overrides,
@@ -61,15 +70,6 @@ from ray_disagg._internal.recipe_schema import (
     load_yaml,
     section,
 )
-from ray_disagg.config import (
-    DataParallel,
-    ModuleGroup,
-    SequenceParallel,
-    TensorParallel,
-    TrainLoopConfig,
-)
-from ray_disagg.model import HFModelSpec
-from ray_disagg.recipe_data import build_dataset, parse_data
 
 __all__ = [
     "Recipe",
@@ -348,9 +348,9 @@ def load_recipe(source, overrides=(), *, for_training: bool = False) -> Recipe:
 
 def _check_layout(r: Recipe, check_weights: bool) -> None:
     """The driver-side checks of ``DisaggregatedTrainer.__init__`` that need no data."""
-    from ray_disagg._internal.resources import colocation_for
-    from ray_disagg._internal.validation import validate_layout
     from ray_disagg.freezing import frozen_parts
+    from ray_disagg.launch.checks import validate_layout
+    from ray_disagg.launch.resources import colocation_for
     from ray_disagg.trainer import DisaggregatedTrainer as T
     from ray_disagg.transport import TIERS
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import ray.train
 import torch
 
-from ray_disagg._internal.side_group import SideGroup
 from ray_disagg.config import ModuleGroup, TrainLoopConfig
-from ray_disagg.data import BatchPlan
 from ray_disagg.lr_schedule import lr_at
 from ray_disagg.model import HFModelSpec
+from ray_disagg.pipeline.assignment import BatchPlan
+from ray_disagg.transport.channel import SideGroup
 
 
 class StatsLayout:
@@ -239,7 +239,7 @@ class ShardWriter:
     cfg: TrainLoopConfig | None = None
 
     def write(self, root: str, step: int, model, optimizer) -> None:
-        from ray_disagg._internal import checkpointing
+        from ray_disagg.worker import checkpoint as checkpointing
 
         d = os.path.join(root, self.module)
         checkpointing.save_sharded(model, optimizer, d)
@@ -349,7 +349,7 @@ def restore(model, optimizer, module: str, args: LoopArgs, log=None) -> int:
     """Load the latest checkpoint of this run (Ray Train hands it to restarted workers)
     or ``resume_from_checkpoint``; returns the step to start from. ``log`` gets a note
     when the checkpoint's lr schedule differs from this run's."""
-    from ray_disagg._internal import checkpointing
+    from ray_disagg.worker import checkpoint as checkpointing
 
     ckpt = ray.train.get_checkpoint() or args.resume_from_checkpoint
     if ckpt is None:
@@ -384,7 +384,7 @@ def maybe_inject_failure(
         with open(drill["marker"], "w") as f:
             f.write(f"{module} rank {group_rank} killed at step {step}\n")
         if drill.get("kill") == "coordinator":  # the controller actor, not this worker
-            from ray_disagg._internal.ray_compat import kill_controller
+            from ray_disagg.launch.ray_compat import kill_controller
 
             kill_controller()
             time.sleep(600)  # dies with its owner, the coordinator

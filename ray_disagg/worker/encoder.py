@@ -19,10 +19,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from ray_disagg._internal import loop_common as lc
-from ray_disagg._internal.stage import Stage
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.parallel import ulysses
+from ray_disagg.worker import common as lc
+from ray_disagg.worker.stage import Stage
 
 
 def _row_offsets(adapter, part, samples) -> dict[str, list[int]]:

@@ -2,9 +2,9 @@
 loading anything (for ``plan``), loaded for ``train``.
 
 - ``{type: digits, num_samples: N, start: 0, image_size: 16}``: scikit-learn's digits
-  (:func:`ray_disagg.examples_data.digits_samples`), samples ``start .. start + N``;
+  (:func:`ray_disagg.data.examples.digits_samples`), samples ``start .. start + N``;
 - ``{type: llava, annotations: F, image_root: D, tokenizer, image_processor, min_pixels,
-  max_pixels, user_turn, assistant_turn}``: :func:`ray_disagg.llava.load_llava`, tokenizer
+  max_pixels, user_turn, assistant_turn}``: :func:`ray_disagg.data.llava.load_llava`, tokenizer
   and image processor from local directories (default: ``model.pretrained_path``);
 - ``{type: parquet | json, paths: P}``: a Ray Data dataset (``ray.data.read_<type>``).
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from ray_disagg._internal.recipe_schema import REQUIRED, at, check, fail, section
+from ray_disagg.recipes.schema import REQUIRED, at, check, fail, section
 
 __all__ = ["DATA", "build_dataset", "parse_data"]
 
@@ -66,7 +66,7 @@ def build_dataset(recipe, which: str):
     d, key = recipe.data[which], f"data.{which}"
     config = recipe.model.load_config()
     if d["type"] == "digits":
-        from ray_disagg.examples_data import digits_samples
+        from ray_disagg.data.examples import digits_samples
 
         with at(key):
             return digits_samples(
@@ -81,7 +81,7 @@ def build_dataset(recipe, which: str):
             return getattr(ray.data, f"read_{d['type']}")(paths)
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    from ray_disagg.llava import load_llava
+    from ray_disagg.data.llava import load_llava
 
     tok = d["tokenizer"] or recipe.model.pretrained_path
     if tok is None:

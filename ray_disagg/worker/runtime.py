@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ray_disagg._internal import side_group as sg
+from ray_disagg.transport import channel as sg
 from ray_disagg.transport.select import Location
 
 __all__ = [
@@ -64,7 +64,7 @@ def init_runtime(module: str, mesh_shape: tuple[int, ...], mesh_axes: tuple[str,
     global _runtime
     import ray.train.torch
 
-    from ray_disagg._internal.memory import limit_heap_fragmentation
+    from ray_disagg.worker.memory import limit_heap_fragmentation
 
     device = ray.train.torch.get_device()
     if device.type == "cpu":  # tensors live in host memory: keep it from fragmenting
@@ -85,7 +85,7 @@ def locate() -> Location:
 
     import ray
 
-    from ray_disagg._internal.ray_compat import current_placement
+    from ray_disagg.launch.ray_compat import current_placement
 
     rt = get_runtime()
     gpu = None

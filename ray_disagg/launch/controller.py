@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import time
 
-from ray_disagg._internal.ray_compat import TrainController, WorkerGroupStartupTimeoutError
-from ray_disagg._internal.worker_groups import (
+from ray_disagg.launch.ray_compat import TrainController, WorkerGroupStartupTimeoutError
+from ray_disagg.launch.worker_groups import (
     Colocation,
     GroupLaunch,
     ModuleWorkerGroups,

@@ -33,7 +33,7 @@ also under ``bf16`` autocast; 2 for ``bfloat16``):
     local parameter for the step: ``+ 2`` bytes per parameter, counted here.
   - other encoders (audio): not estimated.
 
-  Measured against the tensors autograd saves (``_internal.memory.saved_activation_bytes``)
+  Measured against the tensors autograd saves (``worker.memory.saved_activation_bytes``)
   for a small Qwen2.5-VL in fp32 on CPU: the LLM formula within 2%, the tower's within 5%.
 
 - per GPU: colocated, the bundle's sum (worker ``i`` of every group); separate, a
@@ -43,7 +43,7 @@ It is an estimate: allocator caches, communication buffers, FSDP2's all-gathered
 the CUDA context and temporaries are not counted.
 
 Example:
-    >>> from ray_disagg.recipe import load_recipe
+    >>> from ray_disagg.recipes.recipe import load_recipe
     >>> text = render(load_recipe("digits_cpu"))
     >>> "per worker" in text and '("dp", "tp") = (1, 1)' in text
     True
@@ -242,7 +242,7 @@ def per_gpu(r, memory: dict[str, WorkerMemory]) -> dict[str, float]:
 
 def render(r) -> str:
     """The plan of recipe ``r`` as text: model, layout table, memory table."""
-    from ray_disagg._internal.resources import colocation_for
+    from ray_disagg.launch.resources import colocation_for
 
     cfg, sched, memory = r.model.load_config(), _schedule(r), estimate(r)
     counts = {p: sum(t.numel() for t in r.model.meta_model(p).parameters()) for p in r.groups}
@@ -340,6 +340,6 @@ def render(r) -> str:
         lines.append("activations include autocast's bf16 copy of trainable non-FSDP2 weights")
     lines += [
         "(an estimate: AdamW 2 states, ZeRO-1/FSDP2/TP sharding, no gradient or optimizer",
-        " state for frozen parameters; the activation formula is in ray_disagg.plan)",
+        " state for frozen parameters; the activation formula is in ray_disagg.recipes.estimate)",
     ]
     return "\n".join(lines)

@@ -8,10 +8,10 @@ import time
 import torch
 
 from ray_disagg.config import TrainLoopConfig
-from ray_disagg.data import BatchPlan, count_label_tokens
 from ray_disagg.freezing import is_frozen
 from ray_disagg.lr_schedule import lr_at
 from ray_disagg.model import HFModelSpec
+from ray_disagg.pipeline.assignment import BatchPlan, count_label_tokens
 
 
 def reference_batch(spec: HFModelSpec, samples) -> dict:

@@ -8,10 +8,10 @@ import logging
 
 import numpy as np
 
-from ray_disagg._internal.ingest import _from_row, is_ray_dataset
 from ray_disagg.config import TrainLoopConfig
-from ray_disagg.data import BatchPlan
 from ray_disagg.models.packing import check_fits
+from ray_disagg.pipeline.assignment import BatchPlan
+from ray_disagg.worker.ingest import _from_row, is_ray_dataset
 
 logger = logging.getLogger("ray_disagg.trainer")
 

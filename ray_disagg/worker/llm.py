@@ -20,12 +20,12 @@ import ray
 import torch
 import torch.distributed as dist
 
-from ray_disagg._internal import ingest
-from ray_disagg._internal import loop_common as lc
-from ray_disagg._internal.stage import Stage
-from ray_disagg.data import count_label_tokens
 from ray_disagg.models.base import lm_loss
 from ray_disagg.parallel import tensor_parallel as tp
+from ray_disagg.pipeline.assignment import count_label_tokens
+from ray_disagg.worker import common as lc
+from ray_disagg.worker import ingest
+from ray_disagg.worker.stage import Stage
 
 
 def _loss(adapter, lm_head, batch, received, n_labels, tp_group, vocab_start, model):

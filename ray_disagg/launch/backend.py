@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ray_disagg._internal import runtime
-from ray_disagg._internal.ray_compat import TorchConfig, _TorchBackend
+from ray_disagg.launch.ray_compat import TorchConfig, _TorchBackend
+from ray_disagg.worker import runtime
 
 __all__ = ["ModuleBackendConfig", "VisionBackendConfig", "TextBackendConfig"]
 
