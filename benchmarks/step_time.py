@@ -30,7 +30,7 @@ from ray_disagg import (  # noqa: E402
 )
 from ray_disagg.data.examples import synthetic_samples  # noqa: E402
 from ray_disagg.testing.reference import reference_train  # noqa: E402
-from ray_disagg.worker.common import peak_memory_mb  # noqa: E402
+from ray_disagg.worker.memory import peak_memory_mb  # noqa: E402
 
 
 def group(n, parallelism="none"):

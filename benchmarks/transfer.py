@@ -3,7 +3,7 @@ side by side, in one run.
 
 Part 1 (two spawned processes on this node, tensors of 1, 16 and 128 MiB): a raw
 ``memcpy`` in one process, raw gloo send/recv, and every tier available here through
-``SideGroup.send_tensors``: gloo and shm on CPU; cuda_ipc (both processes on GPU 0) and
+``Channel.send_tensors``: gloo and shm on CPU; cuda_ipc (both processes on GPU 0) and
 nccl (GPUs 0 and 1) when CUDA is there. Each figure is one-way bandwidth from a
 ping-pong (the receiver sends the tensor it got back), best of a few rounds.
 
@@ -70,7 +70,7 @@ def _bench_worker(rank, port_q, result_q, sizes, tiers):
         if tier in ("cuda_ipc", "nccl"):
             device = torch.device("cuda", rank if tier == "nccl" else 0)
             torch.cuda.set_device(device)
-        spec = sg.SideGroupSpec(
+        spec = sg.ChannelSpec(
             "127.0.0.1", port, {"a": 0, "b": 1}, {"a": 1, "b": 1}, 120.0, f"bench/{tier}",
             tiers={(0, 1): tier},
         )  # fmt: skip

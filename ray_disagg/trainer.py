@@ -32,8 +32,8 @@ from ray_disagg.launch.worker_groups import GroupLaunch, Transfers
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan
 from ray_disagg.transport import TIERS
+from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.checkpoint import check_compatible
-from ray_disagg.worker.common import LoopArgs
 from ray_disagg.worker.encoder import encoder_train_loop
 from ray_disagg.worker.ingest import is_ray_dataset
 from ray_disagg.worker.llm import llm_train_loop

@@ -37,7 +37,7 @@ from ray_disagg.launch.ray_compat import (
     WorkerGroupPollStatus,
     group_train_run_context,
 )
-from ray_disagg.transport.channel import SideGroupSpec
+from ray_disagg.transport.channel import ChannelSpec
 from ray_disagg.transport.select import choose_tier
 from ray_disagg.worker import runtime
 
@@ -149,7 +149,7 @@ class ModuleWorkerGroups:
             groups = cls(started, union, shared_pg)
             if shared_pg is not None:
                 groups._check_pairing()
-            groups._connect_side_group(run_attempt_id, side_timeout_s, transfers)
+            groups._connect_channel(run_attempt_id, side_timeout_s, transfers)
         except BaseException:
             for wg in started.values():
                 try:
@@ -197,9 +197,9 @@ class ModuleWorkerGroups:
         if len({tuple(b) for b in bundles.values()}) != 1:
             raise RuntimeError(f"colocated groups' ranks are not paired by bundle: {bundles}")
 
-    def _connect_side_group(self, run_attempt_id: str, timeout_s: float, transfers) -> None:
+    def _connect_channel(self, run_attempt_id: str, timeout_s: float, transfers) -> None:
         host = next(iter(self._groups.values())).get_workers()[0]
-        addr, port = ray.get(host.execute_async(runtime.host_side_store, timeout_s))
+        addr, port = ray.get(host.execute_async(runtime.host_channel_store, timeout_s))
         offsets, sizes, off = {}, {}, 0
         for name, wg in self._groups.items():
             offsets[name], sizes[name] = off, len(wg.get_workers())
@@ -223,11 +223,11 @@ class ModuleWorkerGroups:
                 for (ga, ra), (gb, rb) in transfers.pairs
             },
         )
-        spec = SideGroupSpec(
+        spec = ChannelSpec(
             addr, port, offsets, sizes, timeout_s, f"side/{run_attempt_id}", locations, tiers
         )
         refs = [
-            w.execute_async(runtime.join_side_group, spec, name, w.distributed_context.world_rank)
+            w.execute_async(runtime.join_channel, spec, name, w.distributed_context.world_rank)
             for name, wg in self._groups.items()
             for w in wg.get_workers()
         ]

@@ -1,9 +1,10 @@
-"""The side process group that spans all module groups.
+"""The channel between the groups: one gloo process group spanning every worker of every
+group (its "side ranks"), plus the transfer tier of each pair of workers.
 
-Each module group has its own default ``torch.distributed`` group (set up by its Ray Train
-backend). Control messages and the per-step statistics cross between groups over a second,
-separate gloo group built from a ``TCPStore`` that the coordinator asks the first group's
-rank 0 to host. Side ranks are the groups' ranks in group order (e.g. ``[vision
+Each group has its own default ``torch.distributed`` group (set up by its Ray Train
+backend). Control messages and the per-step statistics cross between groups over this
+second, separate gloo group built from a ``TCPStore`` that the coordinator asks the first
+group's rank 0 to host. Side ranks are the groups' ranks in group order (e.g. ``[vision
 0..Nv-1, text 0..Nt-1]``). Tensors (activations, gradients) go over the tier chosen for
 each pair of workers (``ray_disagg.transport``): the header over gloo, the data over the
 tier.
@@ -25,7 +26,7 @@ from ray_disagg.transport.gloo import GlooTier
 from ray_disagg.transport.select import Location
 from ray_disagg.transport.shm import ShmTier, ShmUnavailable
 
-__all__ = ["SideGroupSpec", "SideGroup", "host_store", "join"]
+__all__ = ["ChannelSpec", "Channel", "host_store", "join"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ _FIRST = 4096  # bytes of the first message of an object (its length + the start
 
 
 @dataclass(frozen=True)
-class SideGroupSpec:
+class ChannelSpec:
     """Where and how to rendezvous (sent by the coordinator to every worker)."""
 
     master_addr: str
@@ -61,13 +62,13 @@ class SideGroupSpec:
         return f"side rank {rank}"
 
 
-class SideGroup:
+class Channel:
     """Point-to-point transfers and small all-reduces between the module groups.
 
     All ranks are side ranks; ``rank_of(module, group_rank)`` converts.
     """
 
-    def __init__(self, pg: dist.ProcessGroup, spec: SideGroupSpec, rank: int, store, tiers=None):
+    def __init__(self, pg: dist.ProcessGroup, spec: ChannelSpec, rank: int, store, tiers=None):
         self.pg = pg
         self.spec = spec
         self.rank = rank
@@ -208,7 +209,7 @@ def host_store(addr: str, timeout_s: float):
     return store, store.port
 
 
-def join(spec: SideGroupSpec, rank: int, node_ip: str, store=None, device=None) -> SideGroup:
+def join(spec: ChannelSpec, rank: int, node_ip: str, store=None, device=None) -> Channel:
     """Blocking rendezvous of all ``spec.world_size`` ranks (call on every rank at once);
     also builds the NCCL pair groups of this rank's ``nccl`` pairs."""
     timeout = timedelta(seconds=spec.timeout_s)
@@ -230,4 +231,4 @@ def join(spec: SideGroupSpec, rank: int, node_ip: str, store=None, device=None) 
         outgoing = {p: pair_group(store, spec.prefix, rank, p, rank, t) for p in peers}
         incoming = {p: pair_group(store, spec.prefix, p, rank, rank, t) for p in peers}
         tiers["nccl"] = NcclTier(rank, outgoing, incoming, device)
-    return SideGroup(pg, spec, rank, store, tiers)
+    return Channel(pg, spec, rank, store, tiers)

@@ -19,11 +19,13 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ray_disagg.lr_schedule import lr_at
 from ray_disagg.models.loading import fill, part_tensor
 from ray_disagg.parallel.tensor_parallel import merge_split_qkv, split_qkv_name
 
@@ -219,3 +221,67 @@ def check_compatible(root: str, config, max_steps: int) -> int:
             "training from it, or start a new run."
         )
     return step
+
+
+@dataclass
+class ShardWriter:
+    """Writes this rank's part of a checkpoint into ``<root>/<module>/``: its DCP shard
+    (every rank); on the group's rank 0 (``lead``) also ``trainer_state.json`` and, when
+    ``hf_config`` is set, the HF ``config.json`` at the top."""
+
+    module: str
+    lead: bool
+    hf_config: object = None
+    cfg: object = None  # the TrainLoopConfig: its lr schedule is recorded
+
+    def write(self, root: str, step: int, model, optimizer) -> None:
+        d = os.path.join(root, self.module)
+        save_sharded(model, optimizer, d)
+        if self.lead:
+            state = {"step": step + 1}
+            if self.cfg is not None:  # the schedule is a function of the step
+                keys = ("lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "max_steps")
+                state["lr_schedule"] = {k: getattr(self.cfg, k) for k in keys}
+                state["next_lr"] = lr_at(self.cfg, step + 1)
+            with open(os.path.join(d, "trainer_state.json"), "w") as f:
+                json.dump(state, f)
+            if self.hf_config is not None:
+                self.hf_config.save_pretrained(root)
+
+
+def _schedule_note(module_dir: str, cfg) -> str | None:
+    """A message when the checkpoint was trained under another lr schedule."""
+    with open(os.path.join(module_dir, "trainer_state.json")) as f:
+        saved = json.load(f).get("lr_schedule")
+    if not saved:
+        return None
+    now = {k: getattr(cfg, k) for k in saved}
+    if now == saved:
+        return None
+    diff = ", ".join(f"{k}: {saved[k]!r} -> {now[k]!r}" for k in saved if saved[k] != now[k])
+    return (
+        f"resuming under a different learning-rate schedule ({diff}); from here the lr "
+        "follows this run's settings (ray_disagg.lr_at), so it may jump."
+    )
+
+
+def restore(model, optimizer, module: str, args, log=None) -> int:
+    """Load the latest checkpoint of this run (Ray Train hands it to restarted workers)
+    or ``resume_from_checkpoint``; returns the step to start from. ``log`` gets a note
+    when the checkpoint's lr schedule differs from this run's."""
+    import ray.train
+
+    ckpt = ray.train.get_checkpoint() or args.resume_from_checkpoint
+    if ckpt is None:
+        return 0
+    with ckpt.as_directory() as root:
+        check_compatible(root, args.spec.load_config(), args.cfg.max_steps)
+        module_dir = os.path.join(root, module)
+        if not load_sharded(model, optimizer, module_dir):
+            model_state, optimizer_state = read_full(module_dir)
+            load_model(model, model_state)
+            load_optimizer(optimizer, model, optimizer_state)
+        note = _schedule_note(module_dir, args.cfg)
+        if note and log is not None:
+            log(f"{module}: {note}")
+        return trained_steps(module_dir)

@@ -1,28 +1,28 @@
-"""Training loop of an encoder group's workers (vision, audio, ...).
+"""The worker loop of an encoder group (vision, audio, ...): it executes the encoder side
+of each step's schedule (``ray_disagg.pipeline.schedule.encoder_actions``).
 
-At the start of a step encoder replica ``d`` (its model-parallel rank 0) receives, from
-every LLM replica, the encoder fields of the samples it encodes in each microbatch
-(``BatchPlan.assign``) and shares them with its SP/TP peers. Then it runs a two-stage
-1F1B schedule against the LLM group: the forward of microbatch ``i`` (its crossing
-tensors posted to each LLM replica, asynchronously) as long as fewer than
-``max_in_flight`` microbatches await their gradients, otherwise the backward of the
-oldest one as soon as its gradients are back. ``max_in_flight=1`` is the sequential
-schedule. Gradients accumulate over the microbatches; the reduction and the optimizer
-step run once per step.
+Encoder replica ``d`` (its model-parallel rank 0) receives, from every LLM replica, the
+encoder fields of the samples it encodes in each microbatch (``BatchPlan.assign``) and
+shares them with its SP/TP peers. Each forward posts the microbatch's crossing tensors to
+the LLM replicas that hold its samples; each backward takes their gradients. Gradients
+accumulate over the microbatches; :func:`~ray_disagg.worker.step.finish_step` runs once.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 import torch.distributed as dist
 
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.parallel import ulysses
-from ray_disagg.worker import common as lc
-from ray_disagg.worker.stage import Stage
+from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expect
+from ray_disagg.pipeline.schedule import WAITS, Op, encoder_actions, peak_in_flight
+from ray_disagg.worker import faults_hook
+from ray_disagg.worker.args import LoopArgs
+from ray_disagg.worker.part_worker import PartWorker
+from ray_disagg.worker.step import finish_step
 
 
 def _row_offsets(adapter, part, samples) -> dict[str, list[int]]:
@@ -35,28 +35,26 @@ def _row_offsets(adapter, part, samples) -> dict[str, list[int]]:
     return out
 
 
-def _encode(st: Stage, samples) -> dict:
+def _encode(w: PartWorker, samples) -> dict:
     """The part's crossings for ``samples`` (one FSDP2 root call)."""
-    sp = st.is_sp or None
+    sp = w.is_sp or None
 
     def run(model):
-        return st.adapter.encode(model, st.part, samples, st.device, sp=sp)
+        return w.adapter.encode(model, w.part, samples, w.device, sp=sp)
 
-    with torch.autocast(st.device.type, torch.bfloat16, enabled=st.cfg.bf16):
-        return st.runner(run)
+    with torch.autocast(w.device.type, torch.bfloat16, enabled=w.cfg.bf16):
+        return w.runner(run)
 
 
-def _receive_inputs(st: Stage, plan, step: int, key):
+def _receive_inputs(w: PartWorker, plan, plan_step: int, key: StepKey):
     """Per microbatch: its samples (LLM replicas in order) and ``(llm replica, count)``,
-    from every LLM replica it shares samples with this step (``key``: the step's name in
-    messages; validation steps have their own)."""
-    args, llm = st.args, st.adapter.llm_part
+    from every LLM replica it shares samples with at ``plan_step``."""
+    llm = w.adapter.llm_part
     mbs = [([], []) for _ in range(plan.micro_batches)]
-    for t in plan.peers(st.part, st.dp_rank, llm, step):
-        meta, _ = st.side.recv_tensors(args.leader_side_rank(st.side, llm, t))
-        if meta["step"] != key:
-            raise RuntimeError(f"{st.part} group got step {meta['step']} inputs at step {key}")
-        for (samples, routes), sub in zip(mbs, meta["mbs"]):
+    for t in plan.peers(w.part, w.dp_rank, llm, plan_step):
+        msg, _ = w.channel.recv_tensors(w.side_rank(llm, t))
+        msg = expect(msg, Inputs, key, receiver=f"{w.part} group")
+        for (samples, routes), sub in zip(mbs, msg.microbatches):
             if sub:
                 samples += sub
                 routes.append((t, len(sub)))
@@ -64,148 +62,137 @@ def _receive_inputs(st: Stage, plan, step: int, key):
 
 
 class _Microbatch:
-    """One microbatch in flight: its outputs (holding the graph) until its backward."""
+    """One microbatch between its forward and its backward: its outputs hold the graph."""
 
-    def __init__(self, st: Stage, tower, samples, routes, step, j: int, grad: bool = True):
-        self.samples, self.routes, self.j, self.handles = samples, routes, j, []
+    def __init__(self, w: PartWorker, tower, samples, routes, j: int, grad: bool):
+        self.samples, self.routes, self.j = samples, routes, j
         # FSDP2: every rank must run the same units; one without inputs runs a stand-in
-        self.counts = st.adapter.item_counts(st.part, samples)
-        self.real = not st.fsdp or sum(self.counts.values()) > 0
-        inputs = samples if self.real else st.adapter.stand_in_samples(st.part)
+        self.counts = w.adapter.item_counts(w.part, samples)
+        self.real = not w.fsdp or sum(self.counts.values()) > 0
+        inputs = samples if self.real else w.adapter.stand_in_samples(w.part)
         with torch.set_grad_enabled(grad):  # forward only: frozen group, validation
-            self.outputs = _encode(st, inputs)
-        self.offsets = _row_offsets(st.adapter, st.part, samples)
-        self.sp_state = ulysses.save_state(tower) if st.is_sp and grad else None
-        if st.leader:
-            self._send(st, step)
-        if not grad:
-            self.outputs = None
+            self.outputs = _encode(w, inputs)
+        self.offsets = _row_offsets(w.adapter, w.part, samples)
+        self.sp_state = ulysses.save_state(tower) if w.is_sp and grad else None
+        self.grads = {c.name: [] for c in w.adapter.crossings(w.part)}
 
-    def _send(self, st: Stage, step: int) -> None:
-        first, llm = 0, st.adapter.llm_part
+    def send(self, w: PartWorker, key: StepKey) -> None:
+        """Post each LLM replica the rows of its samples (asynchronously)."""
+        first, llm = 0, w.adapter.llm_part
         for t, n in self.routes:
             tensors = {}
-            for c in st.adapter.crossings(st.part):
+            for c in w.adapter.crossings(w.part):
                 a, b = self.offsets[c.name][first], self.offsets[c.name][first + n]
                 if b > a:
                     tensors[c.name] = self.outputs[c.name][a:b].detach()
             first += n
-            dst = st.args.leader_side_rank(st.side, llm, t)
-            st.pending.append(
-                st.side.send_tensors(dst, tensors, {"step": step, "mb": self.j}, False)
-            )
+            msg = Crossings(key=key, mb=self.j)
+            w.pending.append(w.channel.send_tensors(w.side_rank(llm, t), tensors, msg, False))
 
-    def backward(self, st: Stage, tower, step: int) -> float:
-        """Receive the gradients and run backward; returns the seconds spent waiting."""
-        grads = {c.name: [] for c in st.adapter.crossings(st.part)}
-        t_wait = time.perf_counter()
-        if st.leader:
-            for t, _n in self.routes:
-                src = st.args.leader_side_rank(st.side, st.adapter.llm_part, t)
-                meta, received = st.side.recv_tensors(src, st.device)
-                if (meta["step"], meta["mb"]) != (step, self.j):
-                    raise RuntimeError(
-                        f"{st.part} group got step {meta['step']} microbatch {meta['mb']} "
-                        f"gradients at step {step} microbatch {self.j}"
-                    )
-                for name, g in received.items():
-                    grads[name].append(g)
-        for handle in self.handles:  # answered, so delivered: release the send buffers
-            handle.wait()
-        self.handles = []
-        t_wait = time.perf_counter() - t_wait
+    def receive_grads(self, w: PartWorker, key: StepKey) -> None:
+        for t, _n in self.routes:
+            src = w.side_rank(w.adapter.llm_part, t)
+            msg, received = w.channel.recv_tensors(src, w.device)
+            expect(msg, Grads, key, self.j, receiver=f"{w.part} group")
+            for name, g in received.items():
+                self.grads[name].append(g)
+
+    def backward(self, w: PartWorker, tower) -> None:
         if self.sp_state is not None:  # a recomputing backward reads this slice state
             ulysses.load_state(tower, self.sp_state)
         outs, out_grads = [], []
         for name, out in self.outputs.items():
             # sp: non-leaders hold an empty slice but must join the backward;
             # tp: every rank holds the replicated output and needs the full gradient
-            has = st.leader and self.real
-            grad = torch.cat(grads[name]).to(st.device) if has else torch.zeros_like(out)
-            grad = grad.to(st.device, out.dtype)
-            if st.is_tp:
-                dist.broadcast(grad, src=st.mp_src, group=st.mp_mesh.get_group())
+            has = w.leader and self.real
+            grad = torch.cat(self.grads[name]).to(w.device) if has else torch.zeros_like(out)
+            grad = grad.to(w.device, out.dtype)
+            if w.is_tp:
+                dist.broadcast(grad, src=w.mp_src, group=w.mp_mesh.get_group())
             outs.append(out)
             out_grads.append(grad)
         if outs:
             torch.autograd.backward(outs, out_grads)
-            st.backward_passes += 1
-        self.outputs = None
-        return t_wait
+            w.backward_passes += 1
+        self.outputs = self.grads = None
 
 
-def _forward_only(st: Stage, tower, mbs, key) -> dict[str, int]:
-    """A step's microbatches forward only, one at a time; returns the item counts."""
-    counts: dict[str, int] = {}
-    for j, (samples, routes) in enumerate(mbs):
-        mb = _Microbatch(st, tower, samples, routes, key, j, grad=False)
+class EncoderStep:
+    """Executes one step's encoder actions (a training step, or a validation batch with
+    ``grad=False``); ``counts`` are the items (images, videos, ...) it encoded."""
+
+    def __init__(self, w: PartWorker, tower, plan, plan_step: int, key: StepKey, grad: bool):
+        self.w, self.tower, self.plan, self.plan_step = w, tower, plan, plan_step
+        self.key, self.grad = key, grad
+        self.inputs, self.live, self.counts = None, {}, {}
+
+    def run(self, actions) -> None:
+        handlers = {
+            Op.RECV_INPUTS: self.recv_inputs,
+            Op.FORWARD: self.forward,
+            Op.RECV_GRADS: lambda j: self.live[j].receive_grads(self.w, self.key),
+            Op.BACKWARD: lambda j: self.live.pop(j).backward(self.w, self.tower),
+            Op.WAIT_SENDS: self.w.wait_pending,
+        }
+        for action in actions:
+            if action.op is Op.RECV_GRADS and not self.w.leader:
+                continue
+            with self.w.clock.span(waiting=action.op in WAITS):
+                handlers[action.op](action.mb)
+
+    def recv_inputs(self, _mb) -> None:
+        w = self.w
+        mbs = _receive_inputs(w, self.plan, self.plan_step, self.key) if w.leader else None
+        self.inputs = w.broadcast_object(mbs)
+
+    def forward(self, j: int) -> None:
+        w = self.w
+        if self.grad:
+            faults_hook.drill(w.part, w.group_rank, self.key.step, j)
+        samples, routes = self.inputs[j]
+        mb = _Microbatch(w, self.tower, samples, routes, j, self.grad)
+        if w.leader:
+            mb.send(w, self.key)
         for name, n in mb.counts.items():
-            counts[name] = counts.get(name, 0) + n
-    st.wait_pending()
-    return counts
+            self.counts[name] = self.counts.get(name, 0) + n
+        if self.grad:
+            self.live[j] = mb
+
+    def sample_ids(self) -> list:
+        return [s.get("id") for samples, _ in self.inputs for s in samples]
 
 
-def _evaluate(st: Stage, tower, plan, step: int) -> list[float]:
+def _evaluate(w: PartWorker, tower, plan, step: int) -> list[float]:
     """Encode the validation set for the LLM group (which computes the loss)."""
+    actions = encoder_actions(plan.micro_batches, trains=False)
     for v in range(plan.steps_per_epoch):
-        key = ("val", step, v)
-        mbs = _receive_inputs(st, plan, v, key) if st.leader else None
-        _forward_only(st, tower, st.broadcast_object(mbs), key)
+        EncoderStep(w, tower, plan, v, StepKey(step, v), grad=False).run(actions)
     return [0.0, 0.0]
 
 
-def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
-    st = Stage(args, part)
-    adapter, cfg = st.adapter, st.cfg
-    model = st.build()
-    tower = adapter.part_roots(model, part)[0]
-    if st.is_sp:
-        ulysses.enable_ulysses(tower, adapter.sp_plan(part), st.mp_mesh.get_group())
-    if st.is_tp:
-        tp.parallelize_vision(tower, adapter.tower_tp_plan(part), st.mp_mesh)
-    start = st.setup(model)
-    k, limit = cfg.micro_batches, cfg.max_in_flight or 1
+def encoder_train_loop(args: LoopArgs, part: str) -> None:
+    w = PartWorker(args, part)
+    model = w.build()
+    tower = w.adapter.part_roots(model, part)[0]
+    if w.is_sp:
+        ulysses.enable_ulysses(tower, w.adapter.sp_plan(part), w.mp_mesh.get_group())
+    if w.is_tp:
+        tp.parallelize_vision(tower, w.adapter.tower_tp_plan(part), w.mp_mesh)
+    start = w.setup(model)
+    limit = w.cfg.max_in_flight or 1
+    actions = encoder_actions(w.cfg.micro_batches, limit, trains=not w.frozen)
     evaluate = None
     if args.val_plan is not None:
-        evaluate = functools.partial(_evaluate, st, tower, args.val_plan)
-
-    for step in range(start, cfg.max_steps):
-        lc.maybe_inject_failure(cfg, part, st.group_rank, step)
-        t_wait = time.perf_counter()
-        mbs = _receive_inputs(st, args.plan, step, step) if st.leader else None
-        t_wait = time.perf_counter() - t_wait
-        t_compute = time.perf_counter()
-        mbs = st.broadcast_object(mbs)
-        t_compute = time.perf_counter() - t_compute
-        in_flight, done, peak = [], 0, 0
-        counts: dict[str, int] = {}
-        if st.frozen:  # nothing to train: forward only, no gradients come back
-            t0 = time.perf_counter()
-            counts, done, peak = _forward_only(st, tower, mbs, step), k, 1
-            t_compute += time.perf_counter() - t0
-        while done < k:
-            t0 = time.perf_counter()
-            if len(in_flight) + done < k and len(in_flight) < limit:  # forward the next one
-                j = len(in_flight) + done
-                lc.maybe_inject_failure(cfg, part, st.group_rank, step, j)
-                mb = _Microbatch(st, tower, *mbs[j], step, j)
-                in_flight.append(mb)
-                peak = max(peak, len(in_flight))
-                for name, n in mb.counts.items():
-                    counts[name] = counts.get(name, 0) + n
-                t_compute += time.perf_counter() - t0
-            else:  # the oldest one's gradients (waiting for them is the bubble)
-                mb = in_flight.pop(0)
-                waited = mb.backward(st, tower, step)
-                done += 1
-                t_wait += waited
-                t_compute += time.perf_counter() - t0 - waited
-        t1 = time.perf_counter()
-        st.wait_pending()
-        t_wait += time.perf_counter() - t1
-        stats = st.layout.new()
-        if st.leader:
-            for name, n in counts.items():
-                stats[st.layout.index[name]] = n
-        ids = [s.get("id") for samples, _ in mbs for s in samples]
-        st.finish(step, stats, t_compute, t_wait, sample_ids=ids, inflight=peak, evaluate=evaluate)
+        evaluate = functools.partial(_evaluate, w, tower, args.val_plan)
+    for step in range(start, w.cfg.max_steps):
+        faults_hook.drill(part, w.group_rank, step)
+        run = EncoderStep(w, tower, args.plan, step, StepKey(step), grad=not w.frozen)
+        run.run(actions)
+        stats = args.stats.new()
+        if w.leader:
+            for name, n in run.counts.items():
+                stats[args.stats.index[name]] = n
+        inflight = peak_in_flight(actions)
+        finish_step(
+            w, step, stats, sample_ids=run.sample_ids(), inflight=inflight, evaluate=evaluate
+        )

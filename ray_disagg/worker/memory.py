@@ -43,3 +43,12 @@ def saved_activation_bytes(module: torch.nn.Module):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield total
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak GPU memory allocated on CUDA; peak resident set size of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,7 +1,7 @@
-"""Per-worker-process state: the group's device mesh and the side group.
+"""Per-worker-process state: the group's device mesh and the channel to the other groups.
 
 The module's Ray Train backend fills it in when the group starts (like Ray Train's own
-train context); the coordinator adds the side group once every group is up. The training
+train context); the coordinator adds the channel once every group is up. The training
 loop reads it once and passes meshes and groups explicitly from there on.
 """
 
@@ -21,8 +21,8 @@ __all__ = [
     "get_runtime",
     "init_runtime",
     "locate",
-    "host_side_store",
-    "join_side_group",
+    "host_channel_store",
+    "join_channel",
 ]
 
 
@@ -31,20 +31,20 @@ class WorkerRuntime:
     module: str
     mesh: DeviceMesh
     device: torch.device
-    side: sg.SideGroup | None = None
-    _side_ready: threading.Event = field(default_factory=threading.Event)
-    _side_error: BaseException | None = None
+    channel: sg.Channel | None = None
+    _channel_ready: threading.Event = field(default_factory=threading.Event)
+    _channel_error: BaseException | None = None
     _store: object = None
 
-    def wait_side_group(self, timeout_s: float) -> sg.SideGroup:
-        if not self._side_ready.wait(timeout_s):
+    def wait_channel(self, timeout_s: float) -> sg.Channel:
+        if not self._channel_ready.wait(timeout_s):
             raise TimeoutError(
-                f"[{self.module}] the cross-group side process group was not ready after "
+                f"[{self.module}] the channel to the other groups was not ready after "
                 f"{timeout_s:.0f}s; another module group probably failed to start."
             )
-        if self._side_error is not None:
-            raise RuntimeError(f"[{self.module}] side group setup failed") from self._side_error
-        return self.side
+        if self._channel_error is not None:
+            raise RuntimeError(f"[{self.module}] channel setup failed") from self._channel_error
+        return self.channel
 
 
 _runtime: WorkerRuntime | None = None
@@ -102,7 +102,7 @@ def locate() -> Location:
     )
 
 
-def host_side_store(timeout_s: float) -> tuple[str, int]:
+def host_channel_store(timeout_s: float) -> tuple[str, int]:
     import ray
 
     addr = ray.util.get_node_ip_address()
@@ -111,17 +111,17 @@ def host_side_store(timeout_s: float) -> tuple[str, int]:
     return addr, port
 
 
-def join_side_group(spec: sg.SideGroupSpec, module: str, group_rank: int) -> None:
+def join_channel(spec: sg.ChannelSpec, module: str, group_rank: int) -> None:
     import ray
 
     rt = get_runtime()
     try:
         rank = spec.offsets[module] + group_rank
-        rt.side = sg.join(
+        rt.channel = sg.join(
             spec, rank, ray.util.get_node_ip_address(), store=rt._store, device=rt.device
         )
     except BaseException as e:
-        rt._side_error = e
+        rt._channel_error = e
         raise
     finally:
-        rt._side_ready.set()
+        rt._channel_ready.set()

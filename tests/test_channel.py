@@ -12,7 +12,7 @@ from ray_disagg.transport import channel as sg
 WORLD = 3
 
 
-def _join(rank, port_q, timeout_s, tiers=None) -> sg.SideGroup:
+def _join(rank, port_q, timeout_s, tiers=None) -> sg.Channel:
     """Side ranks [vision 0, vision 1, text 0]; rank 0 hosts the store."""
     store = None
     if rank == 0:
@@ -21,7 +21,7 @@ def _join(rank, port_q, timeout_s, tiers=None) -> sg.SideGroup:
             port_q.put(port)
     else:
         port = port_q.get()
-    spec = sg.SideGroupSpec(
+    spec = sg.ChannelSpec(
         "127.0.0.1", port, {"vision": 0, "text": 2}, {"vision": 2, "text": 1}, timeout_s, "t",
         tiers=tiers or {},
     )  # fmt: skip

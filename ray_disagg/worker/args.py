@@ -1,0 +1,43 @@
+"""Everything a worker's loop needs, built on the driver and pickled into the train
+function."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ray_disagg.config import ModuleGroup, TrainLoopConfig
+from ray_disagg.model import HFModelSpec
+from ray_disagg.pipeline.assignment import BatchPlan
+from ray_disagg.worker.metrics import StepStats
+
+
+@dataclass
+class LoopArgs:
+    """Everything a worker's loop needs (pickled into the train function)."""
+
+    spec: HFModelSpec
+    cfg: TrainLoopConfig
+    groups: dict[str, ModuleGroup]  # in the adapter's part order, the LLM part last
+    plan: BatchPlan
+    dataset_ref: list | None = None  # [ObjectRef]: a list keeps Ray from resolving it early
+    resume_from_checkpoint: object = None
+    samples_validated: bool = False  # the driver checked every sample before the run
+    metrics_path: str | None = None  # <run dir>/metrics.jsonl: every reported step
+    frozen_parts: tuple[str, ...] = ()  # groups whose parameters are all frozen
+    val_ref: list | None = None  # [ObjectRef] of the map-style validation samples
+    val_plan: BatchPlan | None = None
+
+    @property
+    def adapter(self):
+        return self.spec.adapter
+
+    @functools.cached_property
+    def stats(self) -> StepStats:
+        a = self.adapter
+        counters = [c for p in a.encoder_parts for c in a.counter_names(p)]
+        return StepStats(list(self.groups), counters)
+
+    def leader_side_rank(self, channel, group: str, dp_rank: int) -> int:
+        """Side rank of the model-parallel rank 0 of replica ``dp_rank`` of ``group``."""
+        return channel.rank_of(group, dp_rank * self.groups[group].model_parallel_size)

@@ -1,0 +1,214 @@
+"""What a step reports: the stats vector every rank sums once a step, the time spent
+computing and waiting, the reporting cadence, ``ray.train.report``, the metrics file and
+the one line a step prints."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+
+import ray.train
+import torch
+
+from ray_disagg.lr_schedule import lr_at
+from ray_disagg.transport.channel import Channel
+
+
+class StepStats:
+    """Slots of the float64 vector every rank all-reduces (SUM) over the channel once a
+    step. Each slot is filled by exactly one rank (or by one rank per data-parallel
+    replica for the batch sums); the others give 0.
+
+    - ``loss``, ``label_tokens``, ``llm_tokens``: the LLM group's data-parallel leaders;
+    - ``cycle``: wall seconds since the previous exchange, the LLM group's rank 0;
+    - ``transfer_fallbacks``: tensor messages sent over gloo instead of their planned tier
+      (e.g. a full /dev/shm), every rank;
+    - ``<group>_{sq,time,wait,peak,inflight,bwd}``: squared grad norm, compute and wait
+      seconds, peak memory (MB), most microbatches alive at once, backward passes run, of
+      each group, from its rank 0;
+    - counters (``images``, ``videos``, ``audios``): the encoder groups' DP leaders.
+    """
+
+    def __init__(self, groups: list[str], counters: list[str]):
+        self.groups, self.counters = list(groups), list(counters)
+        names = ["loss", "label_tokens", "llm_tokens", "cycle", "transfer_fallbacks"]
+        per_group = ("sq", "time", "wait", "peak", "inflight", "bwd")
+        names += [f"{g}_{k}" for g in groups for k in per_group]
+        names += list(counters)
+        self.index = {n: i for i, n in enumerate(names)}
+
+    def new(self) -> torch.Tensor:
+        return torch.zeros(len(self.index), dtype=torch.float64)
+
+    def metrics(
+        self, stats, step: int, epoch: int, lrs: dict[str, float], mean_step_time: float
+    ) -> dict:
+        """``lrs``: ``"lr"`` (the schedule's) and ``"<group>_lr"`` of this step."""
+        s = {n: float(stats[i]) for n, i in self.index.items()}
+        cycle = max(s["cycle"], 1e-9)
+        out = {
+            "step": step + 1,
+            "epoch": epoch,
+            "loss": s["loss"],
+            "grad_norm": sum(s[f"{g}_sq"] for g in self.groups) ** 0.5,
+            **lrs,
+            "label_tokens": int(s["label_tokens"]),
+            "step_time_s": s["cycle"],
+            "mean_step_time_s": mean_step_time,
+            "tokens_per_s": s["llm_tokens"] / cycle,
+            "transfer_fallbacks": int(s["transfer_fallbacks"]),
+        }
+        for g in self.groups:
+            out[f"{g}_grad_norm"] = s[f"{g}_sq"] ** 0.5
+            out[f"{g}_compute_s"] = s[f"{g}_time"]
+            out[f"{g}_wait_s"] = s[f"{g}_wait"]
+            out[f"{g}_peak_memory_mb"] = s[f"{g}_peak"]
+            out[f"{g}_max_in_flight"] = int(s[f"{g}_inflight"])
+            out[f"{g}_backward_passes"] = int(s[f"{g}_bwd"])
+        out.update({c: int(s[c]) for c in self.counters})
+        return out
+
+    def total_norm(self, stats) -> float:
+        return float(sum(stats[self.index[f"{g}_sq"]] for g in self.groups)) ** 0.5
+
+
+class StepClock:
+    """Seconds a worker spends computing and waiting in a step (:meth:`span`), and the
+    wall time between two stats exchanges, not counting time spent reporting
+    (``excluded``)."""
+
+    def __init__(self):
+        self.last_exchange = time.perf_counter()
+        self.excluded = 0.0
+        self.cycles: list[float] = []
+        self.compute = self.wait = 0.0
+
+    @contextlib.contextmanager
+    def span(self, waiting: bool):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            if waiting:
+                self.wait += dt
+            else:
+                self.compute += dt
+
+    def take(self) -> tuple[float, float]:
+        """``(compute, wait)`` seconds of this step so far; starts the next step at 0."""
+        out = (self.compute, self.wait)
+        self.compute = self.wait = 0.0
+        return out
+
+    def exchange(self, channel: Channel, stats: torch.Tensor, layout, is_timer: bool):
+        now = time.perf_counter()
+        cycle = layout.index["cycle"]
+        if is_timer:
+            stats[cycle] = now - self.last_exchange - self.excluded
+        self.last_exchange, self.excluded = now, 0.0
+        stats = channel.all_reduce_sum(stats)
+        self.cycles.append(float(stats[cycle]))
+        return stats
+
+    @property
+    def mean_step_time(self) -> float:
+        """Mean step time without the first (warm-up) step."""
+        steady = self.cycles[1:] or self.cycles
+        return sum(steady) / len(steady)
+
+
+def group_lrs(args, step: int) -> dict[str, float]:
+    """``lr`` (the schedule's) and ``<group>_lr`` (times its multiplier; 0 when frozen)."""
+    out = {"lr": lr_at(args.cfg, step)}
+    for name, g in args.groups.items():
+        frozen = name in args.frozen_parts
+        out[f"{name}_lr"] = 0.0 if frozen else lr_at(args.cfg, step, g.lr_multiplier)
+    return out
+
+
+def is_checkpoint_step(cfg, step: int) -> bool:
+    last = step == cfg.max_steps - 1
+    return last or (cfg.checkpoint_every is not None and (step + 1) % cfg.checkpoint_every == 0)
+
+
+def is_eval_step(args, step: int) -> bool:
+    """Validation runs every ``eval_every`` steps and at every checkpoint step."""
+    if args.val_plan is None:
+        return False
+    every = args.cfg.eval_every
+    return is_checkpoint_step(args.cfg, step) or (every is not None and (step + 1) % every == 0)
+
+
+def is_reported_step(args, step: int) -> bool:
+    """Every ``report_every`` steps, checkpoint steps and evaluation steps (``val_loss``)."""
+    cfg = args.cfg
+    reported = is_checkpoint_step(cfg, step) or (step + 1) % cfg.report_every == 0
+    return reported or is_eval_step(args, step)
+
+
+def report(metrics: dict, step: int, *, writer, model=None, optimizer=None) -> None:
+    """``ray.train.report`` on every rank; with a ``model`` (a checkpoint step) every rank
+    writes its shard and uploads it into the shared directory ``checkpoint_<step>``."""
+    if model is None:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        writer.write(tmp, step, model, optimizer)
+        ray.train.report(
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(tmp),
+            checkpoint_dir_name=f"checkpoint_{step + 1:06d}",
+        )
+
+
+def maybe_report(args, stats, step: int, writer, clock: StepClock, model, optimizer, extra):
+    """Report on the steps every rank agrees on: each ``report_every``, checkpoints, last.
+
+    At checkpoint steps every rank first joins the collectives that gather the model
+    (tensor parallel) and the optimizer state (ZeRO-1)."""
+    if not is_reported_step(args, step):
+        return
+    t0 = time.perf_counter()
+    epoch = step // args.plan.steps_per_epoch
+    metrics = args.stats.metrics(stats, step, epoch, group_lrs(args, step), clock.mean_step_time)
+    metrics.update(extra)
+    if writer.module == args.adapter.llm_part and writer.lead:
+        log_step(metrics, args.cfg.max_steps)
+        if args.metrics_path:
+            append_metrics(args.metrics_path, metrics)
+    if is_checkpoint_step(args.cfg, step):
+        report(metrics, step, writer=writer, model=model, optimizer=optimizer)
+    else:
+        report(metrics, step, writer=writer)
+    clock.excluded += time.perf_counter() - t0
+
+
+def log_line(message: str) -> None:
+    """One line on the worker's stdout, which Ray forwards to the driver once. (Ray
+    Train's patched ``print`` in workers both tees to stdout and logs the message, so a
+    ``print`` shows up twice.)"""
+    sys.stdout.write(f"[ray_disagg] {message}\n")
+    sys.stdout.flush()
+
+
+def log_step(metrics: dict, max_steps: int) -> None:
+    """One line per reported step, from the LLM group's rank 0 only."""
+    val = f" val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""
+    log_line(
+        f"step {metrics['step']}/{max_steps} loss {metrics['loss']:.4f}{val} "
+        f"lr {metrics['lr']:.3g} grad_norm {metrics['grad_norm']:.3f} "
+        f"step_time {metrics['step_time_s']:.3f}s tokens/s {metrics['tokens_per_s']:.0f}"
+    )
+
+
+def append_metrics(path: str, metrics: dict) -> None:
+    """One JSON line per reported step (a restarted run appends the steps it redoes;
+    :func:`ray_disagg.load_metrics` keeps the last line of each step)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(metrics, default=float) + "\n")

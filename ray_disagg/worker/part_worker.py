@@ -1,0 +1,126 @@
+"""One worker of the group that trains a part: its meshes, its channel to the other
+groups, its model (built on ``meta``, parallelized, then materialized) and optimizer."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ray_disagg.freezing import apply_freeze
+from ray_disagg.models import loading
+from ray_disagg.parallel import fsdp
+from ray_disagg.parallel import tensor_parallel as tp
+from ray_disagg.worker import checkpoint
+from ray_disagg.worker.args import LoopArgs
+from ray_disagg.worker.metrics import StepClock, log_line
+from ray_disagg.worker.runtime import get_runtime
+from ray_disagg.worker.step import build_optimizer
+
+
+def _flat_mesh(mesh, device):
+    """A 1-D mesh over every rank of the group (FSDP2 over ``dp x sp``)."""
+    if mesh.size() == mesh.size(0):
+        return mesh[mesh.mesh_dim_names[0]]
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (mesh.size(),), mesh_dim_names=("dp_sp",))
+
+
+class PartWorker:
+    """One worker of group ``part`` (mesh axes ``("dp", <mp axis>)``, the mp axis ``"sp"``
+    or ``"tp"``). The model-parallel rank 0 of each replica is its leader: it reads or
+    receives the samples and talks to the other groups."""
+
+    def __init__(self, args: LoopArgs, part: str):
+        self.args, self.part, self.cfg = args, part, args.cfg
+        self.adapter = args.adapter
+        self.rt = get_runtime()
+        self.device = self.rt.device
+        self.channel = self.rt.wait_channel(self.cfg.collective_timeout_s)
+        mesh = self.rt.mesh
+        self.dp_mesh = mesh[mesh.mesh_dim_names[0]]  # "dp", or "dp_shard" with FSDP2
+        self.mp_axis = mesh.mesh_dim_names[1]
+        self.mp_mesh = mesh[self.mp_axis]
+        self.dp_rank, self.group_rank = self.dp_mesh.get_local_rank(), mesh.get_rank()
+        self.mp_size, self.mp_rank = self.mp_mesh.size(), self.mp_mesh.get_local_rank()
+        self.leader = self.mp_rank == 0
+        self.mp_src = self.group_rank - self.mp_rank
+        self.is_tp = self.mp_axis == "tp" and self.mp_size > 1
+        self.is_sp = self.mp_axis == "sp" and self.mp_size > 1
+        self.group = args.groups[part]
+        self.fsdp = self.group.fsdp
+        self.frozen = part in args.frozen_parts  # every parameter frozen: forward only
+        self.is_llm = part == self.adapter.llm_part
+        self.clock = StepClock()
+        self.pending = []  # posted cross-group sends not yet known delivered
+        self.skipped = 0  # steps not applied (no label token, or non-finite with skipping)
+        self.backward_passes = 0  # of this step
+
+    def wait_pending(self, _mb=None) -> None:
+        """Wait for the posted sends (before their tensors may change)."""
+        for handle in self.pending:
+            handle.wait()
+        self.pending = []
+
+    def build(self) -> torch.nn.Module:
+        """The part on the ``meta`` device (no memory yet): the loop applies its SP/TP plan,
+        then :meth:`setup` shards it with FSDP2 and materializes this rank's shards."""
+        model = self.args.spec.meta_model(self.part)
+        if self.cfg.param_dtype == "bfloat16":  # pure bf16
+            loading.cast_parameters(model, torch.bfloat16)
+        apply_freeze(model, self.group)  # before any plan: every wrapper keeps the flag
+        if self.group.activation_checkpointing:
+            for root in self.adapter.part_roots(model, self.part):
+                if hasattr(root, "gradient_checkpointing_enable"):  # not e.g. an lm_head
+                    root.gradient_checkpointing_enable({"use_reentrant": False})
+        return model
+
+    def setup(self, model: torch.nn.Module) -> int:
+        """FSDP2 (when the group uses it), this rank's shards of the weights, the optimizer,
+        the checkpoint writer and the restore; returns the step to start from."""
+        self.model = model
+        self.runner = fsdp.PartRunner(model)
+        if self.fsdp:
+            # tp: shard over dp_shard (FSDP2 x TP); sp/dp: over every rank of the group
+            shard_mesh = self.dp_mesh if self.is_tp else _flat_mesh(self.rt.mesh, self.device)
+            fsdp.apply_fsdp(self.runner, shard_mesh, self.cfg.bf16, self._own_units(model))
+        log = log_line if self.group_rank == 0 else None
+        self.args.spec.materialize(model, self.device, self.part, log=log)
+        if self.is_tp:
+            tp.mark_partial_grads(model, self.adapter.per_head_norms)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        zero1 = getattr(self.group.parallelism, "zero1", False)
+        self.opt = build_optimizer(self.params, self.cfg, zero1=zero1)
+        hf_config = self.args.spec.load_config() if self.is_llm else None
+        lead = self.group_rank == 0
+        self.writer = checkpoint.ShardWriter(self.part, lead, hf_config, self.cfg)
+        self.start = checkpoint.restore(model, self.opt, self.part, self.args, log=log)
+        if log is not None:
+            n_all = sum(p.numel() for p in model.parameters())
+            n_train = sum(p.numel() for p in self.params)
+            log(
+                f"{self.part}: ready, {n_train:,} of {n_all:,} local parameter elements "
+                f"trainable; starting at step {self.start + 1}/{self.cfg.max_steps}"
+            )
+        return self.start
+
+    def _own_units(self, model) -> list[torch.nn.Module]:
+        """FSDP2 units besides the blocks: the LLM's input embedding and ``lm_head`` (large
+        with a big vocabulary; the root unit stays unsharded for the whole step), unless
+        they are tied (one parameter cannot be in two units)."""
+        if not self.is_llm or loading.tied_parameters(model):
+            return []
+        decoder, lm_head = self.adapter.llm_modules(model)
+        return [decoder.embed_tokens, lm_head]
+
+    def broadcast_object(self, obj):
+        """``obj`` of the model-parallel leader, on every rank of its mp group."""
+        if self.mp_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.mp_src, group=self.mp_mesh.get_group())
+        return box[0]
+
+    def side_rank(self, group: str, dp_rank: int) -> int:
+        """Side rank of the leader of replica ``dp_rank`` of ``group``."""
+        return self.args.leader_side_rank(self.channel, group, dp_rank)

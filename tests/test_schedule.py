@@ -1,0 +1,91 @@
+"""Tier 1: the step schedules are data (pure action lists) and the messages are typed."""
+
+import pickle
+
+import pytest
+
+from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expect
+from ray_disagg.pipeline.schedule import (
+    Action,
+    Op,
+    encoder_actions,
+    llm_actions,
+    peak_in_flight,
+)
+
+
+def _ops(actions, op):
+    return [a.mb for a in actions if a.op is op]
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_encoder_1f1b_forwards_and_backwards_every_microbatch_in_order(k):
+    for limit in range(1, k + 2):
+        actions = encoder_actions(k, limit)
+        assert actions[0] == Action(Op.RECV_INPUTS) and actions[-1] == Action(Op.WAIT_SENDS)
+        assert _ops(actions, Op.FORWARD) == list(range(k))
+        assert _ops(actions, Op.BACKWARD) == list(range(k))
+        assert _ops(actions, Op.RECV_GRADS) == list(range(k))
+        assert peak_in_flight(actions) == min(limit, k)
+        for j in range(k):  # gradients come in right before their backward, after forward
+            f = actions.index(Action(Op.FORWARD, j))
+            r = actions.index(Action(Op.RECV_GRADS, j))
+            assert f < r and actions[r + 1] == Action(Op.BACKWARD, j)
+
+
+def test_sequential_alternates_and_1f1b_runs_ahead():
+    seq = [str(a) for a in encoder_actions(2, 1)]
+    assert seq == [
+        "recv_inputs",
+        "forward(0)",
+        "recv_grads(0)",
+        "backward(0)",
+        "forward(1)",
+        "recv_grads(1)",
+        "backward(1)",
+        "wait_sends",
+    ]
+    ahead = [str(a) for a in encoder_actions(4, 2)]
+    assert ahead[1:4] == ["forward(0)", "forward(1)", "recv_grads(0)"]
+    assert ahead.index("forward(2)") == ahead.index("backward(0)") + 1
+
+
+def test_forward_only_schedules():
+    enc = encoder_actions(3, 2, trains=False)
+    assert [a.op for a in enc] == [Op.RECV_INPUTS] + [Op.FORWARD] * 3 + [Op.WAIT_SENDS]
+    assert peak_in_flight(enc) == 1
+    llm = llm_actions(3, sends_grads=False)
+    assert not _ops(llm, Op.SEND_GRADS) and _ops(llm, Op.TRAIN) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_llm_receives_trains_and_answers_each_microbatch(k):
+    actions = llm_actions(k)
+    assert actions[0] == Action(Op.SEND_INPUTS) and actions[-1] == Action(Op.WAIT_SENDS)
+    for j in range(k):
+        i = actions.index(Action(Op.RECV_CROSSINGS, j))
+        assert actions[i + 1 : i + 4] == [
+            Action(Op.WAIT_SENDS),
+            Action(Op.TRAIN, j),
+            Action(Op.SEND_GRADS, j),
+        ]
+
+
+def test_bad_schedule_arguments():
+    with pytest.raises(ValueError, match="at least one microbatch"):
+        encoder_actions(0)
+    with pytest.raises(ValueError, match="max_in_flight=0"):
+        encoder_actions(2, 0)
+
+
+def test_messages_are_typed_checked_and_picklable():
+    key = StepKey(step=2)
+    msg = pickle.loads(pickle.dumps(Inputs(key=key, microbatches=[[{"id": 1}]])))
+    assert expect(msg, Inputs, key, receiver="vision group").microbatches == [[{"id": 1}]]
+    assert expect(Grads(key=key, mb=0), Grads, key, 0, receiver="vision group")
+    with pytest.raises(RuntimeError, match="Crossings of step 3 microbatch 1 but got"):
+        expect(Crossings(key=key, mb=0), Crossings, key, 1, receiver="text group")
+    with pytest.raises(RuntimeError, match="validation batch 0 at step 3"):
+        expect(Grads(key=key, mb=0), Grads, StepKey(2, val_batch=0), 0, receiver="vision")
+    with pytest.raises(RuntimeError, match="expected Grads"):
+        expect(Crossings(key=key, mb=0), Grads, key, 0, receiver="vision group")
