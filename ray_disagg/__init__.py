@@ -11,10 +11,10 @@ from ray_disagg.config import (
     ModuleGroup,
     SequenceParallel,
     TensorParallel,
-    TrainLoopConfig,
 )
 from ray_disagg.export import export_hf
 from ray_disagg.launch.backend import ModuleBackendConfig, TextBackendConfig, VisionBackendConfig
+from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.lr_schedule import lr_at
 from ray_disagg.model import HFModelSpec, Qwen2_5_VLSpec
 from ray_disagg.models import (

@@ -15,7 +15,7 @@ import pandas as pd
 import ray
 from ray.train import Checkpoint, Result, RunConfig, ScalingConfig
 
-from ray_disagg.config import ModuleGroup, SequenceParallel, TrainLoopConfig
+from ray_disagg.config import ModuleGroup, SequenceParallel
 from ray_disagg.freezing import frozen_parts
 from ray_disagg.launch import datasets as dsc
 from ray_disagg.launch import ray_compat as rc
@@ -29,6 +29,7 @@ from ray_disagg.launch.resources import (
     demand_lines,
 )
 from ray_disagg.launch.worker_groups import GroupLaunch, Transfers
+from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan
 from ray_disagg.transport import TIERS

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import ray.train
 import torch
 
-from ray_disagg.config import ModuleGroup, TrainLoopConfig
+from ray_disagg.config import ModuleGroup
+from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.lr_schedule import lr_at
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan
