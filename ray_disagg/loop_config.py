@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,8 @@ PARAM_DTYPES = ("float32", "bfloat16")
 SCHEDULES = ("sequential", "1f1b")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 ASSIGNMENTS = ("auto", "contiguous", "balanced")
+# Keys of ``extra`` that were options in the previous release (removed in the next one).
+DEPRECATED_EXTRA = ("report_sample_ids", "report_placement")
 
 
 def _check_float(name: str, value, ok, what: str) -> None:
@@ -130,10 +133,19 @@ class TrainLoopConfig:
     """Packed row length (tokens); required with ``pack_sequences``. A longer sample is a
     ``ValueError`` naming it."""
 
+    report_sample_ids: bool = False
+    """Add the metric ``sample_ids``: the indices of the samples each step trained on, in
+    order (an audit that no sample is repeated or dropped within an epoch)."""
+
+    report_placement: bool = False
+    """Add the metric ``placement``: each worker's ``[placement group id, bundle index]``
+    per group (to check where ``placement="colocated"`` put the workers)."""
+
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form values, passed through untouched (e.g. for callbacks)."""
 
     def __post_init__(self) -> None:
+        self._take_deprecated_extra()
         for name in ("max_steps", "global_batch_size", "report_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -217,11 +229,35 @@ class TrainLoopConfig:
                 f"train_loop_config['assignment']={self.assignment!r}: must be one of "
                 f"{ASSIGNMENTS}."
             )
+        for name in ("report_sample_ids", "report_placement"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"train_loop_config[{name!r}]={getattr(self, name)!r}: must be a bool."
+                )
         if self.param_dtype not in PARAM_DTYPES:
             raise ValueError(
                 f"train_loop_config['param_dtype']={self.param_dtype!r} is not supported; use "
                 f"one of {sorted(PARAM_DTYPES)}."
             )
+
+    def _take_deprecated_extra(self) -> None:
+        """``extra={"report_sample_ids": ..., "report_placement": ...}`` (the previous
+        release's spelling) set the typed fields, with a ``DeprecationWarning``."""
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"train_loop_config['extra']={self.extra!r}: must be a dict.")
+        moved = [k for k in DEPRECATED_EXTRA if k in self.extra]
+        if not moved:
+            return
+        self.extra = dict(self.extra)  # the caller's dict stays as it was
+        for key in moved:
+            warnings.warn(
+                f"ray_disagg: train_loop_config extra[{key!r}] is deprecated and is removed in the "
+                f"next release; use TrainLoopConfig({key}=...) (train_loop_config "
+                f"{{{key!r}: ...}}) instead.",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            setattr(self, key, self.extra.pop(key))
 
     @classmethod
     def from_any(cls, value: TrainLoopConfig | dict[str, Any] | None) -> TrainLoopConfig:

@@ -98,7 +98,7 @@ def test_ray_data_ingest_uses_every_sample_once_per_epoch(ray_start_4_cpus, setu
     cfg, spec, _ = setup
     samples = synthetic_samples(cfg, 12, grids=[(1, 4, 4), (1, 8, 4)])
     ds = ray.data.from_items(samples)
-    loop = dict(LOOP, max_steps=6, extra={"report_sample_ids": True})
+    loop = dict(LOOP, max_steps=6, report_sample_ids=True)
     result = fit(spec, ds, loop, vt(group(2), group(2)), tmp_path, "raydata")
     rows = result.metrics_dataframe.sort_values("step")
     per_step = [list(ids) for ids in rows["sample_ids"]]

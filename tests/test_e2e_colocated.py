@@ -15,7 +15,7 @@ LOOP = {
     "lr": 1e-3,
     "eps": 1e-6,
     "seed": 5,
-    "extra": {"report_placement": True},
+    "report_placement": True,
 }
 GRIDS = [(1, 4, 4), (1, 8, 4), None, (1, 4, 8), (1, 8, 8)]
 

@@ -74,7 +74,7 @@ def test_1f1b_layouts_match_single_process(ray_start_4_cpus, setup, tmp_path, vi
 
 def test_sequential_accumulation_balanced_equals_contiguous(ray_start_4_cpus, setup, tmp_path):
     spec, data = setup
-    base = dict(LOOP, schedule="sequential", extra={"report_sample_ids": True})
+    base = dict(LOOP, schedule="sequential", report_sample_ids=True)
     runs = {}
     for assignment in ("contiguous", "balanced"):
         loop = dict(base, assignment=assignment)
