@@ -242,9 +242,20 @@ class TrainLoopConfig:
 
     def _take_deprecated_extra(self) -> None:
         """``extra={"report_sample_ids": ..., "report_placement": ...}`` (the previous
-        release's spelling) set the typed fields, with a ``DeprecationWarning``."""
+        release's spelling) set the typed fields, with a ``DeprecationWarning``;
+        ``extra["inject_failure_once"]`` warns too (the trainer turns it into the
+        ``RAY_DISAGG_FAULT_DRILL`` environment variable of its workers)."""
         if not isinstance(self.extra, dict):
             raise ValueError(f"train_loop_config['extra']={self.extra!r}: must be a dict.")
+        if "inject_failure_once" in self.extra:
+            warnings.warn(
+                "ray_disagg: train_loop_config extra['inject_failure_once'] is deprecated and "
+                "is removed in the next release; fault drills are armed by the environment "
+                "variable RAY_DISAGG_FAULT_DRILL (ray_disagg.testing.faults.fault_drill), "
+                "which the driver hands to its workers.",
+                DeprecationWarning,
+                stacklevel=4,
+            )
         moved = [k for k in DEPRECATED_EXTRA if k in self.extra]
         if not moved:
             return
