@@ -203,3 +203,15 @@ def test_legacy_inject_failure_once_warns_and_becomes_the_workers_env(no_drill, 
     env = trainer._worker_env_vars()
     assert json.loads(env[FAULT_DRILL_ENV]) == drill
     assert loop["extra"]["inject_failure_once"] == drill  # the caller's dict untouched
+
+
+def test_old_module_paths_import_the_new_modules_with_a_warning(monkeypatch):
+    import importlib
+
+    from ray_disagg._legacy import MOVED_MODULES
+
+    for old, new in MOVED_MODULES.items():
+        monkeypatch.delitem(sys.modules, old, raising=False)
+        with pytest.warns(DeprecationWarning, match=rf"{old} moved to {new}"):
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new)
