@@ -47,13 +47,13 @@ def main() -> int:
         return 0
     import ray
 
-    from ray_disagg import Qwen2_5_VLSpec, TrainLoopConfig, tiny_qwen2_5_vl_config
+    from ray_disagg import HFModelSpec, TrainLoopConfig, tiny_qwen2_5_vl_config
     from ray_disagg.data.examples import synthetic_samples
     from ray_disagg.testing.reference import reference_train
 
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     cfg = tiny_qwen2_5_vl_config()
-    spec = Qwen2_5_VLSpec(config=cfg, seed=7)
+    spec = HFModelSpec(config=cfg, seed=7)
     data = synthetic_samples(cfg, 8, grids=[(1, 4, 4), (1, 8, 4), None, (1, 8, 8)])
     ref, _, _ = reference_train(spec, data, TrainLoopConfig(**LOOP))  # CPU, fp32
 

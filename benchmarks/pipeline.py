@@ -23,8 +23,8 @@ from ray.train import RunConfig, ScalingConfig  # noqa: E402
 
 from ray_disagg import (  # noqa: E402
     DisaggregatedTrainer,
+    HFModelSpec,
     ModuleGroup,
-    Qwen2_5_VLSpec,
     load_metrics,
     tiny_qwen2_5_vl_config,
 )
@@ -64,7 +64,7 @@ def main():
         text_hidden=224, text_layers=4, vision_hidden=96, vision_depth=4,
         fullatt_block_indexes=(1, 3),
     )  # fmt: skip
-    spec = Qwen2_5_VLSpec(config=cfg, seed=0)
+    spec = HFModelSpec(config=cfg, seed=0)
     data = synthetic_samples(cfg, 32, grids=[(1, 16, 16)])
     base = {"max_steps": args.steps, "global_batch_size": 8, "shuffle": False}
     rows = {}
@@ -88,7 +88,7 @@ def main():
         text_hidden=64, text_layers=2, vision_hidden=128, vision_depth=4,
         fullatt_block_indexes=(1, 3),
     )  # fmt: skip
-    spec = Qwen2_5_VLSpec(config=small_text, seed=0)
+    spec = HFModelSpec(config=small_text, seed=0)
     skewed = synthetic_samples(small_text, 32, grids=[(1, 20, 20)] + [(1, 8, 8)] * 7)
     loop = {**base, "schedule": "sequential"}
     bal = {}

@@ -21,8 +21,8 @@ from ray.train import RunConfig, ScalingConfig  # noqa: E402
 
 from ray_disagg import (  # noqa: E402
     DisaggregatedTrainer,
+    HFModelSpec,
     ModuleGroup,
-    Qwen2_5_VLSpec,
     SequenceParallel,
     TensorParallel,
     TrainLoopConfig,
@@ -68,7 +68,7 @@ def main():
         vision_depth=4,
         fullatt_block_indexes=(1, 3),
     )
-    spec = Qwen2_5_VLSpec(config=cfg, seed=0)
+    spec = HFModelSpec(config=cfg, seed=0)
     data = synthetic_samples(cfg, 4 * args.batch, grids=[(1, args.grid, args.grid)])
     loop = {"max_steps": args.steps, "global_batch_size": args.batch, "shuffle": False}
 

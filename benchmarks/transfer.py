@@ -130,8 +130,8 @@ def step_times(steps: int) -> dict:
 
     from ray_disagg import (
         DisaggregatedTrainer,
+        HFModelSpec,
         ModuleGroup,
-        Qwen2_5_VLSpec,
         tiny_qwen2_5_vl_config,
     )
     from ray_disagg.data.examples import synthetic_samples
@@ -140,7 +140,7 @@ def step_times(steps: int) -> dict:
         text_hidden=128, text_layers=4, vision_hidden=64, vision_depth=4,
         fullatt_block_indexes=(1, 3),
     )  # fmt: skip
-    spec = Qwen2_5_VLSpec(config=cfg, seed=0)
+    spec = HFModelSpec(config=cfg, seed=0)
     data = synthetic_samples(cfg, 32, grids=[(1, 16, 16)])
     loop = {"max_steps": steps, "global_batch_size": 8, "shuffle": False}
 

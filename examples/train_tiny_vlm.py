@@ -78,8 +78,8 @@ def main() -> None:
 
     from ray_disagg import (
         DisaggregatedTrainer,
+        HFModelSpec,
         ModuleGroup,
-        Qwen2_5_VLSpec,
         tiny_qwen2_5_vl_config,
     )
     from ray_disagg.data.examples import digits_samples
@@ -87,7 +87,7 @@ def main() -> None:
 
     config = tiny_qwen2_5_vl_config()
     trainer = DisaggregatedTrainer(
-        model=Qwen2_5_VLSpec(config=config, seed=0),
+        model=HFModelSpec(config=config, seed=0),
         groups={
             "vision": ModuleGroup(scaling_config=ScalingConfig(num_workers=args.vision_workers)),
             "text": ModuleGroup(scaling_config=ScalingConfig(num_workers=args.text_workers)),

@@ -11,12 +11,12 @@ from ray_disagg.config import (
     ModuleGroup,
     SequenceParallel,
     TensorParallel,
-    TrainLoopConfig,
 )
 from ray_disagg.export import export_hf
-from ray_disagg.launch.backend import ModuleBackendConfig, TextBackendConfig, VisionBackendConfig
+from ray_disagg.launch.backend import ModuleBackendConfig
+from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.lr_schedule import lr_at
-from ray_disagg.model import HFModelSpec, Qwen2_5_VLSpec
+from ray_disagg.model import HFModelSpec
 from ray_disagg.models import (
     ADAPTERS,
     get_adapter,
@@ -41,13 +41,10 @@ __all__ = [
     "HFModelSpec",
     "ModuleBackendConfig",
     "ModuleGroup",
-    "Qwen2_5_VLSpec",
     "SampleError",
     "SequenceParallel",
     "TensorParallel",
-    "TextBackendConfig",
     "TrainLoopConfig",
-    "VisionBackendConfig",
     "export_hf",
     "get_adapter",
     "load_metrics",
@@ -58,3 +55,28 @@ __all__ = [
     "tiny_qwen2_vl_config",
     "tiny_qwen3_vl_config",
 ]
+
+# Names of the previous release, importable for one more (not in __all__): importing one
+# from here, and constructing one from anywhere, emits a DeprecationWarning naming its
+# replacement.
+_DEPRECATED = {
+    "Qwen2_5_VLSpec": ("ray_disagg.model", "HFModelSpec(config=...)"),
+    "VisionBackendConfig": ("ray_disagg.launch.backend", "ModuleBackendConfig(...)"),
+    "TextBackendConfig": ("ray_disagg.launch.backend", "ModuleBackendConfig(...)"),
+}
+
+
+def __getattr__(name: str):
+    if name in _DEPRECATED:
+        import importlib
+        import warnings
+
+        module, replacement = _DEPRECATED[name]
+        warnings.warn(
+            f"ray_disagg.{name} is deprecated and is removed in the next release; use "
+            f"ray_disagg.{replacement}.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module 'ray_disagg' has no attribute {name!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+import warnings
 from dataclasses import dataclass
 
 from torch import nn
@@ -20,7 +21,7 @@ from ray_disagg.models import IGNORE_INDEX, get_adapter, loading, tiny_qwen2_5_v
 from ray_disagg.models.base import ModelAdapter
 from ray_disagg.parallel.tensor_parallel import split_qkv_name
 
-__all__ = ["HFModelSpec", "Qwen2_5_VLSpec", "tiny_qwen2_5_vl_config", "IGNORE_INDEX"]
+__all__ = ["HFModelSpec", "tiny_qwen2_5_vl_config", "IGNORE_INDEX"]
 
 
 def _hf_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -156,15 +157,21 @@ class HFModelSpec:
 
 @dataclass(kw_only=True)
 class Qwen2_5_VLSpec(HFModelSpec):
-    """:class:`HFModelSpec` for Qwen2.5-VL (kept for existing code; any family works with
-    :class:`HFModelSpec`).
+    """Deprecated (removed in the next release): use ``HFModelSpec(config=...)`` or
+    ``HFModelSpec(pretrained_path=...)``, which takes every supported family.
 
-    Example:
-        >>> Qwen2_5_VLSpec(config=tiny_qwen2_5_vl_config()).adapter.model_type
-        'qwen2_5_vl'
+    Constructing it emits a ``DeprecationWarning``; otherwise it is an
+    :class:`HFModelSpec` that accepts only Qwen2.5-VL.
     """
 
     def __post_init__(self) -> None:
+        warnings.warn(
+            "ray_disagg.Qwen2_5_VLSpec is deprecated and is removed in the next release; use "
+            "ray_disagg.HFModelSpec(config=...) or HFModelSpec(pretrained_path=...) (same "
+            "arguments).",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         super().__post_init__()
         if self.adapter.model_type != "qwen2_5_vl":
             raise ValueError("Qwen2_5_VLSpec needs a Qwen2.5-VL config; use HFModelSpec.")

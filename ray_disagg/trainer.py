@@ -15,7 +15,7 @@ import pandas as pd
 import ray
 from ray.train import Checkpoint, Result, RunConfig, ScalingConfig
 
-from ray_disagg.config import ModuleGroup, SequenceParallel, TrainLoopConfig
+from ray_disagg.config import ModuleGroup, SequenceParallel
 from ray_disagg.freezing import frozen_parts
 from ray_disagg.launch import datasets as dsc
 from ray_disagg.launch import ray_compat as rc
@@ -29,12 +29,14 @@ from ray_disagg.launch.resources import (
     demand_lines,
 )
 from ray_disagg.launch.worker_groups import GroupLaunch, Transfers
+from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan
 from ray_disagg.transport import TIERS
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.checkpoint import check_compatible
 from ray_disagg.worker.encoder import encoder_train_loop
+from ray_disagg.worker.faults_hook import FAULT_DRILL_ENV
 from ray_disagg.worker.ingest import is_ray_dataset
 from ray_disagg.worker.llm import llm_train_loop
 
@@ -107,12 +109,12 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
     Example:
         >>> import ray
         >>> from ray.train import RunConfig, ScalingConfig
-        >>> from ray_disagg import DisaggregatedTrainer, ModuleGroup, Qwen2_5_VLSpec
+        >>> from ray_disagg import DisaggregatedTrainer, HFModelSpec, ModuleGroup
         >>> from ray_disagg import tiny_qwen2_5_vl_config
         >>> from ray_disagg.data.examples import digits_samples
         >>> cfg = tiny_qwen2_5_vl_config()
         >>> trainer = DisaggregatedTrainer(  # doctest: +SKIP
-        ...     model=Qwen2_5_VLSpec(config=cfg),
+        ...     model=HFModelSpec(config=cfg),
         ...     groups={
         ...         "vision": ModuleGroup(scaling_config=ScalingConfig(num_workers=1)),
         ...         "text": ModuleGroup(scaling_config=ScalingConfig(num_workers=1)),
@@ -159,6 +161,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         self.colocation = colocation_for(self.groups, placement)
         self.placement, self.transfer = placement, self._validate_transfer(transfer, self.groups)
         self.loop_config = TrainLoopConfig.from_any(train_loop_config)
+        self.loop_config, self._legacy_drill = self._take_legacy_drill(self.loop_config)
         if resume_from_checkpoint is not None:
             with resume_from_checkpoint.as_directory() as root:
                 check_compatible(root, model.load_config(), self.loop_config.max_steps)
@@ -212,6 +215,25 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             if not isinstance(g, ModuleGroup):
                 raise ValueError(f"groups[{name!r}] must be a ModuleGroup, got {type(g).__name__}.")
         return {m: groups[m] for m in parts}
+
+    @staticmethod
+    def _take_legacy_drill(cfg: TrainLoopConfig) -> tuple[TrainLoopConfig, str | None]:
+        """``extra["inject_failure_once"]`` (deprecated; ``TrainLoopConfig`` warned) leaves
+        the loop config and becomes the workers' ``RAY_DISAGG_FAULT_DRILL`` (as JSON)."""
+        if "inject_failure_once" not in cfg.extra:
+            return cfg, None
+        extra = dict(cfg.extra)
+        try:
+            drill = json.dumps(extra.pop("inject_failure_once"))
+        except TypeError as e:
+            raise ValueError(f"train_loop_config extra['inject_failure_once']: {e}") from e
+        return dataclasses.replace(cfg, extra=extra), drill
+
+    def _worker_env_vars(self) -> dict[str, str]:
+        """Environment variables every worker gets on top of Ray Train's: a fault drill
+        armed in the driver's environment (or by the deprecated ``inject_failure_once``)."""
+        drill = os.environ.get(FAULT_DRILL_ENV) or self._legacy_drill
+        return {FAULT_DRILL_ENV: drill} if drill else {}
 
     @staticmethod
     def _validate_transfer(transfer: str, groups) -> str:
@@ -315,6 +337,8 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
 
     def _initialize_and_run_controller(self, **controller_init_kwargs) -> Result:
         check_cluster_capacity(self.groups, self.wait_for_resources, self.colocation)
+        ctx = controller_init_kwargs.pop("train_run_context")
+        ctx = rc.with_worker_env_vars(ctx, self._worker_env_vars())
         janitor = PlacementGroupJanitor.remote()  # the driver's: outlives a dead coordinator
         try:
             controller = rc.run_controller_actor(
@@ -326,6 +350,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
                 transfers=Transfers(self._transfer_pairs(), self.transfer),
                 colocation=self.colocation,
                 janitor=janitor,
+                train_run_context=ctx,
                 **controller_init_kwargs,
             )
             if threading.current_thread() is threading.main_thread():

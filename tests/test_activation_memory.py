@@ -7,13 +7,13 @@ from tests.dist_utils import run_distributed
 
 
 def _activation_bytes(rank, world):
-    from ray_disagg import Qwen2_5_VLSpec, tiny_qwen2_5_vl_config
+    from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
     from ray_disagg.data.examples import synthetic_samples
     from ray_disagg.parallel.ulysses import enable_ulysses
     from ray_disagg.worker.memory import saved_activation_bytes
 
     cfg = tiny_qwen2_5_vl_config(vision_depth=4, fullatt_block_indexes=(1, 3))
-    spec = Qwen2_5_VLSpec(config=cfg, seed=0)
+    spec = HFModelSpec(config=cfg, seed=0)
     adapter, vision = spec.adapter, spec.build_part("vision")
     samples = synthetic_samples(cfg, 1, grids=[{"images": [(1, 16, 16), (1, 16, 8), (1, 8, 8)]}])
     cpu = torch.device("cpu")

@@ -9,13 +9,12 @@ from ray.train import ScalingConfig
 from ray_disagg import (
     BatchPlan,
     DataParallel,
+    ModuleBackendConfig,
     ModuleGroup,
     SampleError,
     SequenceParallel,
     TensorParallel,
-    TextBackendConfig,
     TrainLoopConfig,
-    VisionBackendConfig,
     tiny_qwen2_5_vl_config,
 )
 from ray_disagg.data.examples import digits_samples, synthetic_samples
@@ -54,11 +53,13 @@ def test_train_loop_config_from_dict():
 
 
 def test_backend_configs_name_their_axes():
-    assert VisionBackendConfig(mesh_shape=(2, 1)).mesh_axes == ("dp", "sp")
-    assert TextBackendConfig(mesh_shape=(1, 2)).mesh_axes == ("dp", "tp")
-    assert TextBackendConfig(mesh_shape=(2, 2)).world_size == 4
+    vision = ModuleBackendConfig(module="vision", mesh_shape=(2, 1), mesh_axes=("dp", "sp"))
+    assert (vision.module, vision.mesh_axes, vision.world_size) == ("vision", ("dp", "sp"), 2)
+    assert ModuleBackendConfig(mesh_shape=(2, 2), mesh_axes=("dp", "tp")).world_size == 4
     with pytest.raises(ValueError, match="does not match axes"):
-        TextBackendConfig(mesh_shape=(2,))
+        ModuleBackendConfig(mesh_shape=(2,), mesh_axes=("dp", "tp"))
+    with pytest.raises(ValueError, match="must be positive"):
+        ModuleBackendConfig(mesh_shape=(0, 1))
 
 
 @pytest.mark.parametrize("nv,nt", list(itertools.product([1, 2, 4], [1, 2, 4])))

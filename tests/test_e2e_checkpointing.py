@@ -6,7 +6,7 @@ import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from ray_disagg import (
-    Qwen2_5_VLSpec,
+    HFModelSpec,
     SequenceParallel,
     TensorParallel,
     TrainLoopConfig,
@@ -15,6 +15,7 @@ from ray_disagg import (
 )
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.lr_schedule import lr_at
+from ray_disagg.testing.faults import fault_drill
 from ray_disagg.testing.reference import reference_batch, reference_train
 from tests.helpers import assert_params_close, checkpoint_state, group, vt
 from tests.helpers import run_layout as fit
@@ -26,7 +27,7 @@ GRIDS = [(1, 4, 4), (1, 8, 4), None, (1, 4, 8)]
 @pytest.fixture(scope="module")
 def setup():
     cfg = tiny_qwen2_5_vl_config()
-    return cfg, Qwen2_5_VLSpec(config=cfg, seed=4), synthetic_samples(cfg, 12, grids=GRIDS)
+    return cfg, HFModelSpec(config=cfg, seed=4), synthetic_samples(cfg, 12, grids=GRIDS)
 
 
 def losses(result):
@@ -38,11 +39,10 @@ def test_text_worker_death_restarts_all_groups_and_matches_uninterrupted(
 ):
     _, spec, data = setup
     marker = tmp_path / "killed"
-    drill = {"group": "text", "step": 2, "marker": str(marker)}
     # a learning-rate schedule that changes every step: the restart must continue it
     scheduled = dict(LOOP, lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
-    loop = dict(scheduled, extra={"inject_failure_once": drill})
-    result = fit(spec, data, loop, vt(group(2), group(1)), tmp_path, "ft", failures=1)
+    with fault_drill(group="text", step=2, marker=marker):
+        result = fit(spec, data, scheduled, vt(group(2), group(1)), tmp_path, "ft", failures=1)
     assert marker.exists()  # the text worker really died at step 2
     clean = fit(spec, data, scheduled, vt(group(2), group(1)), tmp_path, "clean")
     lrs = result.metrics_dataframe.sort_values("step")["lr"].tolist()
@@ -56,10 +56,11 @@ def test_text_worker_death_restarts_all_groups_and_matches_uninterrupted(
 
 def test_failure_without_retries_names_the_group_and_rank(ray_start_4_cpus, setup, tmp_path):
     _, spec, data = setup
-    drill = {"group": "vision", "step": 1, "rank": 1, "marker": str(tmp_path / "killed")}
-    loop = dict(LOOP, extra={"inject_failure_once": drill})
-    with pytest.raises(ray.train.TrainingFailedError, match="vision group rank 1"):
-        fit(spec, data, loop, vt(group(2), group(1)), tmp_path, "fail")
+    with (
+        fault_drill(group="vision", step=1, rank=1, marker=tmp_path / "killed"),
+        pytest.raises(ray.train.TrainingFailedError, match="vision group rank 1"),
+    ):
+        fit(spec, data, LOOP, vt(group(2), group(1)), tmp_path, "fail")
 
 
 def test_resume_into_another_layout_then_export_to_hugging_face(ray_start_4_cpus, setup, tmp_path):
@@ -98,7 +99,7 @@ def test_ray_data_ingest_uses_every_sample_once_per_epoch(ray_start_4_cpus, setu
     cfg, spec, _ = setup
     samples = synthetic_samples(cfg, 12, grids=[(1, 4, 4), (1, 8, 4)])
     ds = ray.data.from_items(samples)
-    loop = dict(LOOP, max_steps=6, extra={"report_sample_ids": True})
+    loop = dict(LOOP, max_steps=6, report_sample_ids=True)
     result = fit(spec, ds, loop, vt(group(2), group(2)), tmp_path, "raydata")
     rows = result.metrics_dataframe.sort_values("step")
     per_step = [list(ids) for ids in rows["sample_ids"]]

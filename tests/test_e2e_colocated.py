@@ -4,8 +4,9 @@ group) and the transfer tiers, on a real Ray cluster, against the single-process
 import pytest
 import torch
 
-from ray_disagg import Qwen2_5_VLSpec, SequenceParallel, TensorParallel, tiny_qwen2_5_vl_config
+from ray_disagg import HFModelSpec, SequenceParallel, TensorParallel, tiny_qwen2_5_vl_config
 from ray_disagg.data.examples import synthetic_samples
+from ray_disagg.testing.faults import fault_drill
 from tests.helpers import assert_matches_reference, checkpoint_state, group, run_layout, vt
 
 LOOP = {
@@ -15,7 +16,7 @@ LOOP = {
     "lr": 1e-3,
     "eps": 1e-6,
     "seed": 5,
-    "extra": {"report_placement": True},
+    "report_placement": True,
 }
 GRIDS = [(1, 4, 4), (1, 8, 4), None, (1, 4, 8), (1, 8, 8)]
 
@@ -23,7 +24,7 @@ GRIDS = [(1, 4, 4), (1, 8, 4), None, (1, 4, 8), (1, 8, 8)]
 @pytest.fixture(scope="module")
 def setup():
     cfg = tiny_qwen2_5_vl_config()
-    return Qwen2_5_VLSpec(config=cfg, seed=11), synthetic_samples(cfg, 8, grids=GRIDS)
+    return HFModelSpec(config=cfg, seed=11), synthetic_samples(cfg, 8, grids=GRIDS)
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +90,11 @@ def test_gloo_tier_trains_bit_identically_to_shared_memory(colocated_1_1, setup,
 def test_killed_colocated_worker_restarts_both_groups(colocated_1_1, setup, tmp_path):
     spec, data = setup
     marker = tmp_path / "killed"
-    drill = {"group": "vision", "step": 2, "marker": str(marker)}
-    loop = dict(LOOP, extra={**LOOP["extra"], "inject_failure_once": drill})
     groups = vt(group(1), group(1))
-    result = run_layout(
-        spec, data, loop, groups, tmp_path, "kill", failures=1, placement="colocated"
-    )
+    with fault_drill(group="vision", step=2, marker=marker):
+        result = run_layout(
+            spec, data, LOOP, groups, tmp_path, "kill", failures=1, placement="colocated"
+        )
     assert marker.exists()  # the vision worker really died in step 3, after checkpoint 2
     assert [int(s) for s in result.metrics_dataframe.sort_values("step")["step"]] == [1, 2, 3, 4]
     assert losses(result) == losses(colocated_1_1)  # bit-identical on CPU

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ray_disagg import (
-    Qwen2_5_VLSpec,
+    HFModelSpec,
     SequenceParallel,
     TensorParallel,
     TrainLoopConfig,
@@ -32,7 +32,7 @@ GRIDS = [(1, 4, 4), (1, 8, 4), None, (1, 4, 8), (1, 8, 8), (1, 4, 4)]
 @pytest.fixture(scope="module")
 def setup():
     cfg = tiny_qwen2_5_vl_config()
-    return Qwen2_5_VLSpec(config=cfg, seed=7), synthetic_samples(cfg, 12, grids=GRIDS)
+    return HFModelSpec(config=cfg, seed=7), synthetic_samples(cfg, 12, grids=GRIDS)
 
 
 # 1 + 1 runs in test_e2e_colocated, test_e2e_pipeline and the FSDP chain
@@ -42,7 +42,7 @@ def test_data_parallel_layouts_match_single_process(ray_start_4_cpus, setup, tmp
     if (nv, nt) == (2, 1):
         # Also the from_pretrained path: every worker loads a local save_pretrained dir.
         spec.build_full().save_pretrained(tmp_path / "hf")
-        spec = Qwen2_5_VLSpec(pretrained_path=tmp_path / "hf")
+        spec = HFModelSpec(pretrained_path=tmp_path / "hf")
     ac = (nv, nt) == (2, 2)  # activation checkpointing must not change the numbers
     result = run_layout(
         spec, data, LOOP, vt(group(nv, ac=ac), group(nt, ac=ac)), tmp_path, f"dp-{nv}-{nt}"

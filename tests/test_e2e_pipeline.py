@@ -6,12 +6,13 @@ import torch
 
 from ray_disagg import (
     DataParallel,
-    Qwen2_5_VLSpec,
+    HFModelSpec,
     SequenceParallel,
     TensorParallel,
     tiny_qwen2_5_vl_config,
 )
 from ray_disagg.data.examples import synthetic_samples
+from ray_disagg.testing.faults import fault_drill
 from tests.helpers import assert_matches_reference, checkpoint_state, group, run_layout, vt
 
 # k = 4 microbatches of a global batch of 8; varied images, one text-only sample
@@ -30,7 +31,7 @@ GRIDS = [(1, 4, 4), (1, 8, 8), None, (1, 4, 8), (1, 8, 4), (1, 12, 8), (1, 4, 4)
 @pytest.fixture(scope="module")
 def setup():
     cfg = tiny_qwen2_5_vl_config()
-    return Qwen2_5_VLSpec(config=cfg, seed=5), synthetic_samples(cfg, 16, grids=GRIDS)
+    return HFModelSpec(config=cfg, seed=5), synthetic_samples(cfg, 16, grids=GRIDS)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def test_1f1b_layouts_match_single_process(ray_start_4_cpus, setup, tmp_path, vi
 
 def test_sequential_accumulation_balanced_equals_contiguous(ray_start_4_cpus, setup, tmp_path):
     spec, data = setup
-    base = dict(LOOP, schedule="sequential", extra={"report_sample_ids": True})
+    base = dict(LOOP, schedule="sequential", report_sample_ids=True)
     runs = {}
     for assignment in ("contiguous", "balanced"):
         loop = dict(base, assignment=assignment)
@@ -95,9 +96,8 @@ def test_sequential_accumulation_balanced_equals_contiguous(ray_start_4_cpus, se
 def test_killed_mid_pipelined_step_restarts_with_identical_losses(pipelined_1_1, setup, tmp_path):
     spec, data = setup
     marker = tmp_path / "killed"
-    drill = {"group": "vision", "step": 1, "micro_batch": 2, "marker": str(marker)}
-    loop = dict(LOOP, extra={"inject_failure_once": drill})
-    result = run_layout(spec, data, loop, vt(group(1), group(1)), tmp_path, "kill", failures=1)
+    with fault_drill(group="vision", step=1, micro_batch=2, marker=marker):
+        result = run_layout(spec, data, LOOP, vt(group(1), group(1)), tmp_path, "kill", failures=1)
     assert marker.exists()  # the vision worker died at microbatch 2 of step 2
     assert [int(s) for s in result.metrics_dataframe.sort_values("step")["step"]] == [1, 2, 3]
     assert losses(result) == losses(pipelined_1_1)  # bit-identical on CPU

@@ -14,6 +14,7 @@ from ray.train import Checkpoint
 
 from ray_disagg import HFModelSpec, load_metrics, tiny_qwen2_5_vl_config
 from ray_disagg.data.examples import synthetic_samples
+from ray_disagg.testing.faults import fault_drill
 from tests.helpers import checkpoint_state, group, run_layout, vt
 
 LOOP = {"max_steps": 3, "global_batch_size": 4, "shuffle": False, "eps": 1e-6}
@@ -63,16 +64,9 @@ def test_skipped_steps_history_and_finite_checkpoints(ray_start_4_cpus, setup, t
 def test_dead_coordinator_leaks_no_placement_group(ray_start_4_cpus, setup, tmp_path):
     spec, data = setup
     data = data[:4] * 3  # finite data
-    drill = {"group": "text", "step": 1, "marker": str(tmp_path / "m"), "kill": "coordinator"}
-    with pytest.raises(Exception):  # noqa: B017 - whatever the driver sees of the dead actor
-        run_layout(
-            spec,
-            data,
-            dict(LOOP, extra={"inject_failure_once": drill}),
-            vt(group(2), group(2)),
-            tmp_path,
-            "dead",
-        )
+    drill = fault_drill(group="text", step=1, marker=tmp_path / "m", kill="coordinator")
+    with drill, pytest.raises(Exception):  # noqa: B017 - whatever the driver sees of the dead actor
+        run_layout(spec, data, LOOP, vt(group(2), group(2)), tmp_path, "dead")
     assert os.path.exists(tmp_path / "m")
     states = [pg["state"] for pg in ray.util.placement_group_table().values()]
     assert "CREATED" not in states and "PENDING" not in states, states

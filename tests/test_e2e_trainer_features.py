@@ -13,7 +13,7 @@ import torch
 from ray.train import Checkpoint, CheckpointConfig, UserCallback
 
 from ray_disagg import (
-    Qwen2_5_VLSpec,
+    HFModelSpec,
     TensorParallel,
     TrainLoopConfig,
     load_metrics,
@@ -60,7 +60,7 @@ class RecordReports(UserCallback):
 @pytest.fixture(scope="module")
 def setup():
     cfg = tiny_qwen2_5_vl_config()
-    spec = Qwen2_5_VLSpec(config=cfg, seed=11)
+    spec = HFModelSpec(config=cfg, seed=11)
     return spec, synthetic_samples(cfg, 16, grids=GRIDS), synthetic_samples(cfg, 8, seed=1)
 
 

@@ -45,14 +45,38 @@ def test_layers_below_the_runtime_do_not_import_it(package):
             assert not _bad(name, FORBIDDEN), f"{f.relative_to(ROOT)} imports {name}"
 
 
+# The one door from the package into the test machinery: the workers' fault-drill hook,
+# which imports ``ray_disagg.testing.faults`` only when RAY_DISAGG_FAULT_DRILL is set.
+TEST_MACHINERY_DOORS = {pathlib.Path("worker", "faults_hook.py")}
+
+
 def test_only_tests_reach_the_test_machinery():
     """``ray_disagg.testing`` (reference runner, fault injection) is imported by no module
-    of the package outside it: a user's configuration cannot reach it."""
+    of the package outside it but the fault-drill hook: a user's configuration cannot
+    reach it."""
+    doors = set()
     for f in sorted(ROOT.rglob("*.py")):
-        if f.relative_to(ROOT).parts[0] == "testing":
+        rel = f.relative_to(ROOT)
+        if rel.parts[0] == "testing":
             continue
         for name in _imports(f):
-            assert not _bad(name, ("ray_disagg.testing",)), f"{f.relative_to(ROOT)} imports {name}"
+            if _bad(name, ("ray_disagg.testing",)):
+                assert rel in TEST_MACHINERY_DOORS, f"{rel} imports {name}"
+                assert name in ("ray_disagg.testing", "ray_disagg.testing.faults"), name
+                doors.add(rel)
+    assert doors == TEST_MACHINERY_DOORS  # the hook really is the door
+
+
+def test_nothing_outside_tests_benchmarks_and_testing_imports_the_reference_runner():
+    """The single-process reference runner is for tests and benchmarks only."""
+    repo = ROOT.parent
+    allowed = ("tests", "benchmarks", "ray_disagg/testing")
+    for f in sorted(repo.rglob("*.py")):
+        rel = f.relative_to(repo).as_posix()
+        if rel.startswith((".", "build/")) or "/.venv/" in f"/{rel}" or rel.startswith(allowed):
+            continue
+        text = f.read_text()
+        assert "testing.reference" not in text and "reference_train" not in text, rel
 
 
 def test_every_registered_adapter_has_its_own_module_and_tiny_config():

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from ray_disagg import Qwen2_5_VLSpec, tiny_qwen2_5_vl_config
+from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
 from ray_disagg.data.llava import load_llava
 from ray_disagg.models import get_adapter
 from ray_disagg.testing.reference import reference_batch
@@ -76,6 +76,6 @@ def test_llava_jsonl_to_samples(tmp_path):
     assert t["pixel_values"] is None and t["image_grid_thw"] is None
 
     # the samples feed the real HF model
-    model = Qwen2_5_VLSpec(config=cfg).build_full()
-    loss = model(**reference_batch(Qwen2_5_VLSpec(config=cfg), [ds[i] for i in range(3)])).loss
+    model = HFModelSpec(config=cfg).build_full()
+    loss = model(**reference_batch(HFModelSpec(config=cfg), [ds[i] for i in range(3)])).loss
     assert torch.isfinite(loss)

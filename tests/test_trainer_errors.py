@@ -8,7 +8,6 @@ from ray_disagg import (
     DisaggregatedTrainer,
     HFModelSpec,
     ModuleGroup,
-    Qwen2_5_VLSpec,
     SampleError,
     SequenceParallel,
     TensorParallel,
@@ -28,7 +27,7 @@ def g(n=1, parallelism="none"):
 
 def make(groups=None, data=DATA, loop=LOOP, cfg=CFG):
     return DisaggregatedTrainer(
-        model=Qwen2_5_VLSpec(config=cfg),
+        model=HFModelSpec(config=cfg),
         groups={"vision": g(), "text": g()} if groups is None else groups,
         train_loop_config=loop,
         datasets={"train": data},
@@ -74,7 +73,7 @@ def test_empty_dataset_and_missing_train_split():
         make(data=[])
     with pytest.raises(ValueError, match=r'datasets=\{"train": \.\.\.\} is required'):
         DisaggregatedTrainer(
-            model=Qwen2_5_VLSpec(config=CFG),
+            model=HFModelSpec(config=CFG),
             groups={"vision": g(), "text": g()},
             train_loop_config=LOOP,
             datasets={},
@@ -129,9 +128,9 @@ def test_groups_are_the_families_parts():
 
 def test_spec_needs_config_or_local_path(tmp_path):
     with pytest.raises(ValueError, match="exactly one of config= or pretrained_path="):
-        Qwen2_5_VLSpec()
+        HFModelSpec()
     with pytest.raises(ValueError, match="has no config.json"):
-        Qwen2_5_VLSpec(pretrained_path=tmp_path)
+        HFModelSpec(pretrained_path=tmp_path)
 
 
 def test_resume_from_a_directory_without_shards_is_a_clear_error(tmp_path):
@@ -144,7 +143,7 @@ def test_resume_from_a_directory_without_shards_is_a_clear_error(tmp_path):
 def test_resume_from_checkpoint_must_be_a_checkpoint():
     with pytest.raises(ValueError, match="must be a ray.train.Checkpoint"):
         DisaggregatedTrainer(
-            model=Qwen2_5_VLSpec(config=CFG),
+            model=HFModelSpec(config=CFG),
             groups={"vision": g(), "text": g()},
             train_loop_config=LOOP,
             datasets={"train": DATA},

@@ -9,8 +9,8 @@ from ray.train import ScalingConfig
 
 from ray_disagg import (
     DisaggregatedTrainer,
+    HFModelSpec,
     ModuleGroup,
-    Qwen2_5_VLSpec,
     TrainLoopConfig,
     lr_at,
     tiny_qwen2_5_vl_config,
@@ -34,7 +34,7 @@ def g(**kwargs):
 def make(vision=None, text=None, loop=None, val=None):
     datasets = {"train": DATA} if val is None else {"train": DATA, "validation": val}
     return DisaggregatedTrainer(
-        model=Qwen2_5_VLSpec(config=CFG),
+        model=HFModelSpec(config=CFG),
         groups={"vision": vision or g(), "text": text or g()},
         train_loop_config=dict(LOOP, **(loop or {})),
         datasets=datasets,
@@ -96,7 +96,7 @@ def test_freeze_prefixes_match_whole_name_components():
     assert not is_frozen("model.visual.blocks.10.mlp.up_proj.weight", group)
     assert not is_frozen("model.visual.merger.mlp.0.weight", group)
     assert is_frozen("anything", g(trainable=False))
-    model = Qwen2_5_VLSpec(config=CFG).meta_model("vision")
+    model = HFModelSpec(config=CFG).meta_model("vision")
     n = apply_freeze(model, g(freeze=["model.visual.blocks"]))
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     assert n > 0 and trainable and all(not t.startswith("model.visual.blocks") for t in trainable)
@@ -120,7 +120,7 @@ def test_validation_set_is_checked_on_the_driver():
         make(val=DATA[:3])
     with pytest.raises(ValueError, match="extra keys"):
         DisaggregatedTrainer(
-            model=Qwen2_5_VLSpec(config=CFG),
+            model=HFModelSpec(config=CFG),
             groups={"vision": g(), "text": g()},
             train_loop_config=LOOP,
             datasets={"train": DATA, "test": DATA},

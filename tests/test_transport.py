@@ -5,7 +5,7 @@ import pytest
 import torch
 from ray.train import ScalingConfig
 
-from ray_disagg import DisaggregatedTrainer, ModuleGroup, Qwen2_5_VLSpec, tiny_qwen2_5_vl_config
+from ray_disagg import DisaggregatedTrainer, HFModelSpec, ModuleGroup, tiny_qwen2_5_vl_config
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.transport import Location, choose_tier, describe
 from ray_disagg.transport.base import from_bytes
@@ -88,7 +88,7 @@ def spread():
 
 def make(vision, text, train_loop_config=None, **kwargs):
     return DisaggregatedTrainer(
-        model=Qwen2_5_VLSpec(config=CFG),
+        model=HFModelSpec(config=CFG),
         groups={"vision": vision, "text": text},
         train_loop_config={"max_steps": 1, "global_batch_size": 4, **(train_loop_config or {})},
         datasets={"train": DATA},

@@ -7,12 +7,13 @@ addition they build the group's named device mesh on every worker.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from ray_disagg.launch.ray_compat import TorchConfig, _TorchBackend
 from ray_disagg.worker import runtime
 
-__all__ = ["ModuleBackendConfig", "VisionBackendConfig", "TextBackendConfig"]
+__all__ = ["ModuleBackendConfig"]
 
 
 @dataclass(kw_only=True)
@@ -20,8 +21,9 @@ class ModuleBackendConfig(TorchConfig):
     """``TorchConfig`` plus the group's device mesh (``mesh_shape`` over ``mesh_axes``).
 
     Example:
-        >>> VisionBackendConfig(mesh_shape=(2, 2)).mesh_axes
-        ('dp', 'sp')
+        >>> cfg = ModuleBackendConfig(module="vision", mesh_shape=(2, 2), mesh_axes=("dp", "sp"))
+        >>> cfg.world_size
+        4
     """
 
     module: str = "module"
@@ -52,20 +54,39 @@ class ModuleBackendConfig(TorchConfig):
         return _ModuleBackend
 
 
+def _warn_deprecated(cls: type, module: str, axes: tuple[str, ...]) -> None:
+    warnings.warn(
+        f"ray_disagg.{cls.__name__} is deprecated and is removed in the next release; use "
+        f"ray_disagg.ModuleBackendConfig(module={module!r}, mesh_axes={axes!r}, ...).",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+
+
 @dataclass(kw_only=True)
 class VisionBackendConfig(ModuleBackendConfig):
-    """Backend of the vision group: mesh axes ``("dp", "sp")``."""
+    """Deprecated (removed in the next release): use
+    ``ModuleBackendConfig(module="vision", mesh_axes=("dp", "sp"), ...)``."""
 
     module: str = "vision"
     mesh_axes: tuple[str, ...] = ("dp", "sp")
 
+    def __post_init__(self) -> None:
+        _warn_deprecated(type(self), "vision", ("dp", "sp"))
+        super().__post_init__()
+
 
 @dataclass(kw_only=True)
 class TextBackendConfig(ModuleBackendConfig):
-    """Backend of the text group: mesh axes ``("dp", "tp")``."""
+    """Deprecated (removed in the next release): use
+    ``ModuleBackendConfig(module="text", mesh_axes=("dp", "tp"), ...)``."""
 
     module: str = "text"
     mesh_axes: tuple[str, ...] = ("dp", "tp")
+
+    def __post_init__(self) -> None:
+        _warn_deprecated(type(self), "text", ("dp", "tp"))
+        super().__post_init__()
 
 
 class _ModuleBackend(_TorchBackend):

@@ -8,7 +8,7 @@ import logging
 
 import numpy as np
 
-from ray_disagg.config import TrainLoopConfig
+from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.models.packing import check_fits
 from ray_disagg.pipeline.assignment import BatchPlan
 from ray_disagg.worker.ingest import _from_row, is_ray_dataset

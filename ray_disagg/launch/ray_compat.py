@@ -6,6 +6,7 @@ Ray upgrade breaks that one test rather than the package. Tested with Ray 2.60.
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import ray
@@ -72,6 +73,7 @@ __all__ = [
     "kill_controller",
     "current_placement",
     "SharedPlacementWorkerGroup",
+    "with_worker_env_vars",
 ]
 
 
@@ -85,6 +87,21 @@ def group_train_run_context(base: TrainRunContext, scaling_config, backend_confi
         dataset_config=base.dataset_config,
     )
     object.__setattr__(ctx, "run_id", base.run_id)
+    return ctx
+
+
+def with_worker_env_vars(base: TrainRunContext, env_vars: dict[str, str]) -> TrainRunContext:
+    """A copy of the run context whose workers also get ``env_vars`` (through
+    ``RunConfig.worker_runtime_env``; a variable the user set there wins). The caller's
+    context and ``RunConfig`` are left as they are."""
+    if not env_vars:
+        return base
+    run_config = copy.copy(base.run_config)
+    runtime_env = dict(run_config.worker_runtime_env or {})
+    runtime_env["env_vars"] = {**env_vars, **dict(runtime_env.get("env_vars") or {})}
+    run_config.worker_runtime_env = runtime_env
+    ctx = copy.copy(base)
+    object.__setattr__(ctx, "run_config", run_config)
     return ctx
 
 

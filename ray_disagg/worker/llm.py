@@ -247,7 +247,7 @@ def _sample_ids(w: PartWorker, run: LLMStep) -> tuple[list, dict]:
     """The step's sample ids on this rank and, with ``report_sample_ids``, every
     replica's as the ``sample_ids`` metric (for audits)."""
     ids = [_plain(it.get("id")) for it in run.ordered_items()]
-    if not (getattr(w.cfg, "report_sample_ids", None) or w.cfg.extra.get("report_sample_ids")):  # TMP
+    if not w.cfg.report_sample_ids:
         return ids, {}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, ids if w.leader else [])

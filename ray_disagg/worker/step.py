@@ -159,7 +159,7 @@ def placement_metrics(w, fallbacks: int) -> dict:
     spec = w.channel.spec
     tiers = set(spec.tiers.values()) | ({"gloo"} if fallbacks else set())
     out = {"transfer_tier": "+".join(sorted(tiers)) or "none"}
-    if getattr(w.cfg, "report_placement", None) or w.cfg.extra.get("report_placement"):  # TMP
+    if w.cfg.report_placement:
         out["placement"] = {
             spec.label(r): [loc.placement_group, loc.bundle] for r, loc in enumerate(spec.locations)
         }

@@ -1,0 +1,217 @@
+"""Tier 1: the previous release's names and options still work for one release, each with a
+DeprecationWarning naming its replacement; fault drills are armed only by the environment
+variable RAY_DISAGG_FAULT_DRILL, which the driver hands to its workers."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+from ray.train import RunConfig, ScalingConfig
+
+import ray_disagg
+from ray_disagg import (
+    DisaggregatedTrainer,
+    HFModelSpec,
+    ModuleBackendConfig,
+    ModuleGroup,
+    TrainLoopConfig,
+    tiny_qwen2_5_vl_config,
+    tiny_qwen3_vl_config,
+)
+from ray_disagg.data.examples import synthetic_samples
+from ray_disagg.launch import ray_compat as rc
+from ray_disagg.testing import faults
+from ray_disagg.worker.faults_hook import FAULT_DRILL_ENV
+
+CFG = tiny_qwen2_5_vl_config()
+LOOP = {"max_steps": 1, "global_batch_size": 4}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _trainer(loop, run_config=None):
+    g = ModuleGroup(scaling_config=ScalingConfig(num_workers=1))
+    return DisaggregatedTrainer(
+        model=HFModelSpec(config=CFG),
+        groups={"vision": g, "text": g},
+        train_loop_config=loop,
+        datasets={"train": synthetic_samples(CFG, 8)},
+        run_config=run_config,
+    )
+
+
+@pytest.fixture
+def no_drill(monkeypatch):
+    monkeypatch.delenv(FAULT_DRILL_ENV, raising=False)
+
+
+# ---- legacy names ---------------------------------------------------------------------
+
+
+def test_legacy_names_are_gone_from_all_but_still_import_with_a_warning():
+    for name in ("Qwen2_5_VLSpec", "VisionBackendConfig", "TextBackendConfig"):
+        assert name not in ray_disagg.__all__
+        with pytest.warns(DeprecationWarning, match=rf"ray_disagg\.{name} is deprecated"):
+            cls = getattr(ray_disagg, name)
+        assert cls.__name__ == name
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        ray_disagg.Nope  # noqa: B018
+
+
+def test_legacy_spec_warns_naming_hf_model_spec_and_still_works():
+    from ray_disagg.model import Qwen2_5_VLSpec
+
+    with pytest.warns(DeprecationWarning, match=r"Qwen2_5_VLSpec.*HFModelSpec\(config=\.\.\.\)"):
+        spec = Qwen2_5_VLSpec(config=CFG, seed=3)
+    assert isinstance(spec, HFModelSpec) and spec.seed == 3
+    assert spec.adapter.model_type == "qwen2_5_vl"
+    with (
+        pytest.warns(DeprecationWarning, match="Qwen2_5_VLSpec"),
+        pytest.raises(ValueError, match="needs a Qwen2.5-VL config"),
+    ):
+        Qwen2_5_VLSpec(config=tiny_qwen3_vl_config())
+
+
+def test_legacy_backend_configs_warn_naming_module_backend_config_and_still_work():
+    from ray_disagg.launch.backend import TextBackendConfig, VisionBackendConfig
+
+    with pytest.warns(DeprecationWarning, match=r"VisionBackendConfig.*ModuleBackendConfig\("):
+        vision = VisionBackendConfig(mesh_shape=(2, 1))
+    assert (vision.module, vision.mesh_axes, vision.world_size) == ("vision", ("dp", "sp"), 2)
+    with pytest.warns(DeprecationWarning, match=r"TextBackendConfig.*ModuleBackendConfig\("):
+        text = TextBackendConfig(mesh_shape=(2, 2))
+    assert isinstance(text, ModuleBackendConfig)
+    assert (text.module, text.mesh_axes, text.world_size) == ("text", ("dp", "tp"), 4)
+
+
+# ---- typed options --------------------------------------------------------------------
+
+
+def test_report_options_are_typed_fields_without_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = TrainLoopConfig.from_any(dict(LOOP, report_sample_ids=True, report_placement=True))
+    assert cfg.report_sample_ids and cfg.report_placement and cfg.extra == {}
+    default = TrainLoopConfig(**LOOP)
+    assert not default.report_sample_ids and not default.report_placement
+    with pytest.raises(ValueError, match=r"\['report_placement'\]=1: must be a bool"):
+        TrainLoopConfig(**LOOP, report_placement=1)
+
+
+@pytest.mark.parametrize("key", ["report_sample_ids", "report_placement"])
+def test_legacy_extra_report_options_map_onto_the_fields(key):
+    extra = {key: True, "mine": 1}
+    with pytest.warns(DeprecationWarning, match=rf"extra\['{key}'\].*TrainLoopConfig\({key}="):
+        cfg = TrainLoopConfig.from_any(dict(LOOP, extra=extra))
+    assert getattr(cfg, key) is True
+    assert cfg.extra == {"mine": 1}
+    assert extra == {key: True, "mine": 1}  # the caller's dict is left as it was
+
+
+# ---- fault drills ---------------------------------------------------------------------
+
+
+def test_drill_json_validates(tmp_path):
+    value = faults.drill_json(group="text", step=2, marker=tmp_path / "m", micro_batch=1)
+    assert json.loads(value) == {
+        "group": "text",
+        "step": 2,
+        "marker": str(tmp_path / "m"),
+        "rank": 0,
+        "micro_batch": 1,
+    }
+    with pytest.raises(ValueError, match=r"unknown keys \['when'\], missing keys \['marker'\]"):
+        faults.parse('{"group": "text", "step": 1, "when": 3}')
+    with pytest.raises(ValueError, match="kill='everything' must be one of"):
+        faults.drill_json(group="text", step=1, marker="m", kill="everything")
+    with pytest.raises(ValueError, match="step=-1 must be an int >= 0"):
+        faults.drill_json(group="text", step=-1, marker="m")
+
+
+def test_fault_drill_arms_the_environment_for_the_block_only(no_drill, tmp_path):
+    with faults.fault_drill(group="vision", step=1, rank=1, marker=tmp_path / "m") as value:
+        assert os.environ[FAULT_DRILL_ENV] == value
+        assert json.loads(value)["rank"] == 1
+    assert FAULT_DRILL_ENV not in os.environ
+
+
+def test_drills_for_other_workers_or_already_done_do_nothing(monkeypatch, tmp_path):
+    marker = tmp_path / "m"
+    monkeypatch.setenv(FAULT_DRILL_ENV, faults.drill_json(group="text", step=2, marker=marker))
+    faults.maybe_inject_failure("vision", 0, 2)  # other group
+    faults.maybe_inject_failure("text", 1, 2)  # other rank
+    faults.maybe_inject_failure("text", 0, 1)  # other step
+    faults.maybe_inject_failure("text", 0, 2, micro_batch=0)  # a microbatch, not the step
+    assert not marker.exists()
+    marker.write_text("done\n")
+    faults.maybe_inject_failure("text", 0, 2)  # once only: the marker says it happened
+    assert marker.read_text() == "done\n"
+
+
+def test_hook_imports_nothing_unarmed_and_kills_the_armed_worker_once(tmp_path):
+    """A real worker process: unarmed, the hook leaves the test machinery unimported;
+    armed, the matching call writes the marker and exits the process with status 1."""
+    marker = tmp_path / "killed"
+    script = f"""
+import os, sys
+from ray_disagg.worker import faults_hook
+faults_hook.drill("text", 0, 2)
+assert "ray_disagg.testing.faults" not in sys.modules, "imported while unarmed"
+os.environ[faults_hook.FAULT_DRILL_ENV] = {faults.drill_json(group="text", step=2, marker=marker)!r}
+faults_hook.drill("text", 0, 1)
+faults_hook.drill("text", 0, 2)
+sys.exit(7)  # not reached
+"""
+    env = {k: v for k, v in os.environ.items() if k != FAULT_DRILL_ENV}
+    env["PYTHONPATH"] = REPO
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run.returncode == 1, run.stderr
+    assert marker.read_text() == "text rank 0 killed at step 2\n"
+
+
+# ---- the driver hands the drill to its workers ----------------------------------------
+
+
+def test_driver_copies_its_drill_into_the_workers_env(no_drill, tmp_path):
+    user_env = {"env_vars": {"MINE": "1"}, "pip": ["x"]}
+    trainer = _trainer(
+        LOOP, RunConfig(name="r", storage_path=str(tmp_path), worker_runtime_env=user_env)
+    )
+    assert trainer._worker_env_vars() == {}
+    with faults.fault_drill(group="text", step=1, marker=tmp_path / "m") as value:
+        env = trainer._worker_env_vars()
+    assert env == {FAULT_DRILL_ENV: value}
+    base = trainer.train_run_context
+    ctx = rc.with_worker_env_vars(base, env)
+    assert ctx.run_id == base.run_id
+    assert ctx.run_config.worker_runtime_env == {
+        "env_vars": {FAULT_DRILL_ENV: value, "MINE": "1"},
+        "pip": ["x"],
+    }
+    assert base.run_config.worker_runtime_env == user_env  # the user's RunConfig untouched
+    assert rc.with_worker_env_vars(base, {}) is base
+
+
+def test_legacy_inject_failure_once_warns_and_becomes_the_workers_env(no_drill, tmp_path):
+    drill = {"group": "text", "step": 1, "marker": str(tmp_path / "m")}
+    loop = dict(LOOP, extra={"inject_failure_once": drill, "mine": 1})
+    with pytest.warns(DeprecationWarning, match=r"inject_failure_once.*RAY_DISAGG_FAULT_DRILL"):
+        trainer = _trainer(loop)
+    assert trainer.loop_config.extra == {"mine": 1}  # out of the workers' config
+    env = trainer._worker_env_vars()
+    assert json.loads(env[FAULT_DRILL_ENV]) == drill
+    assert loop["extra"]["inject_failure_once"] == drill  # the caller's dict untouched
+
+
+def test_old_module_paths_import_the_new_modules_with_a_warning(monkeypatch):
+    import importlib
+
+    from ray_disagg._legacy import MOVED_MODULES
+
+    for old, new in MOVED_MODULES.items():
+        monkeypatch.delitem(sys.modules, old, raising=False)
+        with pytest.warns(DeprecationWarning, match=rf"{old} moved to {new}"):
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new)
