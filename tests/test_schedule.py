@@ -48,27 +48,48 @@ def test_sequential_alternates_and_1f1b_runs_ahead():
     ahead = [str(a) for a in encoder_actions(4, 2)]
     assert ahead[1:4] == ["forward(0)", "forward(1)", "recv_grads(0)"]
     assert ahead.index("forward(2)") == ahead.index("backward(0)") + 1
+    llm = [str(a) for a in llm_actions(4, 2)]
+    assert llm[1:6] == [
+        "recv_crossings(0)",
+        "wait_sends",
+        "recv_crossings(1)",
+        "wait_sends",
+        "train(0)",
+    ]
 
 
 def test_forward_only_schedules():
     enc = encoder_actions(3, 2, trains=False)
     assert [a.op for a in enc] == [Op.RECV_INPUTS] + [Op.FORWARD] * 3 + [Op.WAIT_SENDS]
     assert peak_in_flight(enc) == 1
-    llm = llm_actions(3, sends_grads=False)
+    llm = llm_actions(3, 2, sends_grads=False)
     assert not _ops(llm, Op.SEND_GRADS) and _ops(llm, Op.TRAIN) == [0, 1, 2]
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_llm_receives_trains_and_answers_each_microbatch(k):
-    actions = llm_actions(k)
-    assert actions[0] == Action(Op.SEND_INPUTS) and actions[-1] == Action(Op.WAIT_SENDS)
-    for j in range(k):
-        i = actions.index(Action(Op.RECV_CROSSINGS, j))
-        assert actions[i + 1 : i + 4] == [
-            Action(Op.WAIT_SENDS),
-            Action(Op.TRAIN, j),
-            Action(Op.SEND_GRADS, j),
-        ]
+def _messages(actions, side: str) -> list[str]:
+    """The order in which one side sends and receives with a peer: c<j> crossings, g<j>
+    gradients."""
+    names = {
+        "encoder": {Op.FORWARD: "c", Op.RECV_GRADS: "g"},
+        "llm": {Op.RECV_CROSSINGS: "c", Op.SEND_GRADS: "g"},
+    }[side]
+    return [f"{names[a.op]}{a.mb}" for a in actions if a.op in names]
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_llm_mirrors_the_encoders_message_order(k):
+    for limit in range(1, k + 2):
+        llm = llm_actions(k, limit)
+        assert llm[0] == Action(Op.SEND_INPUTS) and llm[-1] == Action(Op.WAIT_SENDS)
+        assert _messages(llm, "llm") == _messages(encoder_actions(k, limit), "encoder")
+        for j in range(k):  # received before trained, answered right after
+            i = llm.index(Action(Op.TRAIN, j))
+            assert llm.index(Action(Op.RECV_CROSSINGS, j)) < i
+            assert llm[i + 1] == Action(Op.SEND_GRADS, j)
+            r = llm.index(Action(Op.RECV_CROSSINGS, j))
+            assert llm[r + 1] == Action(Op.WAIT_SENDS)
+    frozen = llm_actions(k, 2, sends_grads=False)
+    assert _messages(frozen, "llm") == _messages(encoder_actions(k, trains=False), "encoder")
 
 
 def test_bad_schedule_arguments():

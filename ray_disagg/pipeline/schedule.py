@@ -7,16 +7,17 @@ microbatches ``k`` and ``max_in_flight``; the workers execute the lists in order
 Two-stage 1F1B between an encoder group and the LLM group: the encoder forwards
 microbatches (posting their crossing tensors to the LLM) while fewer than
 ``max_in_flight`` await their gradients, otherwise it takes the oldest one's gradients and
-runs its backward. ``max_in_flight=1`` is the sequential schedule. The LLM takes each
-microbatch's crossings, runs its forward and backward and posts the gradients back.
+runs its backward. ``max_in_flight=1`` is the sequential schedule. The LLM takes the
+crossings in the order the encoder sends them, runs each microbatch's forward and
+backward and posts the gradients back.
 
 Example:
     >>> [str(a) for a in encoder_actions(2, 2)]
     ['recv_inputs', 'forward(0)', 'forward(1)', 'recv_grads(0)', 'backward(0)', \
 'recv_grads(1)', 'backward(1)', 'wait_sends']
-    >>> [str(a) for a in llm_actions(2)]
-    ['send_inputs', 'recv_crossings(0)', 'wait_sends', 'train(0)', 'send_grads(0)', \
-'recv_crossings(1)', 'wait_sends', 'train(1)', 'send_grads(1)', 'wait_sends']
+    >>> [str(a) for a in llm_actions(2, 2)]
+    ['send_inputs', 'recv_crossings(0)', 'wait_sends', 'recv_crossings(1)', 'wait_sends', \
+'train(0)', 'send_grads(0)', 'train(1)', 'send_grads(1)', 'wait_sends']
 """
 
 from __future__ import annotations
@@ -88,17 +89,32 @@ def encoder_actions(k: int, max_in_flight: int = 1, trains: bool = True) -> list
     return out + [Action(Op.WAIT_SENDS)]
 
 
-def llm_actions(k: int, sends_grads: bool = True) -> list[Action]:
-    """The LLM group's step: read and send the inputs, then per microbatch receive its
-    crossings, release the sends the encoders have answered (they sent microbatch ``j``
-    after taking every earlier message), train on it and post the gradients back;
-    ``sends_grads=False`` (no encoder trains, or validation): no gradients are sent."""
-    _check(k, 1)
+def llm_actions(k: int, max_in_flight: int = 1, sends_grads: bool = True) -> list[Action]:
+    """The LLM group's step, mirroring :func:`encoder_actions` message for message: read
+    and send the inputs, receive the crossings of the first ``max_in_flight``
+    microbatches, then per microbatch train on it, post its gradients and receive the
+    crossings of the microbatch the encoder forwards next. So with every peer the LLM
+    sends and receives in the order the encoder does (``c0 c1 g0 c2 g1 ...``), which is
+    what in-order streams need (``ray_disagg.pipeline.simulate``). Each receive is
+    followed by a release of the sends the encoders have answered (they sent what the LLM
+    just received after taking every earlier message). ``sends_grads=False`` (no encoder
+    trains, or validation): no gradients are sent; each crossing is received right before
+    its microbatch."""
+    _check(k, max_in_flight)
+    ahead = min(max_in_flight, k) if sends_grads else 1
+
+    def receive(j: int) -> list[Action]:
+        return [Action(Op.RECV_CROSSINGS, j), Action(Op.WAIT_SENDS)]
+
     out = [Action(Op.SEND_INPUTS)]
+    for j in range(ahead):
+        out += receive(j)
     for j in range(k):
-        out += [Action(Op.RECV_CROSSINGS, j), Action(Op.WAIT_SENDS), Action(Op.TRAIN, j)]
+        out.append(Action(Op.TRAIN, j))
         if sends_grads:
             out.append(Action(Op.SEND_GRADS, j))
+        if j + ahead < k:
+            out += receive(j + ahead)
     return out + [Action(Op.WAIT_SENDS)]
 
 

@@ -154,7 +154,7 @@ class LLMStep:
         self.plan_step, self.key, self.grad = plan_step, key, grad
         self.mbs = plan.assign(plan_step)
         self.samples, self.items, self.local_labels, self.n_labels = {}, {}, 0, 1.0
-        self.received, self.routes = {}, []
+        self.received = {}  # microbatch -> (its crossings, their routes back)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.w.device)
         self.tokens = 0
 
@@ -193,19 +193,23 @@ class LLMStep:
         w = self.w
         if self.grad:
             faults_hook.drill(w.part, w.group_rank, self.key.step, j)
+        received = routes = None
         if w.leader:
             mb = self.mbs[j]
-            out = _receive_crossings(w, self.plan, self.key, j, mb, self.samples)
-            self.received, self.routes = out
+            received, routes = _receive_crossings(w, self.plan, self.key, j, mb, self.samples)
+        self.received[j] = (received or {}, routes or [])
 
     def train(self, j: int) -> None:
         """Forward and backward of microbatch ``j`` (forward only when not ``grad``)."""
         w, mb = self.w, self.mbs[j]
+        received, routes = self.received[j]
         with torch.set_grad_enabled(self.grad):
-            shared = _share(w, self.received)
+            shared = _share(w, received)
             names = self.llm.grad_names if self.grad else ()
-            self.received = {n: v.requires_grad_(n in names) for n, v in shared.items()}
-            loss = self.llm.loss(self.items, mb, self.received, self.n_labels)
+            received = {n: v.requires_grad_(n in names) for n, v in shared.items()}
+            loss = self.llm.loss(self.items, mb, received, self.n_labels)
+        sends = self.grad and w.leader and self.llm.grad_names  # kept for SEND_GRADS
+        self.received[j] = (received, routes) if sends else None
         if loss.requires_grad:  # not: a frozen LLM with nothing trainable upstream
             loss.backward()
             w.backward_passes += 1
@@ -214,7 +218,9 @@ class LLMStep:
 
     def send_grads(self, j: int) -> None:
         if self.w.leader:
-            _send_grads(self.w, self.received, self.routes, self.mbs[j], self.key, j)
+            received, routes = self.received[j]
+            _send_grads(self.w, received, routes, self.mbs[j], self.key, j)
+        self.received[j] = None
 
     def ordered_items(self) -> list[dict]:
         return [self.items[p] for p in sorted(self.items)]
@@ -224,7 +230,7 @@ def _evaluate(llm: LLMModel, source, plan, step: int) -> list[float]:
     """This rank's ``[summed token loss, label tokens]`` over the validation set
     (non-zero on replica leaders only), forward only."""
     loss_sum, n_labels = 0.0, 0
-    actions = llm_actions(plan.micro_batches, sends_grads=False)
+    actions = llm_actions(plan.micro_batches, 1, sends_grads=False)
     for v in range(plan.steps_per_epoch):
         run = LLMStep(llm, source, plan, v, StepKey(step, v), grad=False)
         run.run(actions)
@@ -271,8 +277,8 @@ def llm_train_loop(args: LoopArgs) -> None:
     if args.val_plan is not None:
         val = ingest.MapStyleSource(ray.get(args.val_ref[0]), args.val_plan, w.part)
         evaluate = functools.partial(_evaluate, llm, val, args.val_plan)
-    sends_grads = bool(llm.grad_names)
-    actions = llm_actions(w.cfg.micro_batches, sends_grads)
+    limit = w.cfg.max_in_flight or 1
+    actions = llm_actions(w.cfg.micro_batches, limit, sends_grads=bool(llm.grad_names))
     for step in range(start, w.cfg.max_steps):
         faults_hook.drill(w.part, w.group_rank, step)
         run = LLMStep(llm, source, args.plan, step, StepKey(step), grad=True)
