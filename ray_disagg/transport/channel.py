@@ -211,7 +211,9 @@ def host_store(addr: str, timeout_s: float):
 
 def join(spec: ChannelSpec, rank: int, node_ip: str, store=None, device=None) -> Channel:
     """Blocking rendezvous of all ``spec.world_size`` ranks (call on every rank at once);
-    also builds the NCCL pair groups of this rank's ``nccl`` pairs."""
+    also connects the NCCL communicator of each of this rank's ``nccl`` pairs, in the
+    global order of pairs (every rank connects its pairs in that order, so no two wait
+    for each other)."""
     timeout = timedelta(seconds=spec.timeout_s)
     if store is None:
         store = dist.TCPStore(spec.master_addr, spec.master_port, None, False, timeout)
@@ -221,14 +223,16 @@ def join(spec: ChannelSpec, rank: int, node_ip: str, store=None, device=None) ->
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=node_ip)]
     pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, opts)
     tiers = {}
-    peers = [
-        b if a == rank else a for (a, b), t in spec.tiers.items() if t == "nccl" and rank in (a, b)
-    ]
-    if peers:
+    pairs = sorted(p for p, t in spec.tiers.items() if t == "nccl")  # one global order
+    if any(rank in p for p in pairs):
         from ray_disagg.transport.nccl import NcclTier, pair_group
 
-        t = spec.timeout_s
-        outgoing = {p: pair_group(store, spec.prefix, rank, p, rank, t) for p in peers}
-        incoming = {p: pair_group(store, spec.prefix, p, rank, rank, t) for p in peers}
-        tiers["nccl"] = NcclTier(rank, outgoing, incoming, device)
+        mine = {
+            (b if a == rank else a): pair_group(
+                store, spec.prefix, a, b, rank, spec.timeout_s, device
+            )
+            for a, b in pairs
+            if rank in (a, b)
+        }
+        tiers["nccl"] = NcclTier(rank, mine, device)
     return Channel(pg, spec, rank, store, tiers)

@@ -1,12 +1,19 @@
-"""Cross-device GPU tier: two-rank NCCL groups between workers on different GPUs (NCCL
-refuses two ranks of one communicator on the same GPU, so colocated pairs use
-``cuda_ipc``). Built from the side group's store; the communicators are created by NCCL on
-the first transfer.
+"""Cross-device GPU tier: one two-rank NCCL communicator per pair of workers on different
+GPUs (NCCL refuses two ranks of one communicator on the same GPU, so colocated pairs use
+``cuda_ipc``).
 
-Each direction of a pair has its own group: NCCL runs a group's sends and receives in issue
-order on one stream, so with several microbatches in flight (an encoder posting two sends
-before it receives, the LLM receiving, sending, receiving) one shared group would wait in
-a cycle."""
+Deadlock freedom by construction:
+
+- one communicator per pair, created eagerly when the groups join (``ncclCommInitRank``
+  is itself a rendezvous of the pair), every worker creating its communicators in one
+  global order (pairs sorted by side rank), so no two workers wait for each other there;
+- a message (all the tensors of one action for one peer) is one send and one receive: its
+  tensors are packed into one buffer;
+- both workers of a pair issue their messages in the same order, derived from the same
+  schedule (``ray_disagg.pipeline.schedule``; checked with in-order streams by
+  ``ray_disagg.pipeline.simulate``), so NCCL matches the i-th send with the i-th receive
+  on the pair's one stream.
+"""
 
 from __future__ import annotations
 
@@ -15,46 +22,79 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ray_disagg.transport.base import TensorSpec
+from ray_disagg.transport.base import TensorSpec, as_bytes, describe, from_bytes
 
-__all__ = ["NcclTier", "pair_group"]
+__all__ = ["NcclTier", "pair_group", "pack", "unpack_views"]
+
+_ALIGN = 16  # bytes: every tensor of a packed message starts at a multiple (any dtype)
 
 
-def pair_group(store, prefix: str, src: int, dst: int, me: int, timeout_s: float):
-    """The NCCL group that carries side rank ``src``'s tensors to ``dst`` (rank 0 is the
-    sender); call on both with the same ``src, dst``."""
+def pair_group(store, prefix: str, a: int, b: int, me: int, timeout_s: float, device):
+    """The NCCL communicator of side ranks ``a < b`` (rank 0 is ``a``), connected now; call
+    on both, in the same global order of pairs on every worker."""
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=timeout_s)
-    store = dist.PrefixStore(f"{prefix}/nccl/{src}-to-{dst}", store)
-    return dist.ProcessGroupNCCL(store, int(me == dst), 2, opts)
+    store = dist.PrefixStore(f"{prefix}/nccl/{a}-{b}", store)
+    pg = dist.ProcessGroupNCCL(store, int(me == b), 2, opts)
+    pg.eager_connect_single_device(torch.device(device))
+    return pg
+
+
+def _offsets(specs: list[TensorSpec]) -> tuple[list[int], int]:
+    offsets, n = [], 0
+    for s in specs:
+        offsets.append(n)
+        n += (s.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    return offsets, n
+
+
+def pack(tensors: list[torch.Tensor], specs: list[TensorSpec], device) -> torch.Tensor:
+    """The message's tensors in one ``uint8`` buffer on ``device``."""
+    offsets, n = _offsets(specs)
+    buf = torch.empty(n, dtype=torch.uint8, device=device)
+    for t, s, o in zip(tensors, specs, offsets):
+        if s.nbytes:
+            buf[o : o + s.nbytes].copy_(as_bytes(t.to(device)))
+    return buf
+
+
+def unpack_views(buf: torch.Tensor, specs: list[TensorSpec]) -> list[torch.Tensor]:
+    """The tensors ``specs`` describe, viewing the packed buffer (no copy)."""
+    offsets, _ = _offsets(specs)
+    return [from_bytes(buf[o : o + s.nbytes], s) for s, o in zip(specs, offsets)]
 
 
 class NcclTier:
-    """Sends tensors straight from device memory over the pair's NCCL group."""
+    """Sends a message's tensors straight from device memory over the pair's communicator."""
 
     name = "nccl"
 
-    def __init__(self, me: int, outgoing: dict, incoming: dict, device):
-        # peer -> the group carrying my tensors to it / its tensors to me
-        self.me, self.outgoing, self.incoming, self.device = me, outgoing, incoming, device
+    def __init__(self, me: int, pairs: dict, device):
+        # peer side rank -> the pair's communicator (rank 0: the lower side rank)
+        self.me, self.pairs, self.device = me, pairs, device
+
+    def _peer_rank(self, peer: int) -> int:
+        return int(peer > self.me)
 
     def pack(self, tensors: list[torch.Tensor], dst: int):
         return None
 
     def after_header(self, tensors: list[torch.Tensor], dst: int) -> list:
-        """Posts the sends; returns ``(work, buffer)`` pairs to wait on."""
-        pg, out = self.outgoing[dst], []
-        for t in tensors:
-            if t.numel():
-                buf = t.detach().to(self.device).contiguous()
-                out.append((pg.send([buf], 1, 0), buf))  # the receiver is rank 1
-        return out
+        """Posts the one send of the message; returns ``(work, buffer)`` to wait on."""
+        specs = describe({str(i): t for i, t in enumerate(tensors)})
+        if not any(s.nbytes for s in specs):
+            return []
+        buf = pack(tensors, specs, self.device)
+        return [(self.pairs[dst].send([buf], self._peer_rank(dst), 0), buf)]
 
     def unpack(self, specs: list[TensorSpec], payload, src: int, device) -> list[torch.Tensor]:
-        pg, out = self.incoming[src], []
-        for spec in specs:
-            t = torch.empty(spec.shape, dtype=spec.torch_dtype, device=self.device)
-            if t.numel():
-                pg.recv([t], 0, 0).wait()  # the sender is rank 0
-            out.append(t.to(device))
-        return out
+        _, n = _offsets(specs)
+        buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+        if n:
+            self.pairs[src].recv([buf], self._peer_rank(src), 0).wait()
+        return [t.to(device) for t in unpack_views(buf, specs)]
+
+    def close(self) -> None:
+        for pg in self.pairs.values():
+            pg.shutdown()
+        self.pairs = {}
