@@ -53,13 +53,14 @@ def _from_row(row) -> dict:
     return {k: (np.asarray(v) if isinstance(v, list) else v) for k, v in dict(row).items()}
 
 
-def make_source(data, plan, dp_rank: int, is_leader: bool, group: str):
-    """Collective over the reading group when ``data`` is a Ray Dataset."""
+def make_source(data, plan, dp_rank: int, is_leader: bool, group: str, object_group=None):
+    """Collective over the reading group when ``data`` is a Ray Dataset (the splits go
+    to every rank over ``object_group``, a gloo group)."""
     if not is_ray_dataset(data):
         return MapStyleSource(data, plan, group) if is_leader else None
     dp = plan.dp_sizes[group]
     box = [data.streaming_split(dp, equal=True) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=object_group)
     per_step = plan.global_batch_size // dp
     return StreamSource(box[0][dp_rank], per_step) if is_leader else None
 

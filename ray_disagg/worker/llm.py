@@ -256,7 +256,7 @@ def _sample_ids(w: PartWorker, run: LLMStep) -> tuple[list, dict]:
     if not w.cfg.report_sample_ids:
         return ids, {}
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, ids if w.leader else [])
+    dist.all_gather_object(gathered, ids if w.leader else [], group=w.rt.object_group)
     return ids, {"sample_ids": [i for part in gathered for i in part]}
 
 
@@ -269,9 +269,8 @@ def llm_train_loop(args: LoopArgs) -> None:
         plan, norms = w.adapter.llm_tp_plan(), w.adapter.per_head_norms
         tp_group, vocab_start = tp.parallelize_text(model, decoder, lm_head, w.mp_mesh, plan, norms)
     start = w.setup(model)
-    source = ingest.make_source(
-        ray.get(args.dataset_ref[0]), args.plan, w.dp_rank, w.leader, w.part
-    )
+    data = ray.get(args.dataset_ref[0])
+    source = ingest.make_source(data, args.plan, w.dp_rank, w.leader, w.part, w.rt.object_group)
     llm = LLMModel(w, model, lm_head, tp_group, vocab_start)
     evaluate = None
     if args.val_plan is not None:

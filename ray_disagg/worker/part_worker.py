@@ -114,11 +114,12 @@ class PartWorker:
         return [decoder.embed_tokens, lm_head]
 
     def broadcast_object(self, obj):
-        """``obj`` of the model-parallel leader, on every rank of its mp group."""
+        """``obj`` of the model-parallel leader, on every rank of its mp group (over gloo:
+        objects never go through NCCL)."""
         if self.mp_size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=self.mp_src, group=self.mp_mesh.get_group())
+        dist.broadcast_object_list(box, src=self.mp_src, group=self.rt.mp_object_group)
         return box[0]
 
     def side_rank(self, group: str, dp_rank: int) -> int:

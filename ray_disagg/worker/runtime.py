@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ray_disagg.transport import channel as sg
@@ -31,6 +32,10 @@ class WorkerRuntime:
     module: str
     mesh: DeviceMesh
     device: torch.device
+    object_group: object = None
+    """A gloo group over the whole group: objects (pickled) never go through NCCL."""
+    mp_object_group: object = None
+    """A gloo group over this worker's model-parallel peers, for objects."""
     channel: sg.Channel | None = None
     _channel_ready: threading.Event = field(default_factory=threading.Event)
     _channel_error: BaseException | None = None
@@ -77,6 +82,20 @@ def init_runtime(module: str, mesh_shape: tuple[int, ...], mesh_axes: tuple[str,
         torch.backends.cudnn.allow_tf32 = False
     mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=mesh_axes)
     _runtime = WorkerRuntime(module=module, mesh=mesh, device=device)
+    _runtime.object_group, _runtime.mp_object_group = _object_groups(mesh, device)
+
+
+def _object_groups(mesh: DeviceMesh, device: torch.device):
+    """Gloo groups for pickled objects: the whole group and each model-parallel group (on
+    CPU the mesh's own groups are gloo already). Every rank creates every group, in mesh
+    order, as ``new_group`` requires."""
+    mp = mesh[mesh.mesh_dim_names[-1]]
+    if device.type == "cpu":
+        return dist.group.WORLD, mp.get_group()
+    whole = dist.new_group(backend="gloo")
+    rows = mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()  # the ranks of each mp group
+    mine, _ = dist.new_subgroups_by_enumeration(rows, backend="gloo")
+    return whole, mine
 
 
 def locate() -> Location:
