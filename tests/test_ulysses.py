@@ -54,8 +54,8 @@ def _sp_tower(rank, world, model_type, spec, seed, heads):
     model.zero_grad(set_to_none=True)
 
     tower = adapter.part_roots(model, "vision")[0]
-    enable_ulysses(tower, adapter.sp_plan("vision"), dist.group.WORLD)
-    out = adapter.encode(model, "vision", samples, cpu, sp=True)
+    enable_ulysses(tower)
+    out = adapter.encode(model, "vision", samples, cpu, sp=dist.group.WORLD)
     assert sorted(out) == sorted(ref)
     grads_in = [upstream[k] if rank == 0 else torch.zeros_like(out[k]) for k in out]
     torch.autograd.backward([out[k] for k in out], grads_in)

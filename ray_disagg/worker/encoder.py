@@ -37,7 +37,7 @@ def _row_offsets(adapter, part, samples) -> dict[str, list[int]]:
 
 def _encode(st: Stage, samples) -> dict:
     """The part's crossings for ``samples`` (one FSDP2 root call)."""
-    sp = st.is_sp or None
+    sp = st.mp_mesh.get_group() if st.is_sp else None
 
     def run(model):
         return st.adapter.encode(model, st.part, samples, st.device, sp=sp)
@@ -75,7 +75,6 @@ class _Microbatch:
         with torch.set_grad_enabled(grad):  # forward only: frozen group, validation
             self.outputs = _encode(st, inputs)
         self.offsets = _row_offsets(st.adapter, st.part, samples)
-        self.sp_state = ulysses.save_state(tower) if st.is_sp and grad else None
         if st.leader:
             self._send(st, step)
         if not grad:
@@ -114,8 +113,6 @@ class _Microbatch:
             handle.wait()
         self.handles = []
         t_wait = time.perf_counter() - t_wait
-        if self.sp_state is not None:  # a recomputing backward reads this slice state
-            ulysses.load_state(tower, self.sp_state)
         outs, out_grads = [], []
         for name, out in self.outputs.items():
             # sp: non-leaders hold an empty slice but must join the backward;
@@ -160,7 +157,7 @@ def encoder_train_loop(args: lc.LoopArgs, part: str) -> None:
     model = st.build()
     tower = adapter.part_roots(model, part)[0]
     if st.is_sp:
-        ulysses.enable_ulysses(tower, adapter.sp_plan(part), st.mp_mesh.get_group())
+        ulysses.enable_ulysses(tower)
     if st.is_tp:
         tp.parallelize_vision(tower, adapter.tower_tp_plan(part), st.mp_mesh)
     start = st.setup(model)
