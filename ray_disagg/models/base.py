@@ -11,18 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ray_disagg.parallel.tensor_parallel import (
-    BlockTPPlan,
-    LinearSplit,
-    VocabParallelCrossEntropy,
-)
+if TYPE_CHECKING:
+    from ray_disagg.parallel.tensor_parallel import BlockTPPlan, LinearSplit
 
 __all__ = ["IGNORE_INDEX", "Crossing", "ModelAdapter", "SampleError", "sample_name"]
 
@@ -283,6 +280,8 @@ def lm_loss(
     logits = lm_head(hidden[:, :-1]).float().flatten(0, 1)
     targets = labels[:, 1:].flatten()
     if tp_group is not None:
+        from ray_disagg.parallel.tensor_parallel import VocabParallelCrossEntropy
+
         per_token = VocabParallelCrossEntropy.apply(
             logits, targets, vocab_start, IGNORE_INDEX, tp_group
         )
