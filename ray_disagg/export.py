@@ -17,7 +17,6 @@ from transformers import AutoConfig
 
 from ray_disagg.models import get_adapter
 from ray_disagg.models.safetensors_stream import parse_size, save_streaming
-from ray_disagg.parallel.tensor_parallel import split_qkv_name
 from ray_disagg.worker.checkpoint import load_alone, read_metadata
 
 __all__ = ["export_hf"]
@@ -25,46 +24,49 @@ __all__ = ["export_hf"]
 
 @dataclass
 class _Source:
-    """Where an output tensor lives: one DCP key, or the q/k/v keys of a split ``qkv``."""
+    """Where an output tensor lives: one DCP key, or the row-block keys of a split Linear
+    (the adapter's ``hf_param_name`` tells which)."""
 
     directory: str
-    keys: dict[str, str]  # "" -> key, or "q"/"k"/"v" -> key
+    keys: dict[int | None, str]  # None -> key, or row block index -> key
     dtype: torch.dtype
-    sizes: dict[str, torch.Size]
+    sizes: dict[int | None, torch.Size]
+    blocks: int = 1
 
     @property
     def shape(self) -> tuple[int, ...]:
-        if "" in self.keys:
-            return tuple(self.sizes[""])
-        q = self.sizes["q"]
-        return (sum(self.sizes[w][0] for w in "qkv"), *q[1:])
+        if None in self.keys:
+            return tuple(self.sizes[None])
+        return (sum(self.sizes[i][0] for i in range(self.blocks)), *self.sizes[0][1:])
 
 
-def _read_sources(directory: str, sources: dict[str, _Source]) -> None:
+def _read_sources(directory: str, sources: dict[str, _Source], hf_name) -> None:
     """Add the ``model.*`` tensors of one module directory to ``sources`` (by HF name)."""
     meta = read_metadata(directory)
     for key, m in meta.items():
         if not (isinstance(m, TensorStorageMetadata) and key.startswith("model.")):
             continue
-        name, which = split_qkv_name(key[len("model.") :])  # vision TP stores q/k/v apart
-        which = which or ""
-        src = sources.setdefault(name, _Source(directory, {}, m.properties.dtype, {}))
-        if src.directory != directory or which in src.keys or src.dtype != m.properties.dtype:
+        name, index, blocks = hf_name(key[len("model.") :])  # vision TP stores q/k/v apart
+        src = sources.setdefault(name, _Source(directory, {}, m.properties.dtype, {}, blocks))
+        if src.directory != directory or index in src.keys or src.dtype != m.properties.dtype:
             raise ValueError(f"{name} is stored twice or inconsistently in the checkpoint")
-        src.keys[which], src.sizes[which] = key, m.size
+        src.keys[index], src.sizes[index] = key, m.size
     for name, src in sources.items():
-        if sorted(src.keys) not in ([""], ["k", "q", "v"]):
-            raise ValueError(f"{name}: the checkpoint holds only {sorted(src.keys)} of q/k/v")
+        if sorted(src.keys, key=str) not in ([None], list(range(src.blocks))):
+            raise ValueError(
+                f"{name}: the checkpoint holds only row blocks {sorted(src.keys, key=str)} "
+                f"of {src.blocks}"
+            )
 
 
 def _load(src: _Source) -> torch.Tensor:
-    """The full tensor of ``src``; split q/k/v are read straight into the fused tensor."""
+    """The full tensor of ``src``; row blocks are read straight into the fused tensor."""
     out = torch.empty(src.shape, dtype=src.dtype)
-    if "" in src.keys:
-        targets = {src.keys[""]: out}
-    else:  # q, k, v: consecutive row blocks of the fused tensor
-        rows = [src.sizes[w][0] for w in "qkv"]
-        targets = {src.keys[w]: out.narrow(0, sum(rows[:i]), rows[i]) for i, w in enumerate("qkv")}
+    if None in src.keys:
+        targets = {src.keys[None]: out}
+    else:  # consecutive row blocks of the fused tensor
+        rows = [src.sizes[i][0] for i in range(src.blocks)]
+        targets = {src.keys[i]: out.narrow(0, sum(rows[:i]), rows[i]) for i in range(src.blocks)}
     load_alone(targets, src.directory)
     return out
 
@@ -93,7 +95,7 @@ def export_hf(
         adapter = get_adapter(config)
         sources: dict[str, _Source] = {}
         for part in adapter.parts:
-            _read_sources(os.path.join(root, part), sources)
+            _read_sources(os.path.join(root, part), sources, adapter.hf_param_name)
         with torch.device("meta"):  # names and shapes only
             model = adapter.hf_class(config)
         expected = model.state_dict()

@@ -19,19 +19,18 @@ from transformers import AutoConfig, PretrainedConfig
 
 from ray_disagg.models import IGNORE_INDEX, get_adapter, loading, tiny_qwen2_5_vl_config
 from ray_disagg.models.base import ModelAdapter
-from ray_disagg.parallel.tensor_parallel import split_qkv_name
 
 __all__ = ["HFModelSpec", "tiny_qwen2_5_vl_config", "IGNORE_INDEX"]
 
 
-def _hf_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
-    """The HF tensors ``module``'s parameters come from, with their global shapes (a
-    split-qkv part reads the fused tensor)."""
+def _hf_shapes(module: nn.Module, adapter: ModelAdapter) -> dict[str, tuple[int, ...]]:
+    """The HF tensors ``module``'s parameters come from, with their global shapes (a row
+    block of a split Linear reads the fused tensor)."""
     shapes = {}
     for name, p in module.named_parameters():
-        fused, which = split_qkv_name(name)
+        fused, index, blocks = adapter.hf_param_name(name)
         shape = tuple(p.shape)
-        shapes[fused] = (3 * shape[0], *shape[1:]) if which else shape
+        shapes[fused] = (blocks * shape[0], *shape[1:]) if index is not None else shape
     return shapes
 
 
@@ -118,7 +117,7 @@ class HFModelSpec:
         meta = self.meta_model(part)
         params = self.weight_source(meta)
         if isinstance(params, loading.SafetensorsSource):
-            params.check(_hf_shapes(module))
+            params.check(_hf_shapes(module, self.adapter))
         progress = None
         if log is not None:
             what = part or "model"
@@ -133,7 +132,7 @@ class HFModelSpec:
                     log(f"{what}: loaded {done}/{total} tensors ({time.perf_counter() - t0:.1f}s)")
 
         init = loading.InitSource(meta, self.seed)
-        loading.materialize(module, device, params, init, progress)
+        loading.materialize(module, device, params, init, progress, self.adapter.hf_param_name)
 
     def build_full(self) -> nn.Module:
         """The whole HF model on the CPU (the single-process reference)."""
@@ -152,7 +151,9 @@ class HFModelSpec:
         naming the missing key and the index file otherwise)."""
         if self.pretrained_path is not None:
             meta = self.meta_model()
-            loading.SafetensorsSource(self.pretrained_path, meta).check(_hf_shapes(meta))
+            loading.SafetensorsSource(self.pretrained_path, meta).check(
+                _hf_shapes(meta, self.adapter)
+            )
 
 
 @dataclass(kw_only=True)

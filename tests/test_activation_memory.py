@@ -19,9 +19,9 @@ def _activation_bytes(rank, world):
     cpu = torch.device("cpu")
     with saved_activation_bytes(vision) as sp1:
         adapter.encode(vision, "vision", samples, cpu)
-    enable_ulysses(vision.model.visual, adapter.sp_plan("vision"), dist.group.WORLD)
+    enable_ulysses(vision.model.visual)
     with saved_activation_bytes(vision) as sp2:
-        adapter.encode(vision, "vision", samples, cpu, sp=True)
+        adapter.encode(vision, "vision", samples, cpu, sp=dist.group.WORLD)
     return sp1[0], sp2[0]
 
 

@@ -1,7 +1,8 @@
 """Model-family adapters, looked up by ``config.model_type``.
 
-Adding a family = one new file with a :class:`~ray_disagg.models.base.ModelAdapter`
-subclass, registered in ``ADAPTERS`` below.
+Adding a family = one new package (``adapter.py``, ``parallelize.py``, ``flavors.py``)
+with a :class:`~ray_disagg.models.base.ModelAdapter` subclass, registered in ``ADAPTERS``
+below.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "ModelAdapter",
     "SampleError",
     "get_adapter",
+    "hf_param_name",
     "tiny_qwen2_5_omni_thinker_config",
     "tiny_qwen2_5_vl_config",
     "tiny_qwen2_vl_config",
@@ -43,3 +45,14 @@ def get_adapter(config) -> ModelAdapter:
             f"{sorted(ADAPTERS)}."
         )
     return ADAPTERS[model_type](config)
+
+
+def hf_param_name(name: str) -> tuple[str, int | None, int]:
+    """:meth:`ModelAdapter.hf_param_name` of the registered family that splits ``name``
+    (for code without an adapter at hand, e.g. reading a checkpoint directory);
+    ``(name, None, 1)`` when none does."""
+    for adapter in ADAPTERS.values():
+        mapped = adapter.hf_param_name(name)
+        if mapped[1] is not None:
+            return mapped
+    return name, None, 1

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from ray_disagg.parallel.tensor_parallel import BlockTPPlan, LinearSplit
 
 __all__ = ["IGNORE_INDEX", "Crossing", "ModelAdapter", "SampleError", "sample_name"]
 
@@ -50,7 +53,9 @@ def tensor_or_none(rows: list, dtype=np.int64) -> torch.Tensor | None:
 
 
 class ModelAdapter:
-    """Base class of the per-family adapters (one file each under ``ray_disagg.models``).
+    """Base class of the per-family adapters (one package each under ``ray_disagg.models``:
+    ``adapter.py`` the data handling, ``parallelize.py`` the parallel plans, ``flavors.py``
+    the tiny configs).
 
     Subclasses set the class attributes and implement the hooks below; instances hold the
     family's HF config.
@@ -197,8 +202,10 @@ class ModelAdapter:
     # ---- compute ----------------------------------------------------------------------
 
     def encode(self, module: nn.Module, part: str, samples: Sequence[dict], device, sp=None):
-        """Run encoder ``part`` on ``samples``: a dict crossing name -> rows in sample order
-        (on SP ranks other than 0, tensors with 0 rows that are still in the graph)."""
+        """Run encoder ``part`` on ``samples``: a dict crossing name -> rows in sample order.
+        ``sp``: the Ulysses SP process group (the tower prepared by
+        :func:`~ray_disagg.parallel.ulysses.enable_ulysses`) or ``None``; under SP, ranks
+        other than 0 get tensors with 0 rows that are still in the graph."""
         raise NotImplementedError
 
     def llm_hidden(self, module: nn.Module, batch: dict, received: dict) -> torch.Tensor:
@@ -229,6 +236,21 @@ class ModelAdapter:
         """The :class:`~ray_disagg.parallel.ulysses.TowerPlan` of an SP-capable part."""
         raise NotImplementedError
 
+    param_splits: ClassVar[tuple[LinearSplit, ...]] = ()
+    """Fused Linears that a parallel plan may store as row blocks (their checkpoint names
+    then differ from HF's; see :meth:`hf_param_name`)."""
+
+    @classmethod
+    def hf_param_name(cls, name: str) -> tuple[str, int | None, int]:
+        """``(HF name, row block, blocks)`` of a part's parameter or checkpoint tensor
+        ``name``: for a row block of a split fused Linear (``param_splits``), the fused HF
+        tensor, the block's index and the number of blocks; else ``(name, None, 1)``."""
+        for split in cls.param_splits:
+            fused, index = split.fused_name(name)
+            if index is not None:
+                return fused, index, len(split.pieces)
+        return name, None, 1
+
     def head_counts(self, part: str) -> dict[str, int]:
         """Sizes a model-parallel degree must divide, by name (``num_heads``, ...)."""
         raise NotImplementedError
@@ -240,8 +262,8 @@ class ModelAdapter:
         """Decoder-layer-relative module name -> ``"colwise"``/``"rowwise"``."""
         raise NotImplementedError
 
-    def tower_tp_plan(self, part: str) -> dict[str, str] | None:
-        """Block-relative TP plan of an encoder part (the uniform-TP baseline), or ``None``."""
+    def tower_tp_plan(self, part: str) -> BlockTPPlan | None:
+        """TP plan of an encoder part's tower blocks (the uniform-TP baseline), or ``None``."""
         return None
 
 

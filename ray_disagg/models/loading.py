@@ -25,12 +25,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ray_disagg.parallel.tensor_parallel import split_qkv_name
+from ray_disagg.models import hf_param_name
 
 __all__ = [
     "InitSource",
     "SafetensorsSource",
     "materialize",
+    "merge_row_blocks",
     "meta_model",
     "part_tensor",
     "cast_parameters",
@@ -187,16 +188,34 @@ class SafetensorsSource:
         return self._file(fname).get_tensor(ck_key)  # dtype and shape: see check()
 
 
-def part_tensor(source, name: str) -> torch.Tensor:
+def part_tensor(source, name: str, hf_name=hf_param_name) -> torch.Tensor:
     """The full tensor of a part's parameter ``name`` from ``source`` (anything with
-    ``.get(hf_name)``), sliced out of HF's fused qkv for a split-qkv part."""
-    fused, which = split_qkv_name(name)
-    if which is None:
+    ``.get(hf_name)``), sliced out of the fused HF tensor for a row block of a split
+    Linear. ``hf_name``: the family's :meth:`ModelAdapter.hf_param_name` (default: that
+    of every registered family)."""
+    fused, index, blocks = hf_name(name)
+    if index is None:
         return source.get(name)
     full = source.get(fused)
-    third = full.shape[0] // 3
-    i = "qkv".index(which)
-    return full[i * third : (i + 1) * third]
+    rows = full.shape[0] // blocks
+    return full[index * rows : (index + 1) * rows]
+
+
+def merge_row_blocks(state: dict[str, torch.Tensor], hf_name=hf_param_name) -> dict:
+    """``state`` under HF names: the row blocks of split Linears (as ``hf_name`` names
+    them) concatenated back into the fused tensors."""
+    out, pending = {}, {}
+    for key, value in state.items():
+        fused, index, blocks = hf_name(key)
+        if index is None:
+            out[key] = value
+        else:
+            pending.setdefault(fused, [None] * blocks)[index] = value
+    for key, blocks in pending.items():
+        if any(b is None for b in blocks):
+            raise ValueError(f"{key}: only some of its row blocks are present.")
+        out[key] = torch.cat(blocks, dim=0)
+    return out
 
 
 @torch.no_grad()
@@ -214,15 +233,18 @@ def fill(p: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def materialize(module: nn.Module, device, params, buffers: InitSource, progress=None) -> None:
+def materialize(
+    module: nn.Module, device, params, buffers: InitSource, progress=None, hf_name=hf_param_name
+) -> None:
     """Allocate ``module``'s (possibly sharded) tensors on ``device`` and fill them: the
     parameters from ``params``, the buffers from ``buffers``, one tensor at a time.
-    ``progress(done, total)`` is called after each parameter."""
+    ``progress(done, total)`` is called after each parameter; ``hf_name`` as in
+    :func:`part_tensor`."""
     module.to_empty(device=device)
     named = list(module.named_parameters())
     for i, (name, p) in enumerate(named):
         try:
-            fill(p, part_tensor(params, name))
+            fill(p, part_tensor(params, name, hf_name))
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         if progress is not None:

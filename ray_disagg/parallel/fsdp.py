@@ -6,7 +6,7 @@ ranks: SP ranks hold replicated weights whose gradients are partial sums).
 Every ``.layers`` / ``.blocks`` element of the part is its own FSDP unit (all-gathered
 just before its forward, resharded after); the rest of the part (embeddings, merger,
 norms, ``lm_head``) is one root unit around :class:`PartRunner`, through which the loops
-call the part, because the loops call HF submodules (``model.model.visual``,
+call the part, because the loops call the part's HF submodules (a tower, a decoder, an
 ``lm_head``, ...) rather than the part's own ``forward``.
 
 Gradients are reduce-scattered as SUMs (the loss is already normalised by the global

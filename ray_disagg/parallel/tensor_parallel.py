@@ -1,15 +1,18 @@
 """Megatron-style tensor parallelism of a decoder with DTensor, plus a vocab-parallel
 embedding, lm_head and cross-entropy (no rank ever holds full-vocab logits).
 
-The per-layer plan comes from the family adapter (Qwen: q/k/v/gate/up column-wise, each
-rank holding a slice of the heads / of the MLP width; o/down row-wise, partial sums
-all-reduced); norms stay replicated.
+The per-layer plan comes from the family adapter (typically the attention's q/k/v and the
+MLP's input projections column-wise, each rank holding a slice of the heads / of the MLP
+width; the output projections row-wise, partial sums all-reduced); norms stay replicated.
+A tower's blocks are sharded the same way with a :class:`BlockTPPlan`.
 The input embeddings enter the layers replicated; in backward, the column-wise layers'
 ``Replicate`` input turns their partial input gradients into the full sum, so the gradient
 w.r.t. the image embeddings is complete on every tp rank.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -21,15 +24,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 __all__ = [
+    "BlockTPPlan",
+    "LinearSplit",
+    "SplitLinear",
     "VocabParallelCrossEntropy",
-    "SplitQKV",
     "parallelize_text",
     "parallelize_vision",
-    "merge_split_qkv",
     "grad_sq_norm",
     "all_reduce_partial_grads",
     "mark_partial_grads",
-    "split_qkv_name",
     "local",
 ]
 
@@ -106,7 +109,7 @@ def parallelize_text(
     ``.layers`` with ``layer_plan`` (layer-relative module name -> ``"colwise"`` /
     ``"rowwise"``, from the family adapter), ``lm.embed_tokens`` vocab-parallel and the
     ``lm_head`` module vocab-sharded. Parameters of the modules named in ``per_head_norms``
-    (e.g. Qwen3's ``q_norm``/``k_norm``) see only this rank's heads: their gradients are
+    (per-head norms of q and k) see only this rank's heads: their gradients are
     partial sums (see :func:`all_reduce_partial_grads`). Returns the tp group and the
     first vocab row of this rank's logits (for :class:`VocabParallelCrossEntropy`)."""
     for layer in lm.layers:
@@ -127,64 +130,83 @@ def parallelize_text(
     return tp_mesh.get_group(), vocab_start
 
 
-class SplitQKV(torch.nn.Module):
-    """The vision attention's fused ``qkv`` Linear as three Linears, so that each can be
-    sharded column-wise by heads (a contiguous row shard of the fused weight would mix q
-    and k). ``forward`` returns ``[q | k | v]`` like the fused layer; with sharded q/k/v
-    that is ``[q_r | k_r | v_r]`` of this rank's heads, which HF's reshape then reads as
-    ``(seq, 3, local_heads, head_dim)``."""
+@dataclass(frozen=True, kw_only=True)
+class LinearSplit:
+    """A fused Linear (leaf module name ``module``) that a plan stores as equal row blocks
+    ``pieces`` (:class:`SplitLinear`): its parameters ``*.<module>.<piece>.<leaf>`` are
+    rows of the fused ``*.<module>.<leaf>``."""
 
-    def __init__(self, qkv: torch.nn.Linear):
+    module: str
+    """Leaf name of the fused Linear."""
+    pieces: tuple[str, ...]
+    """Names of the row blocks, in row order."""
+
+    def fused_name(self, name: str) -> tuple[str, int | None]:
+        """``(fused name, row block index)`` of a block's parameter ``name``;
+        ``(name, None)`` for any other name."""
+        head, sep, tail = name.rpartition(f".{self.module}.")
+        piece, dot, leaf = tail.partition(".")
+        if sep and dot and piece in self.pieces:
+            return f"{head}.{self.module}.{leaf}", self.pieces.index(piece)
+        return name, None
+
+
+class SplitLinear(torch.nn.Module):
+    """A fused Linear as one Linear per row block ``pieces`` (equal sizes), so that each
+    can be sharded column-wise on its own (a contiguous row shard of the fused weight would
+    mix blocks). ``forward`` returns the concatenation like the fused layer; with sharded
+    blocks that is each block's local rows in turn."""
+
+    def __init__(self, fused: torch.nn.Linear, pieces: tuple[str, ...]):
         super().__init__()
-        dim, out = qkv.in_features, qkv.out_features // 3
-        for i, name in enumerate("qkv"):
-            lin = torch.nn.Linear(dim, out, bias=qkv.bias is not None, device=qkv.weight.device)
+        self.pieces = tuple(pieces)
+        dim, out = fused.in_features, fused.out_features // len(self.pieces)
+        for i, name in enumerate(self.pieces):
+            lin = torch.nn.Linear(dim, out, bias=fused.bias is not None, device=fused.weight.device)
             with torch.no_grad():
-                lin.weight.copy_(qkv.weight[i * out : (i + 1) * out])
-                if qkv.bias is not None:
-                    lin.bias.copy_(qkv.bias[i * out : (i + 1) * out])
-            lin.weight.requires_grad_(qkv.weight.requires_grad)  # frozen stays frozen
-            if qkv.bias is not None:
-                lin.bias.requires_grad_(qkv.bias.requires_grad)
+                lin.weight.copy_(fused.weight[i * out : (i + 1) * out])
+                if fused.bias is not None:
+                    lin.bias.copy_(fused.bias[i * out : (i + 1) * out])
+            lin.weight.requires_grad_(fused.weight.requires_grad)  # frozen stays frozen
+            if fused.bias is not None:
+                lin.bias.requires_grad_(fused.bias.requires_grad)
             setattr(self, name, lin)
 
     def forward(self, x):
-        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+        return torch.cat([getattr(self, name)(x) for name in self.pieces], dim=-1)
 
 
-def split_qkv_name(name: str) -> tuple[str, str | None]:
-    """``("*.qkv.weight", "q")`` for a :class:`SplitQKV` name ``*.qkv.q.weight``;
-    ``(name, None)`` for any other name."""
-    head, sep, tail = name.rpartition(".qkv.")
-    if sep and tail[:2] in ("q.", "k.", "v."):
-        return f"{head}.qkv.{tail[2:]}", tail[0]
-    return name, None
+@dataclass(frozen=True, kw_only=True)
+class BlockTPPlan:
+    """Tensor-parallel plan of a tower's transformer blocks (from the family adapter)."""
+
+    blocks: str
+    """Dotted path, in the tower, of the ``ModuleList`` of blocks."""
+    styles: dict[str, str]
+    """Block-relative module name -> ``"colwise"``/``"rowwise"`` (split blocks are named
+    ``<fused path>.<piece>``)."""
+    heads: str
+    """Block-relative dotted path of the attention's head-count attribute (divided by tp)."""
+    splits: dict[str, LinearSplit] = field(default_factory=dict)
+    """Block-relative path of a fused Linear -> its :class:`LinearSplit` (split first)."""
 
 
-def merge_split_qkv(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Turn ``*.qkv.{q,k,v}.{weight,bias}`` back into HF's fused ``*.qkv.{weight,bias}``."""
-    out, pending = {}, {}
-    for key, value in state.items():
-        fused, which = split_qkv_name(key)
-        if which:
-            pending.setdefault(fused, {})[which] = value
-        else:
-            out[key] = value
-    for key, parts in pending.items():
-        out[key] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
-    return out
+def _set(root: torch.nn.Module, path: str, value) -> None:
+    owner, _, attr = path.rpartition(".")
+    setattr(root.get_submodule(owner) if owner else root, attr, value)
 
 
-def parallelize_vision(visual, plan: dict[str, str], tp_mesh) -> None:
-    """Shard every block of a vision tower in place with ``plan`` (block-relative module
-    name -> ``"colwise"``/``"rowwise"``, from the family adapter): attention by heads, the
-    MLP by its width; patch embedding and merger stay replicated. A fused ``attn.qkv`` is
-    split first (:class:`SplitQKV`) when the plan names ``attn.qkv.q``."""
-    for blk in visual.blocks:
-        if "attn.qkv.q" in plan:
-            blk.attn.qkv = SplitQKV(blk.attn.qkv)
-        parallelize_module(blk, tp_mesh, {name: _STYLES[s]() for name, s in plan.items()})
-        blk.attn.num_heads //= tp_mesh.size()
+def parallelize_vision(tower, plan: BlockTPPlan, tp_mesh) -> None:
+    """Shard every block of ``tower`` in place with ``plan``: attention by heads, the MLP
+    by its width; everything outside the blocks (patch embedding, merger) stays
+    replicated. The plan's fused Linears are split first (:class:`SplitLinear`)."""
+    for blk in tower.get_submodule(plan.blocks):
+        for path, split in plan.splits.items():
+            _set(blk, path, SplitLinear(blk.get_submodule(path), split.pieces))
+        parallelize_module(blk, tp_mesh, {name: _STYLES[s]() for name, s in plan.styles.items()})
+        owner, _, attr = plan.heads.rpartition(".")
+        attn = blk.get_submodule(owner) if owner else blk
+        setattr(attn, attr, getattr(attn, attr) // tp_mesh.size())
 
 
 def grad_sq_norm(params, group=None, device="cpu") -> float:

@@ -2,15 +2,21 @@
 
 Each of the ``sp`` ranks of a data-parallel replica holds a contiguous slice of the
 replica's patch sequence, in the order the tower attends in (its :class:`TowerPlan`
-decides: natural order, or Qwen2.5-VL's window order), cut only where the family allows
+decides: natural order, or a windowed order), cut only where the family's plan allows
 (merge units; whole windows where windowed blocks must stay local). The tower runs on the
 slice with precomputed per-slice kwargs (positions, windows, interpolation taps) and
 ``config._attn_implementation = "ray_disagg_ulysses"``: an attention function registered
 in ``transformers.AttentionInterface`` that, in full-attention blocks, swaps sequence and
 heads with an all-to-all (:class:`SeqToHeads`), attends per image/frame over the whole
 sequence and swaps back (:class:`HeadsToSeq`); other blocks attend locally with SDPA.
-Every output (the merged embeddings and, e.g., Qwen3-VL's DeepStack features) is
-gathered to SP rank 0 (:class:`GatherToLeader`), which restores the token order.
+Every output the plan names (the merged embeddings first) is gathered to SP rank 0
+(:class:`GatherToLeader`), which restores the token order.
+
+The slice of one call lives in a :class:`UlyssesContext` that :func:`sp_tower_forward`
+creates and hands to the tower's forward as the ``ulysses`` keyword; HF passes it on to
+every block and attention call, and activation checkpointing recomputes a block with the
+keywords of its own forward, so each microbatch's backward sees its own slice with
+nothing kept on the tower between calls.
 
 Slices may be uneven and empty.
 """
@@ -18,6 +24,7 @@ Slices may be uneven and empty.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +38,7 @@ __all__ = [
     "GatherToLeader",
     "SliceLayout",
     "TowerPlan",
+    "UlyssesContext",
     "enable_ulysses",
     "plan_slices",
     "sp_tower_forward",
@@ -142,13 +150,18 @@ def plan_slices(cuts: list[int], sp_size: int) -> SliceLayout:
     return SliceLayout(tuple(bounds))
 
 
-def merge_unit(tower) -> int:
-    """Patches merged into one output token (``spatial_merge_size ** 2``)."""
-    return tower.config.spatial_merge_size**2
-
-
 class TowerPlan:
-    """How one family's tower is cut for Ulysses (subclassed in ``ray_disagg.models``)."""
+    """How one family's tower is cut for Ulysses (subclassed by the family adapters): which
+    modules attend over whole images, the attention order, the allowed cuts, the per-slice
+    forward kwargs and which output tensors to gather."""
+
+    def merge_unit(self, tower) -> int:
+        """Input rows merged into one output row (slices are cut on multiples of it)."""
+        raise NotImplementedError
+
+    def outputs(self, out: Any) -> list[torch.Tensor]:
+        """The ``(rows, D)`` tensors of the tower's output, the merged embeddings first."""
+        raise NotImplementedError
 
     def full_attention_modules(self, tower) -> list[torch.nn.Module]:
         """Attention modules that attend over whole images (all-to-all under SP)."""
@@ -161,7 +174,7 @@ class TowerPlan:
     def cuts(self, tower, grid_thw: torch.Tensor) -> list[int]:
         """Allowed slice boundaries in attention order (default: every merge unit)."""
         total = int(grid_thw.prod(-1).sum())
-        return list(range(0, total + 1, merge_unit(tower)))
+        return list(range(0, total + 1, self.merge_unit(tower)))
 
     def full_cu_seqlens(self, tower, grid_thw: torch.Tensor) -> torch.Tensor:
         """Per image/frame boundaries of the whole sequence, in attention order."""
@@ -177,29 +190,43 @@ class TowerPlan:
         return None
 
 
-@dataclass
-class _SPState:
+@dataclass(frozen=True, kw_only=True)
+class UlyssesContext:
+    """The slice of one :func:`sp_tower_forward` call (one microbatch), read by
+    :func:`ulysses_attention` in that call's forward and in its recomputation."""
+
     group: dist.ProcessGroup
+    """The SP process group."""
     rank: int
-    seq_lens: list[int]
-    cu_seqlens: torch.Tensor | None = None
-    stand_in: int = 0  # rows of a stand-in slice on a rank whose real slice is empty
+    """This rank in ``group``."""
+    seq_lens: tuple[int, ...]
+    """Patches of each rank's slice (rank order)."""
+    cu_seqlens: torch.Tensor
+    """Per image/frame boundaries of the whole sequence, in attention order."""
+    full_attention: frozenset[int]
+    """``id`` of the attention modules that attend over the whole sequence."""
+    stand_in: int = 0
+    """Rows of a stand-in slice on a rank whose real slice is empty (0: none)."""
 
 
-def ulysses_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+def ulysses_attention(
+    module, query, key, value, attention_mask, scaling=None, ulysses=None, **kwargs
+):
     """``AttentionInterface`` function: ``query/key/value`` ``(1, H, s_local, d)`` ->
-    ``(1, s_local, H, d)``. Full-attention modules under SP gather the sequence with an
-    all-to-all and attend per segment of the whole sequence; others run plain SDPA."""
-    sp: _SPState | None = getattr(module, "_ulysses", None)
-    if sp is None:
+    ``(1, s_local, H, d)``. Under SP (``ulysses``: the call's :class:`UlyssesContext`),
+    full-attention modules gather the sequence with an all-to-all and attend per segment
+    of the whole sequence; other modules, and calls without a context, run plain SDPA."""
+    sp: UlyssesContext | None = ulysses
+    if sp is None or id(module) not in sp.full_attention:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, **kwargs
         )
+    seq_lens = list(sp.seq_lens)
     # (s, H, d); a stand-in slice sends nothing (its rows are dropped after the tower)
     q, k, v = (
         t.squeeze(0).transpose(0, 1)[: t.shape[2] - sp.stand_in] for t in (query, key, value)
     )
-    q, k, v = (SeqToHeads.apply(t.contiguous(), sp.seq_lens, sp.rank, sp.group) for t in (q, k, v))
+    q, k, v = (SeqToHeads.apply(t.contiguous(), seq_lens, sp.rank, sp.group) for t in (q, k, v))
     lengths = (sp.cu_seqlens[1:] - sp.cu_seqlens[:-1]).tolist()
     outs = []
     for qi, ki, vi in zip(*(t.split(lengths, dim=0) for t in (q, k, v))):
@@ -207,7 +234,7 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, *
         o = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, scale=scaling)
         outs.append(o.squeeze(0).transpose(0, 1))
     attn = torch.cat(outs, dim=0) if outs else q
-    attn = HeadsToSeq.apply(attn.contiguous(), sp.seq_lens, sp.rank, sp.group)
+    attn = HeadsToSeq.apply(attn.contiguous(), seq_lens, sp.rank, sp.group)
     if sp.stand_in:
         attn = torch.cat([attn, attn.new_zeros(sp.stand_in, *attn.shape[1:])])
     return attn.unsqueeze(0), None
@@ -216,59 +243,57 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, *
 AttentionInterface.register(ATTN_IMPLEMENTATION, ulysses_attention)
 
 
-def enable_ulysses(tower, plan: TowerPlan, group: dist.ProcessGroup) -> None:
-    """Route ``tower``'s attention through :func:`ulysses_attention` over ``group``."""
-    state = _SPState(group=group, rank=dist.get_rank(group), seq_lens=[])
-    tower._ulysses, tower._ulysses_plan = state, plan
+def enable_ulysses(tower) -> None:
+    """Route ``tower``'s attention through :func:`ulysses_attention` (once, before the
+    first :func:`sp_tower_forward`; calls without a context still run plain SDPA)."""
     tower.config._attn_implementation = ATTN_IMPLEMENTATION
-    for m in plan.full_attention_modules(tower):
-        m._ulysses = state
 
 
-def save_state(tower) -> tuple:
-    """The per-call slice state of the last :func:`sp_tower_forward` (a recomputing
-    backward reads it: with several microbatches in flight, restore it with
-    :func:`load_state` before that microbatch's backward)."""
-    sp: _SPState = tower._ulysses
-    return sp.seq_lens, sp.cu_seqlens, sp.stand_in
-
-
-def load_state(tower, state: tuple) -> None:
-    sp: _SPState = tower._ulysses
-    sp.seq_lens, sp.cu_seqlens, sp.stand_in = state
-
-
-def sp_tower_forward(tower, pixel_values: torch.Tensor, grid_thw: torch.Tensor):
-    """The tower's forward with this rank holding only its slice of the patch sequence.
-
-    Returns the list ``[merged embeddings, *extra outputs (DeepStack)]``, each
-    ``(num_tokens, D)`` in token order on SP rank 0 and ``(0, D)`` (still in the graph) on
-    the other SP ranks.
-    """
-    sp: _SPState = tower._ulysses
-    plan: TowerPlan = tower._ulysses_plan
-    n = dist.get_world_size(sp.group)
-    grid_cpu = grid_thw.cpu()
+def _slice(plan: TowerPlan, tower, grid_cpu, n: int, rank: int):
+    """``(layout, this rank's patch index, lo, hi, stand_in rows)`` of one call."""
     order = plan.order(tower, grid_cpu)
     layout = plan_slices(plan.cuts(tower, grid_cpu), n)
-    sp.seq_lens = layout.seq_lens
-    sp.cu_seqlens = plan.full_cu_seqlens(tower, grid_cpu).to(pixel_values.device)
-    lo, hi = layout.bounds[sp.rank], layout.bounds[sp.rank + 1]
+    lo, hi = layout.bounds[rank], layout.bounds[rank + 1]
     # HF towers cannot run on 0 rows: a rank with an empty slice runs a stand-in slice of
     # one merge unit whose rows take part in no all-to-all and whose outputs are dropped
-    sp.stand_in = 0 if hi > lo else merge_unit(tower)
-    if sp.stand_in:
-        lo, hi = 0, sp.stand_in
+    stand_in = 0 if hi > lo else plan.merge_unit(tower)
+    if stand_in:
+        lo, hi = 0, stand_in
     index = order[lo:hi] if order is not None else torch.arange(lo, hi)
+    return layout, index, lo, hi, stand_in
+
+
+def sp_tower_forward(
+    tower, pixel_values: torch.Tensor, grid_thw: torch.Tensor, plan: TowerPlan, group
+) -> list[torch.Tensor]:
+    """The tower's forward with this rank holding only its slice of the patch sequence
+    (``tower`` prepared by :func:`enable_ulysses`; ``group``: the SP process group).
+
+    Returns ``plan.outputs`` (merged embeddings first), each ``(num_tokens, D)`` in token
+    order on SP rank 0 and ``(0, D)`` (still in the graph) on the other SP ranks.
+    """
+    if tower.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise ValueError("call enable_ulysses(tower) before sp_tower_forward.")
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    grid_cpu = grid_thw.cpu()
+    layout, index, lo, hi, stand_in = _slice(plan, tower, grid_cpu, n, rank)
+    context = UlyssesContext(
+        group=group,
+        rank=rank,
+        seq_lens=tuple(layout.seq_lens),
+        cu_seqlens=plan.full_cu_seqlens(tower, grid_cpu).to(pixel_values.device),
+        full_attention=frozenset(id(m) for m in plan.full_attention_modules(tower)),
+        stand_in=stand_in,
+    )
     kwargs = plan.local_kwargs(tower, grid_cpu, index, lo, hi)
     kwargs = {k: v.to(pixel_values.device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-    out = tower(pixel_values[index.to(pixel_values.device)], grid_thw=grid_thw, **kwargs)
-    outputs = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
-    if sp.stand_in:
+    pixels = pixel_values[index.to(pixel_values.device)]
+    outputs = plan.outputs(tower(pixels, grid_thw=grid_thw, ulysses=context, **kwargs))
+    if stand_in:
         outputs = [o[:0] for o in outputs]
-    units = [s // merge_unit(tower) for s in layout.seq_lens]
-    gathered = [GatherToLeader.apply(o, units, sp.rank, sp.group) for o in outputs]
+    units = [s // plan.merge_unit(tower) for s in layout.seq_lens]
+    gathered = [GatherToLeader.apply(o, units, rank, group) for o in outputs]
     restore = plan.restore(tower, grid_cpu)
-    if sp.rank == 0 and restore is not None:
+    if rank == 0 and restore is not None:
         gathered = [g[restore.to(g.device)] for g in gathered]
     return gathered

@@ -92,13 +92,17 @@ def _tp_sharded(adapter, part: str, name: str) -> bool:
             return True
         plan, layers = adapter.llm_tp_plan(), r"\.layers\.\d+\."
     else:
-        plan, layers = adapter.tower_tp_plan(part) or {}, r"\.blocks\.\d+\."
+        tower = adapter.tower_tp_plan(part)
+        if tower is None:
+            return False
+        plan, layers = tower.styles, rf"\.{re.escape(tower.blocks)}\.\d+\."
+        # a split Linear's fused tensor is sharded like its row blocks
+        plan = {**plan, **{p: plan[f"{p}.{s.pieces[0]}"] for p, s in tower.splits.items()}}
     m = re.search(layers + r"(.+)\.(weight|bias)$", name)
     if not m:
         return False
     module, kind = m.groups()
-    split = {k.rsplit(".", 1)[0]: v for k, v in plan.items() if k.startswith("attn.qkv.")}
-    style = plan.get(module) or split.get(module)
+    style = plan.get(module)
     return style == "colwise" or (style == "rowwise" and kind == "weight")
 
 

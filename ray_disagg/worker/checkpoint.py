@@ -26,8 +26,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ray_disagg.lr_schedule import lr_at
-from ray_disagg.models.loading import fill, part_tensor
-from ray_disagg.parallel.tensor_parallel import merge_split_qkv, split_qkv_name
+from ray_disagg.models import hf_param_name
+from ray_disagg.models.loading import fill, merge_row_blocks, part_tensor
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -71,8 +71,8 @@ def load_sharded(model, optimizer, directory: str) -> bool:
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
     saved = {k for k in meta if k.startswith("model.")}
     if set(state) != saved:
-        fused = {split_qkv_name(k)[0] for k in saved}
-        if fused == {split_qkv_name(k)[0] for k in state}:
+        fused = {hf_param_name(k)[0] for k in saved}
+        if fused == {hf_param_name(k)[0] for k in state}:
             return False  # only the qkv split differs
         raise ValueError(
             f"The checkpoint in {directory} does not hold this part: missing "
@@ -113,13 +113,13 @@ def read_full(directory: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]
         if isinstance(m, TensorStorageMetadata)
     }
     load_alone(full, directory)
-    model = merge_split_qkv({k[6:]: v for k, v in full.items() if k.startswith("model.")})
+    model = merge_row_blocks({k[6:]: v for k, v in full.items() if k.startswith("model.")})
     optim: dict[str, dict] = {}
     for k, v in full.items():
         if k.startswith("optim."):
             name, _, field = k[6:].rpartition(".")
             optim.setdefault(field, {})[name] = v
-    optim = {f: merge_split_qkv(d) for f, d in optim.items()}
+    optim = {f: merge_row_blocks(d) for f, d in optim.items()}
     return model, optim
 
 
@@ -146,7 +146,7 @@ def load_optimizer(opt, part, fields: dict[str, dict[str, torch.Tensor]]) -> Non
         try:
             state = {f: part_tensor(_Dict(fields[f]), name) for f in _STATE_KEYS}
             steps = fields["step"]  # one count per tensor: never sliced like qkv rows
-            step = steps[name] if name in steps else steps[split_qkv_name(name)[0]]
+            step = steps[name] if name in steps else steps[hf_param_name(name)[0]]
         except KeyError:
             continue  # never stepped (no gradient yet)
         inner.state[p] = {"step": step.reshape(-1)[0].clone().float()}

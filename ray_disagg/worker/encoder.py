@@ -37,7 +37,7 @@ def _row_offsets(adapter, part, samples) -> dict[str, list[int]]:
 
 def _encode(w: PartWorker, samples) -> dict:
     """The part's crossings for ``samples`` (one FSDP2 root call)."""
-    sp = w.is_sp or None
+    sp = w.mp_mesh.get_group() if w.is_sp else None
 
     def run(model):
         return w.adapter.encode(model, w.part, samples, w.device, sp=sp)
@@ -64,7 +64,7 @@ def _receive_inputs(w: PartWorker, plan, plan_step: int, key: StepKey):
 class _Microbatch:
     """One microbatch between its forward and its backward: its outputs hold the graph."""
 
-    def __init__(self, w: PartWorker, tower, samples, routes, j: int, grad: bool):
+    def __init__(self, w: PartWorker, samples, routes, j: int, grad: bool):
         self.samples, self.routes, self.j = samples, routes, j
         # FSDP2: every rank must run the same units; one without inputs runs a stand-in
         self.counts = w.adapter.item_counts(w.part, samples)
@@ -73,7 +73,6 @@ class _Microbatch:
         with torch.set_grad_enabled(grad):  # forward only: frozen group, validation
             self.outputs = _encode(w, inputs)
         self.offsets = _row_offsets(w.adapter, w.part, samples)
-        self.sp_state = ulysses.save_state(tower) if w.is_sp and grad else None
         self.grads = {c.name: [] for c in w.adapter.crossings(w.part)}
 
     def send(self, w: PartWorker, key: StepKey) -> None:
@@ -97,9 +96,7 @@ class _Microbatch:
             for name, g in received.items():
                 self.grads[name].append(g)
 
-    def backward(self, w: PartWorker, tower) -> None:
-        if self.sp_state is not None:  # a recomputing backward reads this slice state
-            ulysses.load_state(tower, self.sp_state)
+    def backward(self, w: PartWorker) -> None:
         outs, out_grads = [], []
         for name, out in self.outputs.items():
             # sp: non-leaders hold an empty slice but must join the backward;
@@ -121,8 +118,8 @@ class EncoderStep:
     """Executes one step's encoder actions (a training step, or a validation batch with
     ``grad=False``); ``counts`` are the items (images, videos, ...) it encoded."""
 
-    def __init__(self, w: PartWorker, tower, plan, plan_step: int, key: StepKey, grad: bool):
-        self.w, self.tower, self.plan, self.plan_step = w, tower, plan, plan_step
+    def __init__(self, w: PartWorker, plan, plan_step: int, key: StepKey, grad: bool):
+        self.w, self.plan, self.plan_step = w, plan, plan_step
         self.key, self.grad = key, grad
         self.inputs, self.live, self.counts = None, {}, {}
 
@@ -131,7 +128,7 @@ class EncoderStep:
             Op.RECV_INPUTS: self.recv_inputs,
             Op.FORWARD: self.forward,
             Op.RECV_GRADS: lambda j: self.live[j].receive_grads(self.w, self.key),
-            Op.BACKWARD: lambda j: self.live.pop(j).backward(self.w, self.tower),
+            Op.BACKWARD: lambda j: self.live.pop(j).backward(self.w),
             Op.WAIT_SENDS: self.w.wait_pending,
         }
         for action in actions:
@@ -150,7 +147,7 @@ class EncoderStep:
         if self.grad:
             faults_hook.drill(w.part, w.group_rank, self.key.step, j)
         samples, routes = self.inputs[j]
-        mb = _Microbatch(w, self.tower, samples, routes, j, self.grad)
+        mb = _Microbatch(w, samples, routes, j, self.grad)
         if w.leader:
             mb.send(w, self.key)
         for name, n in mb.counts.items():
@@ -162,11 +159,11 @@ class EncoderStep:
         return [s.get("id") for samples, _ in self.inputs for s in samples]
 
 
-def _evaluate(w: PartWorker, tower, plan, step: int) -> list[float]:
+def _evaluate(w: PartWorker, plan, step: int) -> list[float]:
     """Encode the validation set for the LLM group (which computes the loss)."""
     actions = encoder_actions(plan.micro_batches, trains=False)
     for v in range(plan.steps_per_epoch):
-        EncoderStep(w, tower, plan, v, StepKey(step, v), grad=False).run(actions)
+        EncoderStep(w, plan, v, StepKey(step, v), grad=False).run(actions)
     return [0.0, 0.0]
 
 
@@ -175,7 +172,7 @@ def encoder_train_loop(args: LoopArgs, part: str) -> None:
     model = w.build()
     tower = w.adapter.part_roots(model, part)[0]
     if w.is_sp:
-        ulysses.enable_ulysses(tower, w.adapter.sp_plan(part), w.mp_mesh.get_group())
+        ulysses.enable_ulysses(tower)
     if w.is_tp:
         tp.parallelize_vision(tower, w.adapter.tower_tp_plan(part), w.mp_mesh)
     start = w.setup(model)
@@ -183,10 +180,10 @@ def encoder_train_loop(args: LoopArgs, part: str) -> None:
     actions = encoder_actions(w.cfg.micro_batches, limit, trains=not w.frozen)
     evaluate = None
     if args.val_plan is not None:
-        evaluate = functools.partial(_evaluate, w, tower, args.val_plan)
+        evaluate = functools.partial(_evaluate, w, args.val_plan)
     for step in range(start, w.cfg.max_steps):
         faults_hook.drill(part, w.group_rank, step)
-        run = EncoderStep(w, tower, args.plan, step, StepKey(step), grad=not w.frozen)
+        run = EncoderStep(w, args.plan, step, StepKey(step), grad=not w.frozen)
         run.run(actions)
         stats = args.stats.new()
         if w.leader:

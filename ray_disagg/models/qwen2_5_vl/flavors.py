@@ -1,20 +1,14 @@
-"""Qwen2.5-VL: windowed vision tower (window order inside the tower, a few full-attention
-blocks), mrope LLM whose video positions scale with ``second_per_grid_ts``."""
+"""Tiny Qwen2.5-VL configs for CPU tests."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import Qwen2_5_VLConfig
 
-from ray_disagg.models.qwen_vl import (
-    QwenVLAdapter,
-    WindowOrderPlan,
-    tiny_text_config,
-    tiny_window_tower,
-)
+from ray_disagg.models.qwen_common.flavors import tiny_text_config, tiny_window_tower
 
-__all__ = ["Qwen2_5_VLAdapter", "tiny_qwen2_5_vl_config"]
+__all__ = ["tiny_qwen2_5_vl_config"]
 
 
 def tiny_qwen2_5_vl_config(
@@ -66,13 +60,3 @@ def tiny_qwen2_5_vl_config(
         vision_end_token_id=103,
         **overrides,
     )
-
-
-class Qwen2_5_VLAdapter(QwenVLAdapter):
-    model_type = "qwen2_5_vl"
-    config_class = Qwen2_5_VLConfig
-    hf_class = Qwen2_5_VLForConditionalGeneration
-    tower_plan = WindowOrderPlan()
-    tower_mlp = (("gate_proj", "up_proj"), "down_proj")
-    llm_extra_fields = ("second_per_grid_ts",)
-    tiny_config = staticmethod(tiny_qwen2_5_vl_config)

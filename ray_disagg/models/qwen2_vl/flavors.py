@@ -1,15 +1,14 @@
-"""Qwen2-VL: every vision block attends over whole images/frames in natural order
-(LayerNorm, ``fc1``/``fc2``); mrope LLM without time scaling."""
+"""Tiny Qwen2-VL configs for CPU tests."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from transformers import Qwen2VLConfig
 
-from ray_disagg.models.qwen_vl import NaturalOrderPlan, QwenVLAdapter, tiny_text_config
+from ray_disagg.models.qwen_common.flavors import tiny_text_config
 
-__all__ = ["Qwen2VLAdapter", "tiny_qwen2_vl_config"]
+__all__ = ["tiny_qwen2_vl_config"]
 
 
 def tiny_qwen2_vl_config(
@@ -58,12 +57,3 @@ def tiny_qwen2_vl_config(
         vision_end_token_id=103,
         **overrides,
     )
-
-
-class Qwen2VLAdapter(QwenVLAdapter):
-    model_type = "qwen2_vl"
-    config_class = Qwen2VLConfig
-    hf_class = Qwen2VLForConditionalGeneration
-    tower_plan = NaturalOrderPlan()
-    tower_mlp = (("fc1",), "fc2")
-    tiny_config = staticmethod(tiny_qwen2_vl_config)

@@ -4,8 +4,9 @@ videos cross to the ``text`` part (``model.language_model`` + ``lm_head``) as
 ``image_embeds`` / ``video_embeds``. The text part lets HF's own ``...Model.forward`` do the
 masked scatter and ``get_rope_index`` from the precomputed encoder outputs.
 
-A family file subclasses :class:`QwenVLAdapter` and sets its classes, tiny config, tower
-plan and, where it differs, the crossings (DeepStack) and the extra LLM kwargs.
+A family package subclasses :class:`QwenVLAdapter` and sets its classes, tiny config
+(``flavors.py``), tower plans (``parallelize.py``) and, where it differs, the crossings
+(DeepStack) and the extra LLM kwargs.
 """
 
 from __future__ import annotations
@@ -16,11 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
-from transformers.vision_utils import (
-    get_vision_attention_seqlens,
-    get_vision_position_ids,
-    get_vision_window_index,
-)
 
 from ray_disagg.models.base import (
     IGNORE_INDEX,
@@ -30,16 +26,10 @@ from ray_disagg.models.base import (
     tensor_or_none,
 )
 from ray_disagg.models.packing import PackedQwenMixin
-from ray_disagg.parallel.ulysses import TowerPlan, merge_unit, sp_tower_forward
+from ray_disagg.models.qwen_common.parallelize import QwenParallelMixin
+from ray_disagg.parallel.ulysses import sp_tower_forward
 
-__all__ = [
-    "QwenVLAdapter",
-    "NaturalOrderPlan",
-    "WindowOrderPlan",
-    "mrope_section",
-    "tiny_text_config",
-    "tiny_window_tower",
-]
+__all__ = ["MODALITIES", "QwenVLAdapter"]
 
 # modality -> (pixel key, grid key, token-id config attribute, mm_token_type id)
 MODALITIES = {
@@ -48,134 +38,15 @@ MODALITIES = {
 }
 
 
-def mrope_section(head_dim: int) -> list[int]:
-    """An ``mrope_section`` (t, h, w) summing to ``head_dim / 2``."""
-    half = head_dim // 2
-    return [half - 2 * (half // 3), half // 3, half // 3]
-
-
-def tiny_text_config(
-    *, vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, rope=None, **extra
-) -> dict:
-    """The ``text_config`` dict of the tiny Qwen configs (mrope over ``hidden / heads``)."""
-    head_dim = hidden // heads
-    if head_dim % 2:
-        raise ValueError("text_hidden / text_heads must be even for rotary embeddings.")
-    rope_parameters = {
-        "rope_type": "default",
-        "mrope_section": mrope_section(head_dim),
-        "rope_theta": 1e4,
-        **(rope or {}),
-    }
-    return dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=1024,
-        rope_parameters=rope_parameters,
-        pad_token_id=0,
-        **extra,
-    )
-
-
-def tiny_window_tower(*, hidden, depth, heads, out_hidden, patch_size, window_size, fullatt):
-    """The ``vision_config`` dict of a tiny windowed tower (Qwen2.5-VL, Omni)."""
-    return dict(
-        depth=depth,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_heads=heads,
-        out_hidden_size=out_hidden,
-        patch_size=patch_size,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        window_size=window_size,
-        fullatt_block_indexes=list(fullatt),
-        in_channels=3,
-    )
-
-
-class NaturalOrderPlan(TowerPlan):
-    """Every block attends over whole images/frames in natural patch order (Qwen2-VL)."""
-
-    def full_attention_modules(self, tower):
-        return [blk.attn for blk in tower.blocks]
-
-    def full_cu_seqlens(self, tower, grid_thw):
-        return get_vision_attention_seqlens(grid_thw, tower.config)[0]
-
-    def local_kwargs(self, tower, grid_thw, index, lo, hi):
-        pos = get_vision_position_ids(grid_thw, tower.spatial_merge_size)
-        return {
-            "position_ids": pos[index],
-            "cu_seqlens": torch.tensor([0, hi - lo], dtype=torch.int32),
-        }
-
-
-class WindowOrderPlan(NaturalOrderPlan):
-    """Qwen2.5-VL: the tower attends in window order (which keeps each image's and frame's
-    patches together, so the full-attention segments are the natural ones); windowed blocks
-    stay local (slices are cut on window boundaries), the ``fullatt_block_indexes`` blocks
-    are all-to-all."""
-
-    def _windows(self, tower, grid_thw):
-        return get_vision_window_index(
-            grid_thw, tower.spatial_merge_size, tower.window_size, tower.patch_size
-        )
-
-    def full_attention_modules(self, tower):
-        return [tower.blocks[i].attn for i in tower.fullatt_block_indexes]
-
-    def order(self, tower, grid_thw):
-        window_index, _ = self._windows(tower, grid_thw)
-        unit = merge_unit(tower)
-        return (window_index[:, None] * unit + torch.arange(unit)).reshape(-1)
-
-    def cuts(self, tower, grid_thw):
-        return [int(c) for c in self._windows(tower, grid_thw)[1].tolist()]
-
-    def local_kwargs(self, tower, grid_thw, index, lo, hi):
-        cuts = self.cuts(tower, grid_thw)
-        local = sorted({lo, hi} | {c for c in cuts if lo <= c <= hi})
-        return {
-            **super().local_kwargs(tower, grid_thw, index, lo, hi),
-            "window_index": torch.arange((hi - lo) // merge_unit(tower)),
-            "cu_window_seqlens": torch.tensor([c - lo for c in local], dtype=torch.int32),
-        }
-
-    def restore(self, tower, grid_thw):
-        return torch.argsort(self._windows(tower, grid_thw)[0])
-
-
-class QwenVLAdapter(PackedQwenMixin, ModelAdapter):
-    """Shared logic of the Qwen VL families (see module docstring)."""
+class QwenVLAdapter(QwenParallelMixin, PackedQwenMixin, ModelAdapter):
+    """Shared logic of the Qwen VL families (see module docstring; the parallel plans come
+    from :class:`~ray_disagg.models.qwen_common.parallelize.QwenParallelMixin`)."""
 
     encoder_parts = ("vision",)
     part_modules = {"vision": ("model.visual",), "text": ("model.language_model", "lm_head")}
-    sp_parts = ("vision",)
-    tp_parts = ("vision", "text")
-    tower_plan: TowerPlan = NaturalOrderPlan()
     llm_extra_fields: tuple[str, ...] = ()
-    tower_mlp: tuple[tuple[str, ...], str] | None = None
-    """The tower MLP's column-wise linears and its row-wise one, for the uniform-TP
-    baseline (``None``: the family has no vision TP plan)."""
     """Per-video sample fields the LLM's rope needs besides the grids (Qwen2.5-VL:
     ``second_per_grid_ts``)."""
-
-    def tower_tp_plan(self, part):
-        """q/k/v (split, :class:`SplitQKV`) and the MLP's ``tower_mlp`` inputs column-wise,
-        the attention and MLP outputs row-wise."""
-        if self.tower_mlp is None:
-            return None
-        cols, row = self.tower_mlp
-        plan = {f"attn.qkv.{w}": "colwise" for w in "qkv"}
-        plan["attn.proj"] = "rowwise"
-        plan.update({f"mlp.{c}": "colwise" for c in cols})
-        plan[f"mlp.{row}"] = "rowwise"
-        return plan
 
     # ---- samples ----------------------------------------------------------------------
 
@@ -319,11 +190,12 @@ class QwenVLAdapter(PackedQwenMixin, ModelAdapter):
         return pixels, grids
 
     def tower_outputs(self, tower, pixels, grid, sp) -> list[torch.Tensor]:
-        """``[merged embeddings, *extra outputs]`` of one tower call."""
+        """``[merged embeddings, *extra outputs]`` of one tower call (``sp``: the Ulysses
+        SP group or ``None``)."""
+        plan = self.sp_plan("vision")
         if sp is not None:
-            return sp_tower_forward(tower, pixels, grid)
-        out = tower(pixels.to(tower.dtype), grid_thw=grid)
-        return [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+            return sp_tower_forward(tower, pixels, grid, plan, sp)
+        return plan.outputs(tower(pixels.to(tower.dtype), grid_thw=grid))
 
     def encode(self, module, part, samples, device, sp=None):
         """One tower call on the images and then the videos of ``samples`` (what HF's two
@@ -411,35 +283,3 @@ class QwenVLAdapter(PackedQwenMixin, ModelAdapter):
             if grid is not None:
                 kwargs[MODALITIES[modality][0]] = pixels
         return kwargs
-
-    # ---- parallel plans ---------------------------------------------------------------
-
-    def llm_modules(self, module):
-        return module.model.language_model, module.lm_head
-
-    def llm_tp_plan(self):
-        return {
-            "self_attn.q_proj": "colwise",
-            "self_attn.k_proj": "colwise",
-            "self_attn.v_proj": "colwise",
-            "self_attn.o_proj": "rowwise",
-            "mlp.gate_proj": "colwise",
-            "mlp.up_proj": "colwise",
-            "mlp.down_proj": "rowwise",
-        }
-
-    def sp_plan(self, part):
-        return self.tower_plan
-
-    def head_counts(self, part):
-        if part == "vision":
-            v = self.config.vision_config
-            width = getattr(v, "intermediate_size", None) or int(v.embed_dim * v.mlp_ratio)
-            return {"vision num_heads": v.num_heads, "vision MLP width": width}
-        t = self.config.text_config
-        return {
-            "num_attention_heads": t.num_attention_heads,
-            "num_key_value_heads": t.num_key_value_heads,
-            "intermediate_size": t.intermediate_size,
-            "vocab_size": t.vocab_size,
-        }
