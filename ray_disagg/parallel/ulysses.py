@@ -201,8 +201,9 @@ class UlyssesContext:
     """This rank in ``group``."""
     seq_lens: tuple[int, ...]
     """Patches of each rank's slice (rank order)."""
-    cu_seqlens: torch.Tensor
-    """Per image/frame boundaries of the whole sequence, in attention order."""
+    segments: tuple[int, ...]
+    """Patches of each image/frame of the whole sequence, in attention order (host
+    integers, computed once per call: attention never reads them back from the device)."""
     full_attention: frozenset[int]
     """``id`` of the attention modules that attend over the whole sequence."""
     stand_in: int = 0
@@ -227,9 +228,8 @@ def ulysses_attention(
         t.squeeze(0).transpose(0, 1)[: t.shape[2] - sp.stand_in] for t in (query, key, value)
     )
     q, k, v = (SeqToHeads.apply(t.contiguous(), seq_lens, sp.rank, sp.group) for t in (q, k, v))
-    lengths = (sp.cu_seqlens[1:] - sp.cu_seqlens[:-1]).tolist()
     outs = []
-    for qi, ki, vi in zip(*(t.split(lengths, dim=0) for t in (q, k, v))):
+    for qi, ki, vi in zip(*(t.split(list(sp.segments), dim=0) for t in (q, k, v))):
         qi, ki, vi = (t.transpose(0, 1).unsqueeze(0) for t in (qi, ki, vi))
         o = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, scale=scaling)
         outs.append(o.squeeze(0).transpose(0, 1))
@@ -281,7 +281,7 @@ def sp_tower_forward(
         group=group,
         rank=rank,
         seq_lens=tuple(layout.seq_lens),
-        cu_seqlens=plan.full_cu_seqlens(tower, grid_cpu).to(pixel_values.device),
+        segments=tuple(plan.full_cu_seqlens(tower, grid_cpu).diff().tolist()),  # on the host
         full_attention=frozenset(id(m) for m in plan.full_attention_modules(tower)),
         stand_in=stand_in,
     )
