@@ -6,10 +6,24 @@ the first transfer.
 Each direction of a pair has its own group: NCCL runs a group's sends and receives in issue
 order on one stream, so with several microbatches in flight (an encoder posting two sends
 before it receives, the LLM receiving, sending, receiving) one shared group would wait in
-a cycle."""
+a cycle.
+
+Failures: each pair group has the channel's timeout (``spec.timeout_s``) as its NCCL
+watchdog timeout. :func:`surface_errors` (called before the pair groups are made) sets
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` ("clean up only") unless the user set it: when an
+operation of a pair times out, torch's watchdog aborts that communicator (the stuck kernel
+exits) instead of tearing the whole process down (torch's default, 3, kills the worker with
+a watchdog message that names no peer), and the next wait or operation on that group raises
+a ``RuntimeError`` that the channel re-raises as ``TransferError`` naming the peer. Waits
+stay stream-ordered (``work.wait()`` makes the current stream wait; the host does not
+block), so the error surfaces at the next transfer with that peer rather than at the
+stuck one; the data of the aborted transfer is not valid. ``close()`` ends the groups:
+``shutdown()`` (``ncclCommDestroy`` after queued work) normally, ``abort()`` after a
+failure (a destroy would wait for work that never completes)."""
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -17,7 +31,15 @@ import torch.distributed as dist
 
 from ray_disagg.transport.base import TensorSpec
 
-__all__ = ["NcclTier", "pair_group"]
+__all__ = ["NcclTier", "pair_group", "surface_errors"]
+
+ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def surface_errors() -> None:
+    """Make a timed-out pair operation raise in this process instead of killing it (read
+    by each ``ProcessGroupNCCL`` when it is made; a value the user set is kept)."""
+    os.environ.setdefault(ERROR_HANDLING_ENV, "2")
 
 
 def pair_group(store, prefix: str, src: int, dst: int, me: int, timeout_s: float):
@@ -58,3 +80,13 @@ class NcclTier:
                 pg.recv([t], 0, 0).wait()  # the sender is rank 0
             out.append(t.to(device))
         return out
+
+    def close(self, abort: bool = False) -> None:
+        """End every pair group of this rank (see the module docstring)."""
+        groups = [*self.outgoing.values(), *self.incoming.values()]
+        self.outgoing, self.incoming = {}, {}
+        for pg in groups:
+            if abort:
+                pg.abort()
+            else:
+                pg.shutdown()
