@@ -167,6 +167,11 @@ class Channel:
         return self.spec.tier(self.rank, peer)
 
     def _tier(self, name: str):
+        if self.closed:
+            raise RuntimeError(
+                f"the channel of side rank {self.rank} ({self.spec.label(self.rank)}) is "
+                "closed (the run ended); no more transfers"
+            )
         if name not in self._tiers:
             if name == "shm":
                 self._tiers[name] = ShmTier(self.spec.timeout_s)
