@@ -160,3 +160,48 @@ def test_named_tensors_over_shm_and_gloo_tiers_are_bit_exact_and_time_out():
     assert results[2]["segments"] == 2 and results[0]["fallbacks"] == 1
     elapsed, msg = results[0]["timeout"]
     assert 2.5 < elapsed < 30 and "held by the receiver" in msg
+
+
+def _close_worker(rank, port_q, result_q, done, timeout_s):
+    try:
+        side = _join(rank, port_q, timeout_s, tiers={(0, 2): "shm", (1, 2): "shm"})
+        out = {}
+        if rank in (0, 1):
+            side.send_tensors(2, _tensors(rank), {"r": rank})
+            out["segments"] = len(side._tiers["shm"]._pools[2])
+        else:
+            got = [side.recv_tensors(src)[1]["embeds"].clone() for src in (0, 1)]
+            out["got"] = [torch.equal(g, _tensors(src)["embeds"]) for src, g in zip((0, 1), got)]
+        side.all_reduce_sum(torch.ones(1))  # every message has been received
+        side.close()
+        side.close()  # idempotent
+        out["closed"] = side.closed and not side._tiers
+        try:
+            side.send_tensors(0 if rank == 2 else 2, {"x": torch.ones(2)})
+        except Exception as e:  # the side group is shut down: no transfer after close
+            out["after_close"] = str(e)
+        result_q.put((rank, pickle.dumps(out)))
+    except Exception as e:  # pragma: no cover - reported to the test
+        import traceback
+
+        result_q.put((rank, pickle.dumps(traceback.format_exc() + repr(e))))
+
+
+def test_close_releases_shm_segments_and_the_side_group():
+    ctx = mp.get_context("spawn")
+    port_q, result_q, done = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [
+        ctx.Process(target=_close_worker, args=(r, port_q, result_q, done, 3.0))
+        for r in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    results = {r: pickle.loads(b) for r, b in (result_q.get(timeout=180) for _ in range(WORLD))}
+    for p in procs:
+        p.join(timeout=30)
+    assert all(isinstance(r, dict) for r in results.values()), results
+    assert results[0]["segments"] == 1 and results[1]["segments"] == 1
+    assert results[2]["got"] == [True, True]
+    assert all(r["closed"] for r in results.values())
+    assert all("is closed" in r["after_close"] for r in results.values()), results
+    assert not [f for p in procs for f in glob.glob(f"/dev/shm/rdshm{p.pid}_*")]

@@ -149,3 +149,11 @@ def test_resume_from_checkpoint_must_be_a_checkpoint():
             datasets={"train": DATA},
             resume_from_checkpoint="/tmp/some/dir",
         )
+
+
+def test_fractional_gpu_refused_for_separate_placement():
+    half = ScalingConfig(num_workers=2, use_gpu=True, resources_per_worker={"GPU": 0.5})
+    whole = ScalingConfig(num_workers=1, use_gpu=True)
+    groups = {"vision": ModuleGroup(scaling_config=half), "text": ModuleGroup(scaling_config=whole)}
+    with pytest.raises(ValueError, match=r"The vision group .*'GPU': 0\.5.*placement='colocated'"):
+        make(groups)

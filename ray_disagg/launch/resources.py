@@ -24,6 +24,7 @@ def colocation_for(groups, placement: str):
     if placement not in PLACEMENTS:
         raise ValueError(f"placement={placement!r}: must be one of {PLACEMENTS}.")
     if placement == "separate":
+        _check_whole_gpus(groups)
         return None
     counts = {name: g.scaling_config.num_workers for name, g in groups.items()}
     if len(set(counts.values())) != 1:
@@ -69,6 +70,22 @@ def colocation_for(groups, placement: str):
         )
     n = next(iter(counts.values()))
     return Colocation(bundle=dict(bundle), num_bundles=n, strategy=next(iter(strategies.values())))
+
+
+def _check_whole_gpus(groups) -> None:
+    """Separate placement: two workers of one group on one GPU (a fractional GPU share)
+    make the group's NCCL process group fail ("Duplicate GPU detected")."""
+    for name, g in groups.items():
+        sc = g.scaling_config
+        gpu = sc._resources_per_worker_not_none.get("GPU", 0) if sc.use_gpu else 0
+        if sc.num_workers > 1 and gpu and gpu != int(gpu):
+            raise ValueError(
+                f"The {name} group asks for resources_per_worker={{'GPU': {gpu:g}}} with "
+                f"{sc.num_workers} workers and placement='separate': two of its workers "
+                'could share a GPU, which its NCCL process group refuses ("Duplicate GPU '
+                'detected"). Give each worker a whole GPU (resources_per_worker='
+                "{'GPU': 1}), or use placement='colocated' to share GPUs between the groups."
+            )
 
 
 def demand_lines(groups, colocation=None) -> list[str]:

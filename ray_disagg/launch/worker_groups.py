@@ -265,9 +265,20 @@ class ModuleWorkerGroups:
         self._latest_poll_status = result
         return result
 
+    def _close_channels(self, abort: bool, timeout_s: float = 30.0) -> None:
+        """Every worker releases its channel (shm segments, NCCL pair groups) before its
+        group stops; best effort, bounded by ``timeout_s`` (a hung worker is killed by the
+        group shutdown anyway)."""
+        try:
+            refs = [w.execute_async(runtime.close_channel, abort) for w in self.get_workers()]
+            ray.get(refs, timeout=timeout_s)
+        except Exception:
+            logger.warning("Closing the workers' channels failed.", exc_info=True)
+
     def shutdown(self) -> None:
         for cb in self._union_callbacks:
             cb.before_worker_group_shutdown(self)
+        self._close_channels(abort=False)
         errors = []
         for wg in self._groups.values():
             try:
@@ -279,6 +290,7 @@ class ModuleWorkerGroups:
             raise errors[0]
 
     def abort(self) -> None:
+        self._close_channels(abort=True, timeout_s=10.0)
         for wg in self._groups.values():
             try:
                 wg.abort()

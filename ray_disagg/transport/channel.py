@@ -8,10 +8,22 @@ group's rank 0 to host. Side ranks are the groups' ranks in group order (e.g. ``
 0..Nv-1, text 0..Nt-1]``). Tensors (activations, gradients) go over the tier chosen for
 each pair of workers (``ray_disagg.transport``): the header over gloo, the data over the
 tier.
+
+One meaning of ``wait()`` on every tier: once the handle of ``send_tensors(...,
+wait=False)`` has been waited on, the send buffers may be reused (written or freed) by work
+the sender issues afterwards (on its current CUDA stream for device tensors). gloo and shm
+complete when the data has left the buffers; nccl orders the current stream after the
+send; cuda_ipc after the receiver's copy out of the sender's memory (see
+:mod:`ray_disagg.transport.cuda_ipc`). Every wait is bounded by ``spec.timeout_s``: a
+timeout or a failed transfer raises :class:`TransferError` (a ``TimeoutError``, and a
+``RuntimeError`` for callers of older versions) naming the peer (``"text rank 0"``) and the
+message, instead of hanging.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import pickle
 from dataclasses import dataclass, field
@@ -26,11 +38,15 @@ from ray_disagg.transport.gloo import GlooTier
 from ray_disagg.transport.select import Location
 from ray_disagg.transport.shm import ShmTier, ShmUnavailable
 
-__all__ = ["ChannelSpec", "Channel", "host_store", "join"]
+__all__ = ["ChannelSpec", "Channel", "TransferError", "host_store", "join"]
 
 logger = logging.getLogger(__name__)
 
 _FIRST = 4096  # bytes of the first message of an object (its length + the start)
+
+
+class TransferError(TimeoutError, RuntimeError):
+    """A cross-group transfer timed out or failed; the message names the peer."""
 
 
 @dataclass(frozen=True)
@@ -76,25 +92,43 @@ class Channel:
         self._tiers = {"gloo": GlooTier(pg), **(tiers or {})}
         self._warned: set[str] = set()
         self.fallbacks = 0  # tensor messages sent over gloo instead of the planned tier
+        self.closed = False
 
     def rank_of(self, module: str, group_rank: int) -> int:
         return self.spec.offsets[module] + group_rank
 
+    @contextlib.contextmanager
+    def _guard(self, what: str, peer: int | None):
+        """Re-raise a failed or timed-out wait as :class:`TransferError` naming the peer."""
+        try:
+            yield
+        except TransferError:
+            raise
+        except (RuntimeError, TimeoutError) as e:
+            who = "the other groups" if peer is None else self.spec.label(peer)
+            raise TransferError(
+                f"{what} {who} (side rank {self.rank} = {self.spec.label(self.rank)}) failed "
+                f"or timed out (timeout_s={self.spec.timeout_s:g}): {e}"
+            ) from e
+
     # ---- raw gloo (control) ---------------------------------------------------------
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        self.pg.send([tensor.detach().contiguous().cpu()], dst, 0).wait()
+        with self._guard("sending a tensor to", dst):
+            self.pg.send([tensor.detach().contiguous().cpu()], dst, 0).wait()
 
     def recv(self, shape, dtype: torch.dtype, src: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype)
-        self.pg.recv([out], src, 0).wait()
+        with self._guard("receiving a tensor from", src):
+            self.pg.recv([out], src, 0).wait()
         return out
 
     def send_object(self, obj, dst: int) -> None:
         """Pickled ``obj`` in one gloo message when it fits in ``_FIRST`` bytes (each gloo
         message waits for the receiver: one, not two, for small headers)."""
-        for work in self._post_object(obj, dst):
-            work.wait()
+        with self._guard(f"sending {_describe(obj)} to", dst):
+            for work in self._post_object(obj, dst):
+                work.wait()
 
     def _post_object(self, obj, dst: int) -> list:
         data = pickle.dumps(obj)
@@ -108,6 +142,10 @@ class Channel:
         return [_Posted(self.pg.send([b], dst, 0), b) for b in bufs]
 
     def recv_object(self, src: int):
+        with self._guard("receiving a message from", src):
+            return self._recv_object(src)
+
+    def _recv_object(self, src: int):
         first = self.recv((_FIRST,), torch.uint8, src).numpy()
         n = int(first[:8].view(np.int64)[0])
         data = first[8 : 8 + min(n, _FIRST - 8)].tobytes()
@@ -119,7 +157,8 @@ class Channel:
         buf = tensor.detach().cpu().clone()
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        self.pg.allreduce([buf], opts).wait()
+        with self._guard("all-reducing with", None):
+            self.pg.allreduce([buf], opts).wait()
         return buf
 
     # ---- named tensors over the pair's tier -----------------------------------------
@@ -128,13 +167,18 @@ class Channel:
         return self.spec.tier(self.rank, peer)
 
     def _tier(self, name: str):
+        if self.closed:
+            raise RuntimeError(
+                f"the channel of side rank {self.rank} ({self.spec.label(self.rank)}) is "
+                "closed (the run ended); no more transfers"
+            )
         if name not in self._tiers:
             if name == "shm":
                 self._tiers[name] = ShmTier(self.spec.timeout_s)
             elif name == "cuda_ipc":
                 from ray_disagg.transport.cuda_ipc import CudaIpcTier
 
-                self._tiers[name] = CudaIpcTier()
+                self._tiers[name] = CudaIpcTier(self.pg)
             else:
                 raise RuntimeError(f"transfer tier {name!r} is not set up on this worker")
         return self._tiers[name]
@@ -144,13 +188,15 @@ class Channel:
     ):
         """Send named tensors (any dtype and device) and a picklable ``meta`` to ``dst``.
         With ``wait=False`` the sends are only posted: returns a handle whose ``wait()``
-        must be called before the tensors are modified (messages to one peer arrive in
-        order either way)."""
+        must be called before the tensors are modified or freed (messages to one peer
+        arrive in order either way); see the module docstring for what ``wait()`` means."""
+        what = f"sending {_describe(meta, tensors)} to"
         name = self.tier_name(dst)
         items = list(tensors.values())
         tier = self._tier(name)
         try:
-            payload = tier.pack(items, dst)
+            with self._guard(what, dst):
+                payload = tier.pack(items, dst)
         except ShmUnavailable as e:  # e.g. a small /dev/shm: this message goes over gloo
             if "shm" not in self._warned:
                 self._warned.add("shm")
@@ -158,9 +204,10 @@ class Channel:
             name, tier, payload = "gloo", self._tiers["gloo"], None
             self.fallbacks += 1
         header = {"meta": meta, "specs": describe(tensors), "tier": name, "payload": payload}
-        posted = self._post_object(header, dst)  # the receiver wakes up while data is written
-        posted += [_Posted(w, b) for w, b in tier.after_header(items, dst)]
-        handle = _Pending(posted)
+        with self._guard(what, dst):
+            posted = self._post_object(header, dst)  # the receiver wakes up while data moves
+            posted += [_Posted(w, b) for w, b in tier.after_header(items, dst)]
+        handle = _Pending(posted, functools.partial(self._guard, what, dst))
         if wait:
             handle.wait()
         return handle
@@ -168,20 +215,60 @@ class Channel:
     def recv_tensors(self, src: int, device=None) -> tuple[object, dict[str, torch.Tensor]]:
         """``(meta, {name: tensor})`` sent by ``src``'s :meth:`send_tensors`; tensors land on
         ``device`` (default CPU)."""
-        header = self.recv_object(src)
+        with self._guard("receiving a message from", src):
+            header = self._recv_object(src)
         device = torch.device("cpu") if device is None else device
-        tier = self._tier(header["tier"])
-        out = tier.unpack(header["specs"], header["payload"], src, device)
+        with self._guard(f"receiving {_describe(header['meta'], header['specs'])} from", src):
+            tier = self._tier(header["tier"])
+            out = tier.unpack(header["specs"], header["payload"], src, device)
         return header["meta"], {s.name: t for s, t in zip(header["specs"], out)}
 
-    def close(self) -> None:
-        shm = self._tiers.get("shm")
-        if shm is not None:
-            shm.close()
+    def close(self, abort: bool = False) -> None:
+        """Release what the channel holds: shared-memory segments, CUDA IPC mappings, the
+        NCCL pair groups and the gloo group. Idempotent; best effort (a failing part is
+        logged and the others are still released). ``abort=True`` (after a failure)
+        aborts NCCL communicators instead of waiting for their queued work."""
+        if self.closed:
+            return
+        self.closed = True
+        for name, tier in list(self._tiers.items()):
+            if name != "gloo" and hasattr(tier, "close"):
+                _best_effort(f"closing the {name} tier", tier.close, abort)
+        _best_effort("shutting down the side gloo group", _shutdown, self.pg, abort)
+        self._tiers.clear()
+        self._store = None
+
+
+def _best_effort(what: str, fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:
+        logger.warning("channel close: %s failed", what, exc_info=True)
+
+
+def _shutdown(pg, abort: bool) -> None:
+    """End a process group created directly (not registered with ``torch.distributed``,
+    so ``dist.destroy_process_group`` does not know it)."""
+    if abort and hasattr(pg, "abort"):
+        pg.abort()
+    elif hasattr(pg, "shutdown"):
+        pg.shutdown()
+
+
+def _describe(meta, tensors=None) -> str:
+    """A short name of a message for errors: its meta's type and its tensors' names."""
+    kind = type(meta).__name__ if meta is not None else "a message"
+    key = getattr(meta, "key", None)
+    text = f"{kind} {key}" if key is not None else kind
+    if tensors:
+        names = [getattr(t, "name", t) for t in tensors]
+        text += f" with tensors {names[:6]}" + (" ..." if len(names) > 6 else "")
+    return text
 
 
 class _Posted:
-    """A posted gloo send and the buffer it reads (kept alive until it completes)."""
+    """A posted send (or the tier's acknowledgement) and the buffer it reads (kept alive
+    until it completes)."""
 
     def __init__(self, work, buf):
         self.work, self.buf = work, buf
@@ -192,15 +279,16 @@ class _Posted:
 
 
 class _Pending:
-    """Posted sends of one message."""
+    """Posted sends of one message; ``wait()`` errors name the peer."""
 
-    def __init__(self, posted: list[_Posted]):
-        self.posted = posted
+    def __init__(self, posted: list[_Posted], guard):
+        self.posted, self._guard = posted, guard
 
     def wait(self) -> None:
-        for p in self.posted:
-            p.wait()
-        self.posted = []
+        with self._guard():
+            while self.posted:
+                self.posted[0].wait()
+                self.posted.pop(0)
 
 
 def host_store(addr: str, timeout_s: float):
@@ -225,8 +313,9 @@ def join(spec: ChannelSpec, rank: int, node_ip: str, store=None, device=None) ->
     tiers = {}
     pairs = sorted(p for p, t in spec.tiers.items() if t == "nccl")  # one global order
     if any(rank in p for p in pairs):
-        from ray_disagg.transport.nccl import NcclTier, pair_group
+        from ray_disagg.transport.nccl import NcclTier, pair_group, surface_errors
 
+        surface_errors()
         mine = {
             (b if a == rank else a): pair_group(
                 store, spec.prefix, a, b, rank, spec.timeout_s, device

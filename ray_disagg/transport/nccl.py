@@ -13,10 +13,23 @@ Deadlock freedom by construction:
   schedule (``ray_disagg.pipeline.schedule``; checked with in-order streams by
   ``ray_disagg.pipeline.simulate``), so NCCL matches the i-th send with the i-th receive
   on the pair's one stream.
-"""
+
+Failures: each pair group has the channel's timeout (``spec.timeout_s``) as its NCCL
+watchdog timeout. :func:`surface_errors` (called before the pair groups are made) sets
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` ("clean up only") unless the user set it: when an
+operation of a pair times out, torch's watchdog aborts that communicator (the stuck kernel
+exits) instead of tearing the whole process down (torch's default, 3, kills the worker with
+a watchdog message that names no peer), and the next wait or operation on that group raises
+a ``RuntimeError`` that the channel re-raises as ``TransferError`` naming the peer. Waits
+stay stream-ordered (``work.wait()`` makes the current stream wait; the host does not
+block), so the error surfaces at the next transfer with that peer rather than at the
+stuck one; the data of the aborted transfer is not valid. ``close()`` ends the groups:
+``shutdown()`` (``ncclCommDestroy`` after queued work) normally, ``abort()`` after a
+failure (a destroy would wait for work that never completes)."""
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
@@ -24,9 +37,16 @@ import torch.distributed as dist
 
 from ray_disagg.transport.base import TensorSpec, as_bytes, describe, from_bytes
 
-__all__ = ["NcclTier", "pair_group", "pack", "unpack_views"]
+__all__ = ["NcclTier", "pair_group", "pack", "unpack_views", "surface_errors"]
 
 _ALIGN = 16  # bytes: every tensor of a packed message starts at a multiple (any dtype)
+ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def surface_errors() -> None:
+    """Make a timed-out pair operation raise in this process instead of killing it (read
+    by each ``ProcessGroupNCCL`` when it is made; a value the user set is kept)."""
+    os.environ.setdefault(ERROR_HANDLING_ENV, "2")
 
 
 def pair_group(store, prefix: str, a: int, b: int, me: int, timeout_s: float, device):
@@ -94,7 +114,11 @@ class NcclTier:
             self.pairs[src].recv([buf], self._peer_rank(src), 0).wait()
         return [t.to(device) for t in unpack_views(buf, specs)]
 
-    def close(self) -> None:
-        for pg in self.pairs.values():
-            pg.shutdown()
-        self.pairs = {}
+    def close(self, abort: bool = False) -> None:
+        """End every pair communicator of this rank (see the module docstring)."""
+        groups, self.pairs = list(self.pairs.values()), {}
+        for pg in groups:
+            if abort:
+                pg.abort()
+            else:
+                pg.shutdown()

@@ -246,7 +246,7 @@ class ShmTier:
         for name in names:
             self._attached.pop(name, None)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         """Remove this sender's segment names and unmap what nothing views any more.
         Received tensors stay valid (they hold their own mapping)."""
         for pool in self._pools.values():

@@ -7,6 +7,8 @@ loop reads it once and passes meshes and groups explicitly from there on.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -17,6 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ray_disagg.transport import channel as sg
 from ray_disagg.transport.select import Location
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "WorkerRuntime",
     "get_runtime",
@@ -24,6 +28,7 @@ __all__ = [
     "locate",
     "host_channel_store",
     "join_channel",
+    "close_channel",
 ]
 
 
@@ -139,8 +144,25 @@ def join_channel(spec: sg.ChannelSpec, module: str, group_rank: int) -> None:
         rt.channel = sg.join(
             spec, rank, ray.util.get_node_ip_address(), store=rt._store, device=rt.device
         )
+        atexit.register(close_channel)  # a worker that exits without the driver's call
     except BaseException as e:
         rt._channel_error = e
         raise
     finally:
         rt._channel_ready.set()
+
+
+def close_channel(abort: bool = False) -> bool:
+    """Release this worker's channel (shared-memory segments, CUDA IPC mappings, NCCL pair
+    groups, the side gloo group); the driver runs it on every worker before the groups
+    shut down, and at exit. Best effort: never raises; ``True`` when a channel was closed."""
+    rt = _runtime
+    if rt is None or rt.channel is None:
+        return False
+    channel, rt.channel = rt.channel, None
+    try:
+        channel.close(abort=abort)
+    except Exception:
+        logger.warning("[%s] closing the channel failed", rt.module, exc_info=True)
+    rt._store = None
+    return True
