@@ -20,6 +20,7 @@ from ray_disagg.lr_schedule import lr_at
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan
 from ray_disagg.transport.channel import SideGroup
+from ray_disagg.worker.memory import peak_memory_mb, reset_peak_memory  # noqa: F401 - moved
 
 
 class StatsLayout:
@@ -78,15 +79,6 @@ class StatsLayout:
 
     def total_norm(self, stats) -> float:
         return float(sum(stats[self.index[f"{g}_sq"]] for g in self.groups)) ** 0.5
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak GPU memory allocated on CUDA; peak resident set size of the process on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 @dataclass

@@ -17,6 +17,7 @@ from ray_disagg.parallel import fsdp
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.parallel.data_parallel import all_reduce_gradients
 from ray_disagg.worker import common as lc
+from ray_disagg.worker import memory
 from ray_disagg.worker.runtime import get_runtime
 
 logger = logging.getLogger(__name__)
@@ -153,7 +154,8 @@ class Stage:
             stats[ix[f"{self.part}_sq"]] = sq
             stats[ix[f"{self.part}_time"]] = t_compute + time.perf_counter() - t0
             stats[ix[f"{self.part}_wait"]] = t_wait
-            stats[ix[f"{self.part}_peak"]] = lc.peak_memory_mb(self.device)
+            stats[ix[f"{self.part}_peak"]] = memory.peak_memory_mb(self.device)
+            memory.reset_peak_memory(self.device)  # the next step's peak: from here
             stats[ix[f"{self.part}_inflight"]] = inflight
             stats[ix[f"{self.part}_bwd"]] = self.backward_passes
         self.backward_passes = 0
@@ -172,6 +174,7 @@ class Stage:
         else:
             self.skipped += 1
         self.opt.zero_grad(set_to_none=True)
+        memory.trim_heap()  # the step's activations and gradients are freed
         fallbacks = int(stats[ix["transfer_fallbacks"]])
         extra = {
             **(extra or {}),
