@@ -7,8 +7,9 @@ For each layout (vision 1 + text 1 / text TP2 / text FSDP2 over 2 / text FSDP2 x
 prints per group:
 
 - ``peak``: the group's ``<group>_peak_memory_mb`` of the last step, i.e. the peak resident
-  set size (``ru_maxrss``) of the group's **rank 0 only**, taken before the last step's
-  optimizer step (the AdamW state of the earlier steps is in it);
+  set size (``VmHWM``, reset once a step) of the group's **rank 0 only** from the previous
+  step's reading (before its optimizer step) to the last step's, before its optimizer step
+  (the AdamW state of the earlier steps is in it);
 - ``base``: the same figure for a Ray Train worker that builds nothing (the runtime);
 - ``(b)``: what this rank's shard of parameters + gradients + AdamW state needs,
   16 bytes/param in fp32, from the part's parameter counts on the ``meta`` device: FSDP2
@@ -16,14 +17,19 @@ prints per group:
   whole on every TP rank, as the plan keeps them replicated); FSDP2 padding is ignored;
 - ``(peak - base) / (b)`` next to the target (<= 1.5 vision, <= 1.3 text).
 
-It also prints the peak RSS (``VmHWM``) of every Ray Train worker process of each run,
-polled from ``/proc`` every 0.25 s (all ranks, including the checkpoint written after the
-last step), and, unless ``--skip-big``, a "fits only when sharded" case: a ~0.9B LLM whose
-fp32 training state for two unsharded replicas (2 x 16 x N bytes) exceeds 24 GiB, random
-init, trained 2 steps with text FSDP2 over 2 workers + vision 1. ``--tiny`` shrinks
-everything (a few-M LLM) for a quick check; its ratios are dominated by allocator noise.
+It prints the text group's rank-0 peak of every step and its growth from step 3 to the
+last step (the heap must not grow step over step: at most 5% for 10 steps), the peak RSS
+(``VmHWM``) of every Ray Train worker process of each run, polled from ``/proc`` every
+0.25 s (all ranks, including the checkpoint written after the last step), and, unless
+``--skip-big``, a "fits only when sharded" case: a ~0.9B LLM whose fp32 training state
+for two unsharded replicas (2 x 16 x N bytes) exceeds 24 GiB, random init, trained 2
+steps with text FSDP2 over 2 workers + vision 1. ``--tiny`` shrinks everything (a few-M
+LLM) for a quick check; its ratios are dominated by allocator noise.
 
     python benchmarks/memory.py [--tiny] [--skip-big] [--steps 3] [--cache DIR]
+        [--layouts 1,tp2,fsdp2,fsdp2xtp2]
+
+e.g. ``--layouts fsdp2 --steps 10 --skip-big`` for the FSDP2 case's growth only.
 """
 
 import argparse
@@ -63,12 +69,13 @@ SIZES = {  # text / vision parameters, counted on the meta device
     "big": (32000, 2048, 16, 16, 4, 6144, 256, 4),  # 902.9M / 5.8M
     "tiny": (4096, 256, 4, 4, 2, 512, 64, 2),  # 4.5M / 0.2M
 }
-LAYOUTS = [  # name, text workers, text parallelism, (tp, fsdp) degrees of a text rank's shard
-    ("vision 1 + text 1", 1, "none", 1, 1),
-    ("vision 1 + text TP2", 2, TensorParallel(size=2), 2, 1),
-    ("vision 1 + text FSDP2 (2)", 2, DataParallel(fsdp=True), 1, 2),
-    ("vision 1 + text FSDP2xTP2 (4)", 4, TensorParallel(size=2, fsdp=True), 2, 2),
-]
+LAYOUTS = {  # key: name, text workers, text parallelism, (tp, fsdp) degrees of a text shard
+    "1": ("vision 1 + text 1", 1, "none", 1, 1),
+    "tp2": ("vision 1 + text TP2", 2, TensorParallel(size=2), 2, 1),
+    "fsdp2": ("vision 1 + text FSDP2 (2)", 2, DataParallel(fsdp=True), 1, 2),
+    "fsdp2xtp2": ("vision 1 + text FSDP2xTP2 (4)", 4, TensorParallel(size=2, fsdp=True), 2, 2),
+}
+GROWTH_FROM = 3  # first step of the growth check (the steps before allocate AdamW state)
 
 
 def make_config(size: str):
@@ -169,7 +176,8 @@ def group(n: int, parallelism="none") -> ModuleGroup:
 
 
 def run_layout(spec, data, loop: dict, text: ModuleGroup, storage: str, name: str):
-    """Peaks of the last reported step (``{group: MB}``) and of every worker process."""
+    """Peaks of the last reported step (``{group: MB}``), the text group's peak of every
+    step (``[MB]``) and the peaks of every worker process."""
     result, procs = fit(
         DisaggregatedTrainer(
             model=spec,
@@ -179,9 +187,11 @@ def run_layout(spec, data, loop: dict, text: ModuleGroup, storage: str, name: st
             run_config=RunConfig(name=name, storage_path=storage),
         )
     )
-    last = load_metrics(result).iloc[-1]
+    metrics = load_metrics(result)
+    last = metrics.iloc[-1]
     shutil.rmtree(result.path, ignore_errors=True)  # the checkpoint: up to GBs
-    return {g: float(last[f"{g}_peak_memory_mb"]) for g in ("vision", "text")}, procs
+    steps = [float(x) for x in metrics["text_peak_memory_mb"]]
+    return {g: float(last[f"{g}_peak_memory_mb"]) for g in ("vision", "text")}, steps, procs
 
 
 def fmt_procs(procs) -> str:
@@ -194,7 +204,9 @@ def main():
     p.add_argument("--skip-big", action="store_true", help="skip the ~0.9B FSDP2 case")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--cache", default="/tmp/ray_disagg_bench", help="saved model directory")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated keys")
     args = p.parse_args()
+    layouts = [LAYOUTS[k] for k in args.layouts.split(",")]
 
     size = "tiny" if args.tiny else "300m"
     cfg = make_config(size)
@@ -222,10 +234,12 @@ def main():
         )
         base = float(result.metrics["peak_mb"])
         runs = []
-        for name, n_text, parallelism, tp, fsdp in LAYOUTS:
-            peaks, procs = run_layout(spec, data, loop, group(n_text, parallelism), storage, name)
+        for name, n_text, parallelism, tp, fsdp in layouts:
+            text = group(n_text, parallelism)
+            peaks, steps, procs = run_layout(spec, data, loop, text, storage, name)
             b = {"vision": total["vision"], "text": shard_params(spec, "text", tp, fsdp)}
-            runs.append((name, peaks, {g: n * BYTES_PER_PARAM / MB for g, n in b.items()}, procs))
+            b = {g: n * BYTES_PER_PARAM / MB for g, n in b.items()}
+            runs.append((name, peaks, b, procs, steps))
         big = None if args.skip_big else run_big(args, storage)
     finally:
         ray.shutdown()
@@ -234,12 +248,12 @@ def main():
     print(
         f"\nbaseline (Ray Train worker, nothing built): {base:.0f} MB "
         f"(worker process VmHWM: {fmt_procs(base_procs)})\n"
-        "peak = ru_maxrss of the group's rank 0 only; (b) = its shard of params + grads + "
+        "peak = VmHWM (one step's) of the group's rank 0 only; (b) = its shard of params + grads + "
         "AdamW state, 16 B/param (TP: norms whole)\n"
     )
     head = f"{'layout':31s} {'group':6s} {'peak':>7s} {'base':>6s} {'peak-base':>9s}"
     print(f"{head} {'(b)':>7s} {'ratio':>6s} {'target':>6s}")
-    for name, peaks, b, _ in runs:
+    for name, peaks, b, _, _ in runs:
         for g in ("vision", "text"):
             extra = peaks[g] - base
             print(
@@ -247,8 +261,18 @@ def main():
                 f"{extra:9.0f} {b[g]:7.0f} {extra / b[g]:6.2f} {'<= ' + str(TARGET[g]):>6s}"
             )
     print("\n(MB = 2^20 bytes)\nevery Ray Train worker process's peak RSS (VmHWM, polled, MB):")
-    for name, _, _, procs in runs:
+    for name, _, _, procs, _ in runs:
         print(f"  {name:31s} {fmt_procs(procs)}")
+    print("\ntext rank 0 peak RSS of each step (VmHWM, reset every step, MB):")
+    for name, _, _, _, steps in runs:
+        growth = ""
+        if len(steps) > GROWTH_FROM:
+            first, last = steps[GROWTH_FROM - 1], steps[-1]
+            growth = (
+                f"; step {GROWTH_FROM} -> {len(steps)}: {last - first:+.0f} MB "
+                f"({100 * (last / first - 1):+.1f}%)"
+            )
+        print(f"  {name:31s} {', '.join(f'{x:.0f}' for x in steps)}{growth}")
     if big is not None:
         print_big(*big)
 
@@ -260,7 +284,7 @@ def run_big(args, storage: str):
     data = synthetic_samples(cfg, 4, grids=[(1, 8, 8)])
     loop = {"max_steps": 2, "global_batch_size": 2, "shuffle": False}
     text = group(2, DataParallel(fsdp=True))
-    peaks, procs = run_layout(spec, data, loop, text, storage, "fits-only-sharded")
+    peaks, _, procs = run_layout(spec, data, loop, text, storage, "fits-only-sharded")
     return shard_params(spec, "text"), shard_params(spec, "vision"), peaks, procs
 
 

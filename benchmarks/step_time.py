@@ -4,7 +4,7 @@ CPU/gloo figures on a small model (they show overheads and relative costs on thi
 machine, not GPU throughput). Layouts: the single-process HF model, 1+1 workers, DP only
 (2+2), vision Ulysses SP=2 + text TP=2, and uniform TP=2 for both groups.
 
-    python benchmarks/step_time.py [--steps 12] [--batch 8]
+    python benchmarks/step_time.py [--steps 12] [--batch 8] [--only 1+1]
 """
 
 import argparse
@@ -59,6 +59,7 @@ def main():
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--grid", type=int, default=16, help="image side in patches")
+    p.add_argument("--only", help="run only the layouts whose name starts with this")
     args = p.parse_args()
 
     cfg = tiny_qwen2_5_vl_config(
@@ -82,6 +83,8 @@ def main():
     ray.init(num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
     storage = tempfile.mkdtemp()
     for name, make in LAYOUTS.items():
+        if args.only and not name.startswith(args.only):
+            continue
         vision, text = make()
         result = DisaggregatedTrainer(
             model=spec,

@@ -13,8 +13,9 @@ import ray  # noqa: E402
 @pytest.fixture(scope="session")
 def ray_start_4_cpus():
     """A real local Ray cluster on loopback with 4 logical CPUs (fractional CPUs per worker
-    let 4+2 layouts run on a 2-core machine)."""
+    let 4+2 layouts run on a 2-core machine). Each pytest-xdist worker starts its own."""
     ray.init(
+        address="local",  # a cluster of its own: never one another test process started
         num_cpus=4,
         _node_ip_address="127.0.0.1",
         include_dashboard=False,

@@ -17,7 +17,7 @@ from ray_disagg.lr_schedule import lr_at
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.parallel.data_parallel import all_reduce_gradients
 from ray_disagg.worker import metrics
-from ray_disagg.worker.memory import peak_memory_mb
+from ray_disagg.worker import memory
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,8 @@ def record(w, stats, sq: float, inflight: int) -> None:
         stats[ix[f"{part}_sq"]] = sq
         stats[ix[f"{part}_time"]] = compute
         stats[ix[f"{part}_wait"]] = wait
-        stats[ix[f"{part}_peak"]] = peak_memory_mb(w.device)
+        stats[ix[f"{part}_peak"]] = memory.peak_memory_mb(w.device)
+        memory.reset_peak_memory(w.device)  # the next step's peak: from here
         stats[ix[f"{part}_inflight"]] = inflight
         stats[ix[f"{part}_bwd"]] = w.backward_passes
     w.backward_passes = 0
@@ -185,6 +186,7 @@ def finish_step(w, step: int, stats, *, sample_ids=(), inflight=1, evaluate=None
     else:
         w.skipped += 1
     w.opt.zero_grad(set_to_none=True)
+    memory.trim_heap()  # the step's activations and gradients are freed
     fallbacks = int(stats[w.args.stats.index["transfer_fallbacks"]])
     extra = {**(extra or {}), "skipped_steps": w.skipped, **placement_metrics(w, fallbacks)}
     if evaluate is not None and metrics.is_eval_step(w.args, step):
