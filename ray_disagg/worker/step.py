@@ -16,8 +16,7 @@ import torch.distributed as dist
 from ray_disagg.lr_schedule import lr_at
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.parallel.data_parallel import all_reduce_gradients
-from ray_disagg.worker import metrics
-from ray_disagg.worker import memory
+from ray_disagg.worker import memory, metrics
 
 logger = logging.getLogger(__name__)
 
