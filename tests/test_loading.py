@@ -197,3 +197,19 @@ def test_split_qkv_part_loads_fused_full_tensors_and_adam_state():
     assert float(opt.state[q]["step"]) == 3.0
     merger = part.model.visual.merger.mlp[0].weight
     assert torch.equal(merger, full["model.visual.merger.mlp.0.weight"])
+
+
+def test_pretrained_source_reads_only_the_asked_block(tmp_path):
+    """Sharded loading slices on the host: ``SafetensorsSource.read`` returns the block a
+    rank's shard holds (``get_slice``), equal to slicing the full tensor."""
+    from ray_disagg.models.loading import SafetensorsSource
+
+    spec = HFModelSpec(config=tiny_qwen2_5_vl_config(), seed=5)
+    spec.build_full().save_pretrained(tmp_path, max_shard_size="60KB")
+    meta = spec.meta_model()
+    source = SafetensorsSource(str(tmp_path), meta)
+    name = next(n for n, p in meta.named_parameters() if p.dim() == 2 and p.shape[0] >= 4)
+    full = source.get(name)
+    assert source.shape(name) == tuple(full.shape)
+    block = (slice(1, 3), slice(2, full.shape[1]))
+    assert torch.equal(source.read(name, block), full[block])

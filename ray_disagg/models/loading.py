@@ -187,6 +187,16 @@ class SafetensorsSource:
         fname, ck_key = self.where[name]
         return self._file(fname).get_tensor(ck_key)  # dtype and shape: see check()
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        fname, ck_key = self.where[name]
+        return tuple(self._file(fname).get_slice(ck_key).get_shape())
+
+    def read(self, name: str, region: tuple[slice, ...]) -> torch.Tensor:
+        """Only the block ``region`` of ``name`` (``get_slice``: the other bytes of the
+        file are never read), on the host."""
+        fname, ck_key = self.where[name]
+        return self._file(fname).get_slice(ck_key)[region]
+
 
 def part_tensor(source, name: str, hf_name=hf_param_name) -> torch.Tensor:
     """The full tensor of a part's parameter ``name`` from ``source`` (anything with
@@ -221,15 +231,59 @@ def merge_row_blocks(state: dict[str, torch.Tensor], hf_name=hf_param_name) -> d
 @torch.no_grad()
 def fill(p: torch.Tensor, full: torch.Tensor) -> None:
     """Copy this rank's shard of the global ``full`` into ``p`` (a DTensor, sharded by TP
-    and/or FSDP2, or a plain tensor), slicing locally without communication."""
+    and/or FSDP2, or a plain tensor), slicing on the host, then copying only the shard to
+    ``p``'s device (no communication)."""
     if tuple(full.shape) != tuple(p.shape):
         raise ValueError(f"shape {tuple(full.shape)} does not match the model's {tuple(p.shape)}")
-    if isinstance(p, DTensor):
+    region = local_region(p)
+    if region is not None:
+        p.to_local().copy_(full[region])
+    elif isinstance(p, DTensor):  # strided shards (FSDP2 x TP): not one block of rows
         full = full.to(p.to_local().device, p.dtype)
         shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
         p.to_local().copy_(shard.to_local())
     else:
         p.copy_(full)
+
+
+def local_region(p: torch.Tensor) -> tuple[slice, ...] | None:
+    """The block of the global tensor that this rank's shard of the DTensor ``p`` holds
+    (``None``: a plain tensor, or shards that are not one block)."""
+    if not isinstance(p, DTensor) or p.dim() == 0:
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not all(type(pl) in (Shard, Replicate) for pl in p.placements):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def _check_shape(source, name: str, p: torch.Tensor, hf_name) -> None:
+    if not hasattr(source, "shape"):
+        return  # fill checks the full tensor
+    fused, index, blocks = hf_name(name)
+    shape = tuple(source.shape(name if index is None else fused))
+    if index is not None:
+        shape = (shape[0] // blocks, *shape[1:])
+    if shape != tuple(p.shape):
+        raise ValueError(f"shape {shape} does not match the model's {tuple(p.shape)}")
+
+
+def _read(source, name: str, region, hf_name) -> torch.Tensor:
+    """``part_tensor(source, name)[region]``, read as such where the source can
+    (``SafetensorsSource.read``: only those bytes)."""
+    if region is None or not hasattr(source, "read"):
+        full = part_tensor(source, name, hf_name)
+        return full if region is None else full[region]
+    fused, index, blocks = hf_name(name)
+    if index is not None:  # a row block of a fused tensor: shift the rows
+        rows = source.shape(fused)[0] // blocks
+        first = region[0]
+        region = (slice(first.start + index * rows, first.stop + index * rows), *region[1:])
+        name = fused
+    return source.read(name, region)
 
 
 @torch.no_grad()
@@ -244,7 +298,12 @@ def materialize(
     named = list(module.named_parameters())
     for i, (name, p) in enumerate(named):
         try:
-            fill(p, part_tensor(params, name, hf_name))
+            _check_shape(params, name, p, hf_name)
+            region = local_region(p)
+            if region is None:
+                fill(p, part_tensor(params, name, hf_name))
+            else:  # only this rank's block is read and copied to the device
+                p.to_local().copy_(_read(params, name, region, hf_name))
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         if progress is not None:
