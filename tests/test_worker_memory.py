@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from ray_disagg.worker.memory import peak_memory_mb, reset_peak_memory, trim_heap
+from ray_disagg.worker.memory import limit_heap_fragmentation, peak_memory_mb, reset_peak_memory
 
 CPU = torch.device("cpu")
 
@@ -19,4 +19,4 @@ def test_reset_peak_memory_starts_a_new_window_on_cpu():
     assert peak_memory_mb(CPU) >= before + 200
     reset_peak_memory(CPU)
     assert peak_memory_mb(CPU) < before + 100
-    assert isinstance(trim_heap(), bool)
+    assert isinstance(limit_heap_fragmentation(), bool)

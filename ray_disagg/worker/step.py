@@ -185,7 +185,6 @@ def finish_step(w, step: int, stats, *, sample_ids=(), inflight=1, evaluate=None
     else:
         w.skipped += 1
     w.opt.zero_grad(set_to_none=True)
-    memory.trim_heap()  # the step's activations and gradients are freed
     fallbacks = int(stats[w.args.stats.index["transfer_fallbacks"]])
     extra = {**(extra or {}), "skipped_steps": w.skipped, **placement_metrics(w, fallbacks)}
     if evaluate is not None and metrics.is_eval_step(w.args, step):
