@@ -5,31 +5,38 @@ worker group with its own ``ScalingConfig`` and parallelism; see
 :class:`DisaggregatedTrainer`. Supported families: ``ray_disagg.models.ADAPTERS``.
 """
 
+import importlib
+
 from ray_disagg import _legacy
-from ray_disagg.config import (
-    DataParallel,
-    ModuleGroup,
-    SequenceParallel,
-    TensorParallel,
-)
-from ray_disagg.export import export_hf
-from ray_disagg.launch.backend import ModuleBackendConfig
-from ray_disagg.loop_config import TrainLoopConfig
-from ray_disagg.lr_schedule import lr_at
-from ray_disagg.model import HFModelSpec
-from ray_disagg.models import (
-    ADAPTERS,
-    get_adapter,
-    tiny_qwen2_5_omni_thinker_config,
-    tiny_qwen2_5_vl_config,
-    tiny_qwen2_vl_config,
-    tiny_qwen3_vl_config,
-)
-from ray_disagg.pipeline.assignment import BatchPlan, SampleError
-from ray_disagg.plotting import plot_metrics
-from ray_disagg.trainer import DisaggregatedTrainer, load_metrics
 
 _legacy.install()
+
+# Public names -> the module defining each. Imported on first use (PEP 562), so that
+# ``import ray_disagg`` is cheap: Ray starts a process per coordinator, janitor and
+# worker, and each pays only for the modules it touches (a worker of one family never
+# imports the other families' modeling code).
+_EXPORTS = {
+    "ADAPTERS": "ray_disagg.models",
+    "BatchPlan": "ray_disagg.pipeline.assignment",
+    "DataParallel": "ray_disagg.config",
+    "DisaggregatedTrainer": "ray_disagg.trainer",
+    "HFModelSpec": "ray_disagg.model",
+    "ModuleBackendConfig": "ray_disagg.launch.backend",
+    "ModuleGroup": "ray_disagg.config",
+    "SampleError": "ray_disagg.pipeline.assignment",
+    "SequenceParallel": "ray_disagg.config",
+    "TensorParallel": "ray_disagg.config",
+    "TrainLoopConfig": "ray_disagg.loop_config",
+    "export_hf": "ray_disagg.export",
+    "get_adapter": "ray_disagg.models",
+    "load_metrics": "ray_disagg.trainer",
+    "lr_at": "ray_disagg.lr_schedule",
+    "plot_metrics": "ray_disagg.plotting",
+    "tiny_qwen2_5_omni_thinker_config": "ray_disagg.models",
+    "tiny_qwen2_5_vl_config": "ray_disagg.models",
+    "tiny_qwen2_vl_config": "ray_disagg.models",
+    "tiny_qwen3_vl_config": "ray_disagg.models",
+}
 
 __version__ = "0.1.0"
 
@@ -67,8 +74,11 @@ _DEPRECATED = {
 
 
 def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
     if name in _DEPRECATED:
-        import importlib
         import warnings
 
         module, replacement = _DEPRECATED[name]
@@ -80,3 +90,7 @@ def __getattr__(name: str):
         )
         return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'ray_disagg' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

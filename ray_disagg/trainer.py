@@ -286,8 +286,16 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
 
     def _create_default_callbacks(self):
         # Backend/accelerator setup is per group (added by the coordinator); data is read
-        # by the LLM group, not sharded by Ray Train's DatasetsCallback.
-        dropped = (rc.AcceleratorSetupCallback, rc.BackendSetupCallback, rc.DatasetsCallback)
+        # by the LLM group, not sharded by Ray Train's DatasetsCallback. Ray Train's
+        # placement-group cleaner tracks one group's reservation through the state API
+        # (a detached actor polling the dashboard); the driver's PlacementGroupJanitor
+        # tracks every group's and needs no dashboard.
+        dropped = (
+            rc.AcceleratorSetupCallback,
+            rc.BackendSetupCallback,
+            rc.DatasetsCallback,
+            rc.PlacementGroupCleanerCallback,
+        )
         return [c for c in super()._create_default_callbacks() if not isinstance(c, dropped)]
 
     def _launches(self) -> dict[str, GroupLaunch]:

@@ -17,6 +17,9 @@ from ray.train.v2._internal.callbacks import (
     DatasetsCallback,
     WorkingDirectorySetupCallback,
 )
+from ray.train.v2._internal.callbacks.placement_group_callback import (
+    PlacementGroupCleanerCallback,
+)
 from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
 from ray.train.v2._internal.callbacks.user_callback import UserCallbackHandler
 from ray.train.v2._internal.constants import (
@@ -50,6 +53,7 @@ __all__ = [
     "DataParallelTrainer",
     "DatasetsCallback",
     "ObjectRefWrapper",
+    "PlacementGroupCleanerCallback",
     "PreemptionCallback",
     "ReportCallbackHandler",
     "TorchConfig",

@@ -17,6 +17,7 @@ With colocated placement every group schedules into one shared placement group (
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import ray
@@ -139,28 +140,49 @@ class ModuleWorkerGroups:
                 )
                 if janitor is not None:
                     ray.get(janitor.register.remote(shared_pg))
-            for name, launch in launches.items():
-                started[name] = cls._start_group(
-                    launch, train_run_context, run_attempt_id, shared, shared_pg
-                )
-                if janitor is not None and shared_pg is None:  # removed should we die
-                    state = started[name].get_worker_group_state()
-                    ray.get(janitor.register.remote(state.placement_group_handle.placement_group))
+            started = cls._start_groups(
+                launches, train_run_context, run_attempt_id, shared, shared_pg, janitor
+            )
             groups = cls(started, union, shared_pg)
             if shared_pg is not None:
                 groups._check_pairing()
             groups._connect_channel(run_attempt_id, side_timeout_s, transfers)
         except BaseException:
-            for wg in started.values():
-                try:
-                    wg.shutdown()
-                except Exception:
-                    logger.warning("Shutting down a partially started group failed.", exc_info=True)
+            _shutdown_all(started.values())
             _remove(shared_pg)
             raise
         for cb in union:
             cb.after_worker_group_start(groups)
         return groups
+
+    @classmethod
+    def _start_groups(
+        cls, launches, base_ctx, run_attempt_id, shared, shared_pg, janitor
+    ) -> dict[str, WorkerGroup]:
+        """Start every group at once (each starts its processes, imports and backend in
+        its own thread), in ``launches`` order in the result. On an error the groups that
+        did start are stopped and the first error is raised."""
+
+        def start(launch: GroupLaunch) -> WorkerGroup:
+            wg = cls._start_group(launch, base_ctx, run_attempt_id, shared, shared_pg)
+            if janitor is not None and shared_pg is None:  # removed should we die
+                pg = wg.get_worker_group_state().placement_group_handle.placement_group
+                ray.get(janitor.register.remote(pg))
+            return wg
+
+        with ThreadPoolExecutor(max_workers=len(launches)) as pool:
+            futures = {name: pool.submit(start, launch) for name, launch in launches.items()}
+            wait(futures.values())
+        started, errors = {}, []
+        for name, fut in futures.items():
+            if fut.exception() is None:
+                started[name] = fut.result()
+            else:
+                errors.append(fut.exception())
+        if errors:
+            _shutdown_all(started.values())
+            raise errors[0]
+        return started
 
     @staticmethod
     def _start_group(
@@ -297,6 +319,14 @@ class ModuleWorkerGroups:
             except Exception:
                 logger.warning("Aborting a module group failed.", exc_info=True)
         _remove(self._shared_pg)
+
+
+def _shutdown_all(groups) -> None:
+    for wg in groups:
+        try:
+            wg.shutdown()
+        except Exception:
+            logger.warning("Shutting down a partially started group failed.", exc_info=True)
 
 
 def _remove(pg) -> None:
