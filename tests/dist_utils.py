@@ -27,9 +27,26 @@ def _entry(fn, rank, world, init_file, queue, args):
             dist.destroy_process_group()
 
 
+# Children fork from one server process that imported these once (per pytest process):
+# a spawned child would spend ~10 s of CPU importing torch and transformers again, and a
+# plain fork of the test process is unsafe once it has run OpenMP.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "transformers.modeling_utils"]
+_CTX = None
+
+
+def process_context():
+    """The multiprocessing context of every tier-2 test (forkserver, preloaded)."""
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(_PRELOAD)
+    return _CTX
+
+
 def run_distributed(fn, world: int, *args, timeout: float = 120.0) -> list:
-    """``fn(rank, world, *args)`` on ``world`` spawned processes; returns results by rank."""
-    ctx = mp.get_context("spawn")
+    """``fn(rank, world, *args)`` on ``world`` fresh processes (forked from a preloaded
+    server); returns results by rank."""
+    ctx = process_context()
     queue = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(), "pg")
     procs = [

@@ -1,13 +1,13 @@
 """Tier 2: the cross-group side process group over real gloo in separate processes."""
 
 import glob
-import multiprocessing as mp
 import pickle
 import time
 
 import torch
 
 from ray_disagg.transport import channel as sg
+from tests.dist_utils import process_context
 
 WORLD = 3
 
@@ -57,7 +57,7 @@ def _worker(rank, port_q, result_q, done, timeout_s):
 
 
 def test_side_group_transfers_objects_tensors_and_times_out():
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     port_q, result_q, done = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [
         ctx.Process(target=_worker, args=(r, port_q, result_q, done, 5.0)) for r in range(WORLD)
@@ -130,7 +130,7 @@ def _tier_worker(rank, port_q, result_q, done, timeout_s):
 
 
 def test_named_tensors_over_shm_and_gloo_tiers_are_bit_exact_and_time_out():
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     port_q, result_q, done = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [
         ctx.Process(target=_tier_worker, args=(r, port_q, result_q, done, 3.0))
@@ -188,7 +188,7 @@ def _close_worker(rank, port_q, result_q, done, timeout_s):
 
 
 def test_close_releases_shm_segments_and_the_side_group():
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     port_q, result_q, done = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [
         ctx.Process(target=_close_worker, args=(r, port_q, result_q, done, 3.0))
