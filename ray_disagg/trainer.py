@@ -298,27 +298,33 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         )
         return [c for c in super()._create_default_callbacks() if not isinstance(c, dropped)]
 
-    def _launches(self) -> dict[str, GroupLaunch]:
-        args = LoopArgs(
+    def loop_args(self, put=None) -> LoopArgs:
+        """What every worker's loop gets; ``put`` stores the datasets for the workers
+        (``ray.put`` by default; the tests' local runner passes them as they are)."""
+        put = put or ray.put
+        return LoopArgs(
             spec=self.model_spec,
             cfg=self.loop_config,
             groups=self.groups,
             plan=self.plan,
-            dataset_ref=[ray.put(self._train_data)],
+            dataset_ref=[put(self._train_data)],
             resume_from_checkpoint=self.resume_from_checkpoint,
             samples_validated=self._samples_validated,
             metrics_path=metrics_path(self.run_config),
             frozen_parts=self.frozen_parts,
-            val_ref=None if self._val_data is None else [ray.put(self._val_data)],
+            val_ref=None if self._val_data is None else [put(self._val_data)],
             val_plan=self.val_plan,
         )
-        launches = {}
-        # The LLM group first: the union's rank 0 is then the LLM group's rank 0, whose
-        # metrics (with the data-derived ones, e.g. sample_ids) the Result keeps.
+
+    def group_loops(self, args: LoopArgs) -> dict[str, tuple]:
+        """Per group, the LLM group first: ``(train loop, backend config)``. (The union's
+        rank 0 is then the LLM group's rank 0, whose metrics, with the data-derived ones,
+        e.g. sample_ids, the Result keeps.)"""
+        out = {}
         llm = self.adapter.llm_part
         for name in [llm, *(n for n in self.groups if n != llm)]:
             group = self.groups[name]
-            if name == self.adapter.llm_part:
+            if name == llm:
                 loop = functools.partial(llm_train_loop, args)
             else:
                 loop = functools.partial(encoder_train_loop, args, name)
@@ -329,6 +335,12 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
                 mesh_axes=("dp_shard" if group.fsdp else "dp", mp_axis),
                 timeout_s=self.loop_config.collective_timeout_s,
             )
+            out[name] = (loop, backend)
+        return out
+
+    def _launches(self) -> dict[str, GroupLaunch]:
+        launches = {}
+        for name, (loop, backend) in self.group_loops(self.loop_args()).items():
             fn = rc.construct_train_func(
                 loop,
                 config=None,
@@ -337,7 +349,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             )
             launches[name] = GroupLaunch(
                 name=name,
-                scaling_config=group.scaling_config,
+                scaling_config=self.groups[name].scaling_config,
                 backend_config=backend,
                 train_fn_ref=rc.ObjectRefWrapper(fn),
             )

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import tempfile
 import traceback
+
+from ray_disagg.testing.local import process_context
 
 
 def _entry(fn, rank, world, init_file, queue, args):
@@ -25,22 +26,6 @@ def _entry(fn, rank, world, init_file, queue, args):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-# Children fork from one server process that imported these once (per pytest process):
-# a spawned child would spend ~10 s of CPU importing torch and transformers again, and a
-# plain fork of the test process is unsafe once it has run OpenMP.
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "transformers.modeling_utils"]
-_CTX = None
-
-
-def process_context():
-    """The multiprocessing context of every tier-2 test (forkserver, preloaded)."""
-    global _CTX
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(_PRELOAD)
-    return _CTX
 
 
 def run_distributed(fn, world: int, *args, timeout: float = 120.0) -> list:

@@ -8,6 +8,7 @@ import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
 from ray_disagg import DisaggregatedTrainer, ModuleGroup, TrainLoopConfig
+from ray_disagg.testing.local import fit_local
 from ray_disagg.testing.reference import reference_train
 from ray_disagg.worker.checkpoint import read_full
 
@@ -33,11 +34,13 @@ def run_layout(
     validation=None,
     callbacks=(),
     checkpoint_config=None,
+    local: bool = False,
     **kwargs,
 ):
     """Fit one layout (``groups``: name -> ModuleGroup), keeping every checkpoint (their
     metrics are the per-step history) unless ``checkpoint_config`` says otherwise;
-    ``kwargs`` go to the trainer (placement, ...)."""
+    ``kwargs`` go to the trainer (placement, ...). ``local``: the same workers without
+    Ray (``ray_disagg.testing.local``), for numerics Ray adds nothing to."""
     datasets = {"train": data} if validation is None else {"train": data, "validation": validation}
     trainer = DisaggregatedTrainer(
         model=spec,
@@ -54,7 +57,7 @@ def run_layout(
         resume_from_checkpoint=resume,
         **kwargs,
     )
-    return trainer.fit()
+    return fit_local(trainer) if local else trainer.fit()
 
 
 def checkpoint_state(checkpoint) -> dict[str, torch.Tensor]:

@@ -1,4 +1,6 @@
-"""Tier 3: DisaggregatedTrainer on a real Ray cluster equals the single-process HF model."""
+"""Tier 2: every layout's workers (the very loops Ray Train runs, on gloo process groups
+and the real channel, without Ray: ``ray_disagg.testing.local``) equal the single-process
+HF model. Ray's part (placement, restarts, checkpoints through Ray Train) is tier 3."""
 
 import math
 
@@ -35,9 +37,9 @@ def setup():
     return HFModelSpec(config=cfg, seed=7), synthetic_samples(cfg, 12, grids=GRIDS)
 
 
-# 1 + 1 runs in test_e2e_colocated, test_e2e_pipeline and the FSDP chain
+# 1 + 1 runs in test_e2e_colocated, test_e2e_pipeline (on Ray) and the FSDP chain
 @pytest.mark.parametrize("nv,nt", [(2, 2), (2, 1), (1, 2)])
-def test_data_parallel_layouts_match_single_process(ray_start_4_cpus, setup, tmp_path, nv, nt):
+def test_data_parallel_layouts_match_single_process(setup, tmp_path, nv, nt):
     spec, data = setup
     if (nv, nt) == (2, 1):
         # Also the from_pretrained path: every worker loads a local save_pretrained dir.
@@ -45,7 +47,13 @@ def test_data_parallel_layouts_match_single_process(ray_start_4_cpus, setup, tmp
         spec = HFModelSpec(pretrained_path=tmp_path / "hf")
     ac = (nv, nt) == (2, 2)  # activation checkpointing must not change the numbers
     result = run_layout(
-        spec, data, LOOP, vt(group(nv, ac=ac), group(nt, ac=ac)), tmp_path, f"dp-{nv}-{nt}"
+        spec,
+        data,
+        LOOP,
+        vt(group(nv, ac=ac), group(nt, ac=ac)),
+        tmp_path,
+        f"dp-{nv}-{nt}",
+        local=True,
     )
     assert_matches_reference(result, spec, data, LOOP)
     assert sorted(p.name for p in (tmp_path / f"dp-{nv}-{nt}").glob("checkpoint_0*")) == [
@@ -69,17 +77,17 @@ def test_data_parallel_layouts_match_single_process(ray_start_4_cpus, setup, tmp
     ],
     ids=["vision-sp2+text-tp2", "vision-dp2xsp2-zero1+text-tp2", "uniform-tp2"],
 )
-def test_hybrid_layouts_match_single_process(ray_start_4_cpus, setup, tmp_path, vision, text):
+def test_hybrid_layouts_match_single_process(setup, tmp_path, vision, text):
     spec, data = setup
-    result = run_layout(spec, data, LOOP, vt(vision(), text()), tmp_path, "hybrid")
+    result = run_layout(spec, data, LOOP, vt(vision(), text()), tmp_path, "hybrid", local=True)
     assert_matches_reference(result, spec, data, LOOP)
 
 
-def test_bf16_autocast_trains_close_to_fp32(ray_start_4_cpus, setup, tmp_path):
+def test_bf16_autocast_trains_close_to_fp32(setup, tmp_path):
     spec, data = setup
     loop = dict(LOOP, bf16=True)
     vision, text = group(2, SequenceParallel(size=2)), group(2, TensorParallel(size=2))
-    result = run_layout(spec, data, loop, vt(vision, text), tmp_path, "bf16")
+    result = run_layout(spec, data, loop, vt(vision, text), tmp_path, "bf16", local=True)
     ref_losses, _, _ = reference_train(spec, data, TrainLoopConfig(**LOOP))
     losses = result.metrics_dataframe.sort_values("step")["loss"].tolist()
     # bf16 matmuls, fp32 master weights (checkpointed weights stay fp32)

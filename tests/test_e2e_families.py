@@ -1,4 +1,4 @@
-"""Tier 3, per model family: DisaggregatedTrainer on a real Ray cluster equals the family's
+"""Tier 2, per model family: the groups' workers (without Ray, ``testing.local``) equal the family's
 own single-process ``...ForConditionalGeneration(..., labels=...)`` with AdamW (losses of 3
 steps and parameters afterwards, fp32, 1e-5 relative), on samples mixing several images
 of different aspect ratios, videos, text-only samples (and audio for Qwen2.5-Omni), for an
@@ -62,13 +62,14 @@ CASES = [
 
 
 @pytest.mark.parametrize("model_type,layout", CASES, ids=[f"{m}-{f.__name__}" for m, f in CASES])
-def test_family_layout_matches_hf(ray_start_4_cpus, tmp_path, model_type, layout):
+def test_family_layout_matches_hf(tmp_path, model_type, layout):
     cfg = ADAPTERS[model_type].tiny_config()
     spec = HFModelSpec(config=cfg, seed=7)
     grids = AUDIO if "audio" in spec.adapter.parts else VISION
     data = synthetic_samples(cfg, 12, grids=grids)
     groups = layout(spec.adapter.parts)
-    result = run_layout(spec, data, dict(LOOP, checkpoint_every=1), groups, tmp_path, "fam")
+    loop = dict(LOOP, checkpoint_every=1)
+    result = run_layout(spec, data, loop, groups, tmp_path, "fam", local=True)
     assert_matches_reference(result, spec, data, dict(LOOP, checkpoint_every=1))
     for part in spec.adapter.parts:  # metrics are named by the group
         assert f"{part}_compute_s" in result.metrics and f"{part}_grad_norm" in result.metrics

@@ -1,7 +1,8 @@
-"""Tier 3: FSDP2 layouts (alone and composed with TP and SP) equal the single-process
-reference, and checkpoints move between 1 + 1, TP, FSDP2 and FSDP2 x TP2 / SP2 x FSDP2
-without any rank holding the full model; weights come from a multi-file pretrained
-directory that every worker reads only its own keys and shards from."""
+"""Tier 2 (the groups' workers without Ray, ``testing.local``): FSDP2 layouts (alone and
+composed with TP and SP) equal the single-process reference, and checkpoints move between
+1 + 1, TP, FSDP2 and FSDP2 x TP2 / SP2 x FSDP2 without any rank holding the full model;
+weights come from a multi-file pretrained directory that every worker reads only its own
+keys and shards from."""
 
 import pytest
 import torch
@@ -16,8 +17,12 @@ from ray_disagg import (
 )
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.testing.reference import reference_train
-from tests.helpers import assert_params_close, checkpoint_state, group, vt
-from tests.helpers import run_layout as fit
+from tests.helpers import assert_params_close, checkpoint_state, group, run_layout, vt
+
+
+def fit(*args, **kwargs):
+    return run_layout(*args, local=True, **kwargs)
+
 
 # text-only samples put vision replicas without any image in some steps (FSDP2 stand-ins)
 GRIDS = [(1, 4, 4), None, None, (1, 4, 8), (1, 8, 4), None]
@@ -53,9 +58,7 @@ def pretrained(tmp_path_factory):
     return HFModelSpec(pretrained_path=path), synthetic_samples(cfg, 12, grids=GRIDS)
 
 
-def test_fsdp_layouts_and_resharding_checkpoints_match_reference(
-    ray_start_4_cpus, pretrained, tmp_path
-):
+def test_fsdp_layouts_and_resharding_checkpoints_match_reference(pretrained, tmp_path):
     spec, data = pretrained
     total = sum(steps for _, _, steps in CHAIN)
     ref_states, ref_losses = {}, None
@@ -82,7 +85,7 @@ def test_fsdp_layouts_and_resharding_checkpoints_match_reference(
     )
 
 
-def test_fsdp_bf16_mixed_and_pure_bf16_train_close_to_fp32(ray_start_4_cpus, pretrained, tmp_path):
+def test_fsdp_bf16_mixed_and_pure_bf16_train_close_to_fp32(pretrained, tmp_path):
     spec, data = pretrained
     loop = dict(LOOP, max_steps=2, bf16=True)
     groups = vt(group(2, DataParallel(fsdp=True)), group(2, DataParallel(fsdp=True)))

@@ -269,9 +269,9 @@ def restore(model, optimizer, module: str, args, log=None) -> int:
     """Load the latest checkpoint of this run (Ray Train hands it to restarted workers)
     or ``resume_from_checkpoint``; returns the step to start from. ``log`` gets a note
     when the checkpoint's lr schedule differs from this run's."""
-    import ray.train
+    from ray_disagg.worker.session import get_session
 
-    ckpt = ray.train.get_checkpoint() or args.resume_from_checkpoint
+    ckpt = get_session().restart_checkpoint() or args.resume_from_checkpoint
     if ckpt is None:
         return 0
     with ckpt.as_directory() as root:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 
-import ray
 import torch
 import torch.distributed as dist
 
@@ -28,6 +27,7 @@ from ray_disagg.pipeline.schedule import WAITS, Op, llm_actions
 from ray_disagg.worker import faults_hook, ingest
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.part_worker import PartWorker
+from ray_disagg.worker.session import get_session
 from ray_disagg.worker.step import finish_step
 
 
@@ -269,12 +269,12 @@ def llm_train_loop(args: LoopArgs) -> None:
         plan, norms = w.adapter.llm_tp_plan(), w.adapter.per_head_norms
         tp_group, vocab_start = tp.parallelize_text(model, decoder, lm_head, w.mp_mesh, plan, norms)
     start = w.setup(model)
-    data = ray.get(args.dataset_ref[0])
+    data = get_session().fetch(args.dataset_ref[0])
     source = ingest.make_source(data, args.plan, w.dp_rank, w.leader, w.part, w.rt.object_group)
     llm = LLMModel(w, model, lm_head, tp_group, vocab_start)
     evaluate = None
     if args.val_plan is not None:
-        val = ingest.MapStyleSource(ray.get(args.val_ref[0]), args.val_plan, w.part)
+        val = ingest.MapStyleSource(get_session().fetch(args.val_ref[0]), args.val_plan, w.part)
         evaluate = functools.partial(_evaluate, llm, val, args.val_plan)
     limit = w.cfg.max_in_flight or 1
     actions = llm_actions(w.cfg.micro_batches, limit, sends_grads=bool(llm.grad_names))

@@ -11,11 +11,11 @@ import sys
 import tempfile
 import time
 
-import ray.train
 import torch
 
 from ray_disagg.lr_schedule import lr_at
 from ray_disagg.transport.channel import Channel
+from ray_disagg.worker.session import get_session
 
 
 class StepStats:
@@ -152,18 +152,15 @@ def is_reported_step(args, step: int) -> bool:
 
 
 def report(metrics: dict, step: int, *, writer, model=None, optimizer=None) -> None:
-    """``ray.train.report`` on every rank; with a ``model`` (a checkpoint step) every rank
-    writes its shard and uploads it into the shared directory ``checkpoint_<step>``."""
+    """The session's report (``ray.train.report``) on every rank; with a ``model`` (a
+    checkpoint step) every rank writes its shard and uploads it into the shared directory
+    ``checkpoint_<step>``."""
     if model is None:
-        ray.train.report(metrics)
+        get_session().report(metrics)
         return
     with tempfile.TemporaryDirectory() as tmp:
         writer.write(tmp, step, model, optimizer)
-        ray.train.report(
-            metrics,
-            checkpoint=ray.train.Checkpoint.from_directory(tmp),
-            checkpoint_dir_name=f"checkpoint_{step + 1:06d}",
-        )
+        get_session().report(metrics, tmp, f"checkpoint_{step + 1:06d}")
 
 
 def maybe_report(args, stats, step: int, writer, clock: StepClock, model, optimizer, extra):

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ray_disagg.transport import channel as sg
 from ray_disagg.transport.select import Location
+from ray_disagg.worker.session import get_session
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +73,9 @@ def get_runtime() -> WorkerRuntime:
 def init_runtime(module: str, mesh_shape: tuple[int, ...], mesh_axes: tuple[str, ...]) -> None:
     """Build the group's named device mesh over its default process group."""
     global _runtime
-    import ray.train.torch
-
     from ray_disagg.worker.memory import limit_heap_fragmentation
 
-    device = ray.train.torch.get_device()
+    device = get_session().device()
     if device.type == "cpu":  # tensors live in host memory: keep it from fragmenting
         limit_heap_fragmentation()
     if device.type == "cuda":
@@ -107,17 +106,13 @@ def locate() -> Location:
     """Where this worker runs: node, process, device (GPU UUID), placement bundle."""
     import os
 
-    import ray
-
-    from ray_disagg.launch.ray_compat import current_placement
-
-    rt = get_runtime()
+    rt, session = get_runtime(), get_session()
     gpu = None
     if rt.device.type == "cuda":
         gpu = str(torch.cuda.get_device_properties(rt.device).uuid)
-    pg, bundle = current_placement()
+    pg, bundle = session.placement()
     return Location(
-        node=ray.get_runtime_context().get_node_id(),
+        node=session.node_id(),
         pid=os.getpid(),
         device=rt.device.type,
         gpu=gpu,
@@ -127,23 +122,17 @@ def locate() -> Location:
 
 
 def host_channel_store(timeout_s: float) -> tuple[str, int]:
-    import ray
-
-    addr = ray.util.get_node_ip_address()
+    addr = get_session().node_ip()
     store, port = sg.host_store(addr, timeout_s)
     get_runtime()._store = store
     return addr, port
 
 
 def join_channel(spec: sg.ChannelSpec, module: str, group_rank: int) -> None:
-    import ray
-
     rt = get_runtime()
     try:
         rank = spec.offsets[module] + group_rank
-        rt.channel = sg.join(
-            spec, rank, ray.util.get_node_ip_address(), store=rt._store, device=rt.device
-        )
+        rt.channel = sg.join(spec, rank, get_session().node_ip(), store=rt._store, device=rt.device)
         atexit.register(close_channel)  # a worker that exits without the driver's call
     except BaseException as e:
         rt._channel_error = e

@@ -1,0 +1,213 @@
+"""A Ray-free runner of a ``DisaggregatedTrainer``'s groups, for the numerics tier.
+
+Every worker is a process forked from one server process that imported torch and
+transformers once (a Ray worker spends ~11 s of CPU importing them); each group gets
+its own gloo default process group and device mesh, the channel between groups is the
+real one (shared-memory and gloo tiers), and each worker runs the very loop Ray Train
+would run, with a :class:`LocalSession` in place of Ray Train: reports and checkpoints go
+to the run directory, and the result is a ``ray.train.Result`` built from them.
+
+What it does not do is Ray's part: restarts, placement, Ray Data, callbacks. Tests of
+those run on a real cluster.
+
+Example:
+    >>> from ray_disagg.testing.local import fit_local
+    >>> result = fit_local(trainer)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import shutil
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+
+__all__ = ["LocalSession", "fit_local", "process_context"]
+
+# Imported once by the fork server, inherited by every child.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "transformers.modeling_utils",
+    "ray_disagg.worker.llm",
+    "ray_disagg.worker.encoder",
+]
+_CTX = None
+
+
+def process_context():
+    """The multiprocessing context of the numerics tier: children forked from one
+    preloaded server (a plain fork of a process that ran OpenMP is unsafe; a spawn
+    imports everything again)."""
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(PRELOAD)
+    return _CTX
+
+
+class LocalSession:
+    """The worker session of a local run: CPU, one node, reports into ``run_dir``."""
+
+    def __init__(self, run_dir: str, reports=None):
+        self.run_dir, self.reports = run_dir, reports
+
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def node_id(self) -> str:
+        return "local"
+
+    def node_ip(self) -> str:
+        return "127.0.0.1"
+
+    def placement(self):
+        return None, None
+
+    def fetch(self, ref):
+        return ref
+
+    def report(self, metrics: dict, checkpoint_dir: str | None = None, name: str | None = None):
+        if checkpoint_dir is not None:  # every rank adds its files, as Ray Train's upload
+            shutil.copytree(checkpoint_dir, os.path.join(self.run_dir, name), dirs_exist_ok=True)
+        if self.reports is not None:
+            self.reports.put(("report", dict(metrics), name if checkpoint_dir else None))
+
+    def restart_checkpoint(self):
+        return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(loop, backend, name, rank, port, spec, run_dir, messages, lead) -> None:
+    import torch.distributed as dist
+
+    from ray_disagg.worker import runtime, session
+
+    torch.set_num_threads(1)
+    session.set_session(LocalSession(run_dir, messages if lead else None))
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=backend.world_size,
+            timeout=timedelta(seconds=backend.timeout_s),
+        )
+        runtime.init_runtime(backend.module, backend.mesh_shape, backend.mesh_axes)
+        runtime.join_channel(spec, name, rank)
+        loop()
+        runtime.close_channel()
+        messages.put(("done", name, rank))
+    except BaseException:
+        messages.put(("error", f"{name} group rank {rank}", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _channel_spec(trainer, sizes: dict[str, int], timeout_s: float):
+    from ray_disagg.transport import channel as sg
+    from ray_disagg.transport.select import Location, choose_tier
+
+    offsets, off = {}, 0
+    for name, n in sizes.items():
+        offsets[name], off = off, off + n
+    where = [Location(node="local", pid=i, device="cpu") for i in range(off)]
+    tiers = {}
+    for (ga, ra), (gb, rb) in trainer._transfer_pairs():
+        a, b = offsets[ga] + ra, offsets[gb] + rb
+        tiers[(min(a, b), max(a, b))] = choose_tier(where[a], where[b], trainer.transfer)
+    store, port = sg.host_store("127.0.0.1", timeout_s)
+    spec = sg.ChannelSpec("127.0.0.1", port, offsets, sizes, timeout_s, "side/local", where, tiers)
+    return store, spec
+
+
+def fit_local(trainer, timeout_s: float = 600.0):
+    """Run ``trainer`` (a constructed ``DisaggregatedTrainer``) without Ray; returns a
+    ``ray.train.Result`` (metrics, every checkpoint, ``metrics_dataframe``). Raises
+    ``RuntimeError`` naming the group and rank of a failed worker."""
+    from ray_disagg.worker.ingest import is_ray_dataset
+
+    if is_ray_dataset(trainer._train_data):
+        raise ValueError("fit_local reads map-style datasets only; Ray Data needs Ray.")
+    run = trainer.run_config
+    run_dir = os.path.join(run.storage_path, run.name)
+    os.makedirs(run_dir, exist_ok=True)
+    loops = trainer.group_loops(trainer.loop_args(put=lambda x: x))
+    sizes = {name: trainer.groups[name].num_workers for name in loops}
+    store, spec = _channel_spec(trainer, sizes, trainer.loop_config.collective_timeout_s)
+    ctx = process_context()
+    messages = ctx.Queue()
+    procs = []
+    for i, (name, (loop, backend)) in enumerate(loops.items()):
+        port = _free_port()
+        for rank in range(sizes[name]):
+            lead = i == 0 and rank == 0  # the union's rank 0: the LLM group's
+            args = (loop, backend, name, rank, port, spec, run_dir, messages, lead)
+            procs.append(ctx.Process(target=_worker, args=args, daemon=True))
+    for p in procs:
+        p.start()
+    try:
+        reports = _collect(messages, procs, timeout_s)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        del store
+    return _result(run_dir, reports)
+
+
+def _collect(messages, procs, timeout_s: float) -> list:
+    reports, done, deadline = [], 0, time.monotonic() + timeout_s
+    while done < len(procs):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"local run did not finish within {timeout_s:g}s")
+        try:
+            msg = messages.get(timeout=1.0)
+        except queue_mod.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a worker died (exit code {dead[0].exitcode})") from None
+            continue
+        if msg[0] == "report":
+            reports.append(msg[1:])
+        elif msg[0] == "done":
+            done += 1
+        else:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"[{msg[1]} failed]:\n{msg[2]}")
+    return reports
+
+
+def _result(run_dir: str, reports: list):
+    import pandas as pd
+    from ray.train import Checkpoint, Result
+
+    saved = [
+        (Checkpoint.from_directory(os.path.join(run_dir, name)), metrics)
+        for metrics, name in reports
+        if name is not None
+    ]
+    return Result(
+        metrics=reports[-1][0] if reports else {},
+        checkpoint=saved[-1][0] if saved else None,
+        error=None,
+        path=run_dir,
+        metrics_dataframe=pd.DataFrame([m for _, m in saved]),
+        best_checkpoints=saved,
+    )

@@ -1,0 +1,75 @@
+"""What a worker asks of whatever runs it: its device, where it is, the driver's objects,
+reporting metrics and checkpoints, the checkpoint to restart from.
+
+Under ``DisaggregatedTrainer`` that is Ray Train (:class:`RaySession`, the default).
+The tests' Ray-free runner (``ray_disagg.testing.local``) installs its own session in
+each of its processes, so the same loops run on plain gloo process groups. One session
+per process, like the worker runtime.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RaySession:
+    """A worker started by Ray Train."""
+
+    def device(self) -> torch.device:
+        import ray.train.torch
+
+        return ray.train.torch.get_device()
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def placement(self) -> tuple[str | None, int | None]:
+        from ray_disagg.launch.ray_compat import current_placement
+
+        return current_placement()
+
+    def fetch(self, ref):
+        """The object behind ``ref`` (an ``ObjectRef`` put by the driver)."""
+        import ray
+
+        return ray.get(ref)
+
+    def report(self, metrics: dict, checkpoint_dir: str | None = None, name: str | None = None):
+        """``ray.train.report`` (every rank; with ``checkpoint_dir`` every rank uploads its
+        files into the run's directory ``name``)."""
+        import ray.train
+
+        if checkpoint_dir is None:
+            ray.train.report(metrics)
+            return
+        ray.train.report(
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(checkpoint_dir),
+            checkpoint_dir_name=name,
+        )
+
+    def restart_checkpoint(self):
+        """The latest checkpoint of this run when the workers were restarted, else ``None``."""
+        import ray.train
+
+        return ray.train.get_checkpoint()
+
+
+_session = RaySession()
+
+
+def get_session():
+    return _session
+
+
+def set_session(session) -> None:
+    """Install this process's session (the local runner does, before the loop starts)."""
+    global _session
+    _session = session
