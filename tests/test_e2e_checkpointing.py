@@ -1,4 +1,5 @@
-"""Tier 3: restarts after a worker dies, resume into another layout, Hugging Face export."""
+"""Restarts after a worker dies and Ray Data ingest (tier 3, a real Ray cluster); resume
+into another layout and Hugging Face export (numerics: the workers without Ray)."""
 
 import pytest
 import ray
@@ -44,7 +45,8 @@ def test_text_worker_death_restarts_all_groups_and_matches_uninterrupted(
     with fault_drill(group="text", step=2, marker=marker):
         result = fit(spec, data, scheduled, vt(group(2), group(1)), tmp_path, "ft", failures=1)
     assert marker.exists()  # the text worker really died at step 2
-    clean = fit(spec, data, scheduled, vt(group(2), group(1)), tmp_path, "clean")
+    # the uninterrupted run of the same workers, without Ray (testing.local)
+    clean = fit(spec, data, scheduled, vt(group(2), group(1)), tmp_path, "clean", local=True)
     lrs = result.metrics_dataframe.sort_values("step")["lr"].tolist()
     assert lrs == [lr_at(TrainLoopConfig(**scheduled), s) for s in range(4)]
     assert len(set(lrs)) == 4
@@ -63,7 +65,7 @@ def test_failure_without_retries_names_the_group_and_rank(ray_start_4_cpus, setu
         fit(spec, data, LOOP, vt(group(2), group(1)), tmp_path, "fail")
 
 
-def test_resume_into_another_layout_then_export_to_hugging_face(ray_start_4_cpus, setup, tmp_path):
+def test_resume_into_another_layout_then_export_to_hugging_face(setup, tmp_path):
     cfg, spec, data = setup
     first = fit(
         spec,
@@ -72,10 +74,18 @@ def test_resume_into_another_layout_then_export_to_hugging_face(ray_start_4_cpus
         vt(group(2, SequenceParallel(size=2)), group(2, TensorParallel(size=2))),
         tmp_path,
         "layout-a",
+        local=True,  # numerics only: Ray's part is the restart test's
     )
     # SP=2 / TP=2 checkpoint continues in a 1 + 1 layout
     second = fit(
-        spec, data, LOOP, vt(group(1), group(1)), tmp_path, "layout-b", resume=first.checkpoint
+        spec,
+        data,
+        LOOP,
+        vt(group(1), group(1)),
+        tmp_path,
+        "layout-b",
+        resume=first.checkpoint,
+        local=True,
     )
     ref_losses, _, ref_model = reference_train(spec, data, TrainLoopConfig(**LOOP))
     both = losses(first) + losses(second)

@@ -75,26 +75,26 @@ def test_colocated_1_1_matches_single_process(colocated_1_1, setup):
     assert colocated_1_1.metrics["transfer_tier"] == "shm"
 
 
-def test_gloo_tier_trains_bit_identically_to_shared_memory(colocated_1_1, setup, tmp_path):
-    spec, data = setup
-    groups = vt(group(1), group(1))
-    gloo = run_layout(
-        spec, data, LOOP, groups, tmp_path, "gloo", placement="colocated", transfer="gloo"
-    )
-    assert gloo.metrics["transfer_tier"] == "gloo"
-    assert losses(gloo) == losses(colocated_1_1)
-    got, ref = checkpoint_state(gloo.checkpoint), checkpoint_state(colocated_1_1.checkpoint)
-    assert all(torch.equal(got[k], ref[k]) for k in ref)
-
-
-def test_killed_colocated_worker_restarts_both_groups(colocated_1_1, setup, tmp_path):
+def test_killed_colocated_worker_restarts_both_groups_over_the_gloo_tier(
+    colocated_1_1, setup, tmp_path
+):
+    """Also the gloo tier (forced): it trains bit-identically to shared memory."""
     spec, data = setup
     marker = tmp_path / "killed"
     groups = vt(group(1), group(1))
     with fault_drill(group="vision", step=2, marker=marker):
         result = run_layout(
-            spec, data, LOOP, groups, tmp_path, "kill", failures=1, placement="colocated"
+            spec,
+            data,
+            LOOP,
+            groups,
+            tmp_path,
+            "kill",
+            failures=1,
+            placement="colocated",
+            transfer="gloo",
         )
+    assert result.metrics["transfer_tier"] == "gloo"
     assert marker.exists()  # the vision worker really died in step 3, after checkpoint 2
     assert [int(s) for s in result.metrics_dataframe.sort_values("step")["step"]] == [1, 2, 3, 4]
     assert losses(result) == losses(colocated_1_1)  # bit-identical on CPU

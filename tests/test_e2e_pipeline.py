@@ -1,5 +1,6 @@
-"""Tier 3: microbatches (gradient accumulation), the 1F1B schedule across groups and
-cost-balanced assignment, on a real Ray cluster, against the single-process model."""
+"""Microbatches (gradient accumulation), the 1F1B schedule across groups and cost-balanced
+assignment against the single-process model: 1 + 1 and a kill mid-step on a real Ray
+cluster, the other layouts' numerics without Ray (``testing.local``)."""
 
 import pytest
 import torch
@@ -65,22 +66,22 @@ def test_1f1b_1_1_matches_single_process_with_bounded_activations(pipelined_1_1,
     ],
     ids=["vision-fsdp2+1", "vision-sp2-ac+text-tp2"],
 )
-def test_1f1b_layouts_match_single_process(ray_start_4_cpus, setup, tmp_path, vision, text, loop):
+def test_1f1b_layouts_match_single_process(setup, tmp_path, vision, text, loop):
     spec, data = setup
     loop = dict(LOOP, **loop)
-    result = run_layout(spec, data, loop, vt(vision(), text()), tmp_path, "1f1b")
+    result = run_layout(spec, data, loop, vt(vision(), text()), tmp_path, "1f1b", local=True)
     assert_matches_reference(result, spec, data, loop)
     assert result.metrics["vision_max_in_flight"] == loop.get("max_in_flight", 2)
 
 
-def test_sequential_accumulation_balanced_equals_contiguous(ray_start_4_cpus, setup, tmp_path):
+def test_sequential_accumulation_balanced_equals_contiguous(setup, tmp_path):
     spec, data = setup
     base = dict(LOOP, schedule="sequential", report_sample_ids=True)
     runs = {}
     for assignment in ("contiguous", "balanced"):
         loop = dict(base, assignment=assignment)
         runs[assignment] = run_layout(
-            spec, data, loop, vt(group(2), group(2)), tmp_path, assignment
+            spec, data, loop, vt(group(2), group(2)), tmp_path, assignment, local=True
         )
         assert_matches_reference(runs[assignment], spec, data, loop)
         assert runs[assignment].metrics["vision_max_in_flight"] == 1
