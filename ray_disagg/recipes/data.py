@@ -6,6 +6,12 @@ loading anything (for ``plan``), loaded for ``train``.
 - ``{type: llava, annotations: F, image_root: D, tokenizer, image_processor, min_pixels,
   max_pixels, user_turn, assistant_turn}``: :func:`ray_disagg.data.llava.load_llava`, tokenizer
   and image processor from local directories (default: ``model.pretrained_path``);
+- ``{type: conversations, records: F, media_root: D, tokenizer, image_processor,
+  min_pixels, max_pixels, labels, system_prompt}``: LLaVA or messages records (JSON, JSONL,
+  parquet) through the tokenizer's chat template and the family's image processor
+  (:class:`ray_disagg.data.conversations.ConversationProcessor`; ``labels``: ``assistant``,
+  ``last`` or ``all``), tokenizer and image processor from local directories (default:
+  ``model.pretrained_path``);
 - ``{type: parquet | json, paths: P}``: a Ray Data dataset (``ray.data.read_<type>``).
 
 Example:
@@ -33,6 +39,16 @@ DATA = {  # type -> keys (with defaults)
         "user_turn": ["user:", ""],
         "assistant_turn": ["assistant:", ""],
     },
+    "conversations": {
+        "records": REQUIRED,
+        "media_root": None,
+        "tokenizer": None,
+        "image_processor": None,
+        "min_pixels": None,
+        "max_pixels": None,
+        "labels": "assistant",
+        "system_prompt": None,
+    },
     "parquet": {"paths": REQUIRED},
     "json": {"paths": REQUIRED},
 }
@@ -51,6 +67,11 @@ def parse_data(value, path: str) -> dict:
     for k in ("user_turn", "assistant_turn"):
         if k in d and not (isinstance(d[k], list) and len(d[k]) == 2):
             fail(f"{path}.{k}={d[k]!r}: must be [prefix, suffix].")
+    if "labels" in d:
+        from ray_disagg.data.conversations import LABEL_MODES
+
+        if d["labels"] not in LABEL_MODES:
+            fail(f"{path}.labels={d['labels']!r}: must be one of {list(LABEL_MODES)}.")
     return {"type": value["type"], **d}
 
 
@@ -79,9 +100,38 @@ def build_dataset(recipe, which: str):
         paths = [_local(p, f"{key}.paths") for p in paths]
         with at(key):
             return getattr(ray.data, f"read_{d['type']}")(paths)
-    from transformers import AutoImageProcessor, AutoTokenizer
+    tok, proc = _processors(recipe, d, key)
+    if d["type"] == "conversations":
+        from ray_disagg.data.conversations import ConversationProcessor, read_records
 
+        root = d["media_root"]
+        with at(key):
+            convert = ConversationProcessor(
+                tokenizer=tok,
+                image_processor=proc,
+                config=config,
+                media_root=None if root is None else _local(root, f"{key}.media_root"),
+                labels=d["labels"],
+                system_prompt=d["system_prompt"],
+            )
+            return [convert(r) for r in read_records(_local(d["records"], f"{key}.records"))]
     from ray_disagg.data.llava import load_llava
+
+    with at(key):
+        return load_llava(
+            _local(d["annotations"], f"{key}.annotations"),
+            image_root=_local(d["image_root"], f"{key}.image_root"),
+            tokenizer=tok,
+            image_processor=proc,
+            config=config,
+            user_turn=tuple(d["user_turn"]),
+            assistant_turn=tuple(d["assistant_turn"]),
+        )
+
+
+def _processors(recipe, d: dict, key: str):
+    """The tokenizer and image processor of a data source, from local directories."""
+    from transformers import AutoImageProcessor, AutoTokenizer
 
     tok = d["tokenizer"] or recipe.model.pretrained_path
     if tok is None:
@@ -93,14 +143,7 @@ def build_dataset(recipe, which: str):
     proc = _local(d["image_processor"] or tok, f"{key}.image_processor")
     pixels = {k: d[k] for k in ("min_pixels", "max_pixels") if d[k] is not None}
     with at(key):
-        return load_llava(
-            _local(d["annotations"], f"{key}.annotations"),
-            image_root=_local(d["image_root"], f"{key}.image_root"),
-            tokenizer=AutoTokenizer.from_pretrained(tok, local_files_only=True),
-            image_processor=AutoImageProcessor.from_pretrained(
-                proc, local_files_only=True, **pixels
-            ),
-            config=config,
-            user_turn=tuple(d["user_turn"]),
-            assistant_turn=tuple(d["assistant_turn"]),
+        return (
+            AutoTokenizer.from_pretrained(tok, local_files_only=True),
+            AutoImageProcessor.from_pretrained(proc, local_files_only=True, **pixels),
         )

@@ -1,0 +1,209 @@
+"""Tier 1: conversations (LLaVA and messages records, JSONL and parquet) through a local
+model directory's chat template (Qwen2-VL's) and the family's PIL image processor, with
+real PNG/JPEG files: token ids equal ``apply_chat_template(tokenize=True)`` with each image
+placeholder expanded by hand from the processor's grids; labels exactly on the assistant
+contents and their ``<|im_end|>``."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from ray_disagg import tiny_qwen2_5_vl_config, tiny_qwen3_vl_config
+from ray_disagg.data.conversations import ConversationProcessor, read_records, to_messages
+from ray_disagg.models import get_adapter
+
+# Qwen2-VL's chat template (as its tokenizer_config / chat_template.json ship it).
+QWEN2_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
+    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
+    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WORDS = ["[UNK]", "system", "user", "assistant", "You", "are", "a", "helpful", "assistant."]
+WORDS += ["which", "digit", "is", "this?", "seven.", "and", "now?", "two.", "be", "brief."]
+SPECIAL = {
+    "<|image_pad|>": 100,
+    "<|video_pad|>": 101,
+    "<|vision_start|>": 102,
+    "<|vision_end|>": 103,
+    "<|im_start|>": 104,
+    "<|im_end|>": 105,
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A local model directory: a trained-here tokenizer with the family's template."""
+    vocab = {w: i for i, w in enumerate(WORDS)} | SPECIAL
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    fast.add_special_tokens({"additional_special_tokens": list(SPECIAL)})
+    fast.chat_template = QWEN2_VL_TEMPLATE
+    path = tmp_path_factory.mktemp("model")
+    fast.save_pretrained(path)
+    Qwen2VLImageProcessorPil(
+        patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=16 * 16, max_pixels=32 * 32
+    ).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    root = tmp_path_factory.mktemp("media")
+    rng = np.random.default_rng(0)
+    for name, (w, h) in {"a.png": (16, 16), "b.jpg": (48, 40)}.items():
+        Image.fromarray((rng.random((h, w, 3)) * 255).astype(np.uint8)).save(root / name)
+    return root
+
+
+RECORDS = [
+    {
+        "id": "llava",
+        "images": ["a.png", "b.jpg"],
+        "conversations": [
+            {"from": "human", "value": "<image>\nwhich digit is this?"},
+            {"from": "gpt", "value": "seven."},
+            {"from": "human", "value": "and now? <image>"},
+            {"from": "gpt", "value": "two."},
+        ],
+    },
+    {
+        "id": "messages",
+        "messages": [
+            {"role": "system", "content": "be brief."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": "b.jpg"},
+                    {"type": "text", "text": "and now?"},
+                ],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": "two."}]},
+        ],
+    },
+    {
+        "id": "text",
+        "messages": [
+            {"role": "user", "content": "which digit is this?"},
+            {"role": "assistant", "content": "seven."},
+        ],
+    },
+]
+
+
+def _processor(model_dir, media, cfg, **kw):
+    return ConversationProcessor(
+        tokenizer=AutoTokenizer.from_pretrained(model_dir, local_files_only=True),
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True),
+        config=cfg,
+        media_root=media,
+        **kw,
+    )
+
+
+def _expected_ids(proc, record, media):
+    """The oracle: the template tokenized by ``apply_chat_template`` itself, each single
+    image pad id then repeated by hand for its image's merged patch count."""
+    messages, paths = to_messages(record)
+    ids = proc.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    counts = []
+    for p in paths:
+        with Image.open(media / p) as im:
+            grid = proc.image_processor(images=[im.convert("RGB")], return_tensors="np")
+        counts.append(int(np.prod(grid["image_grid_thw"])) // 4)
+    out = []
+    for t in ids:
+        out += [t] * (counts.pop(0) if t == SPECIAL["<|image_pad|>"] else 1)
+    return out, paths
+
+
+@pytest.mark.parametrize("config", [tiny_qwen2_5_vl_config, tiny_qwen3_vl_config])
+def test_records_become_samples_of_the_family(model_dir, media, tmp_path, config):
+    cfg = config()
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS))
+    pq.write_table(pa.Table.from_pylist([RECORDS[2]]), tmp_path / "t.parquet")
+    records = read_records(tmp_path / "t.jsonl") + read_records(tmp_path / "t.parquet")
+    proc = _processor(model_dir, media, cfg)
+    inv = {i: w for w, i in ({w: i for i, w in enumerate(WORDS)} | SPECIAL).items()}
+    labelled = {
+        "llava": ["seven.", "<|im_end|>", "two.", "<|im_end|>"],
+        "messages": ["two.", "<|im_end|>"],
+        "text": ["seven.", "<|im_end|>"],
+    }
+    for record in records:
+        sample = proc(record)
+        get_adapter(cfg).validate_sample(sample)
+        want, paths = _expected_ids(proc, record, media)
+        assert sample["input_ids"].tolist() == want
+        labels = sample["labels"]
+        assert [inv[int(t)] for t in labels[labels != -100]] == labelled[record["id"]]
+        if paths:  # the processor's own pixels, in order
+            own = [proc.image_processor(images=[Image.open(media / p).convert("RGB")],
+                                        return_tensors="np") for p in paths]  # fmt: skip
+            np.testing.assert_array_equal(
+                sample["pixel_values"], np.concatenate([o["pixel_values"] for o in own])
+            )
+        else:
+            assert sample["pixel_values"] is None
+    llava = proc(records[0])
+    assert llava["image_grid_thw"][0].tolist() == [1, 4, 4]  # 16x16 px kept
+    assert np.prod(llava["image_grid_thw"][1]) * 16 <= 32 * 32  # 48x40 px down to max_pixels
+
+
+def test_label_modes_system_prompt_and_bad_records(model_dir, media):
+    cfg = tiny_qwen2_5_vl_config()
+    inv = {i: w for w, i in ({w: i for i, w in enumerate(WORDS)} | SPECIAL).items()}
+    last = _processor(model_dir, media, cfg, labels="last")(RECORDS[0])["labels"]
+    assert [inv[int(t)] for t in last[last != -100]] == ["two.", "<|im_end|>"]
+    every = _processor(model_dir, media, cfg, labels="all")(RECORDS[0])
+    assert ((every["labels"] != -100) == (every["input_ids"] != 100)).all()
+    brief = _processor(model_dir, media, cfg, system_prompt="be brief.")(RECORDS[2])
+    assert [inv[int(t)] for t in brief["input_ids"][:5]] == [
+        "<|im_start|>", "system", "be", "brief.", "<|im_end|>"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"record 'x': 1 images but 0 <image> tags"):
+        to_messages(
+            {"id": "x", "image": "a.png", "conversations": [{"from": "gpt", "value": "hi"}]}
+        )
+    with pytest.raises(ValueError, match=r"record 'y': cannot read image"):
+        _processor(model_dir, media, cfg)(dict(RECORDS[1], id="y", messages=[
+            {"role": "user", "content": [{"type": "image", "image": "missing.png"}]}]))  # fmt: skip
+    with pytest.raises(ValueError, match="labels='some'"):
+        _processor(model_dir, media, cfg, labels="some")
+
+
+def test_recipe_type_conversations_loads_the_records(model_dir, media, tmp_path):
+    from types import SimpleNamespace
+
+    from ray_disagg import HFModelSpec
+    from ray_disagg.recipes.data import build_dataset, parse_data
+
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS))
+    cfg = tiny_qwen2_5_vl_config()
+    d = {"type": "conversations", "records": str(tmp_path / "t.jsonl"), "tokenizer": str(model_dir)}
+    d = parse_data(dict(d, media_root=str(media), labels="last"), "data.train")
+    recipe = SimpleNamespace(data={"train": d}, model=HFModelSpec(config=cfg))
+    samples = build_dataset(recipe, "train")
+    proc = _processor(model_dir, media, cfg, labels="last")
+    assert len(samples) == 3
+    for got, record in zip(samples, RECORDS):
+        want = proc(record)
+        assert got["input_ids"].tolist() == want["input_ids"].tolist()
+        assert got["labels"].tolist() == want["labels"].tolist()
