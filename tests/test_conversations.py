@@ -121,7 +121,8 @@ def _processor(model_dir, media, cfg, **kw):
 def _expected_ids(proc, record, media):
     """The oracle: the template tokenized by ``apply_chat_template`` itself, each single
     image pad id then repeated by hand for its image's merged patch count."""
-    messages, paths = to_messages(record)
+    messages, media_list = to_messages(record)
+    paths = [p for kind, p in media_list if kind == "image"]
     ids = proc.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
     counts = []
     for p in paths:
@@ -207,3 +208,54 @@ def test_recipe_type_conversations_loads_the_records(model_dir, media, tmp_path)
         want = proc(record)
         assert got["input_ids"].tolist() == want["input_ids"].tolist()
         assert got["labels"].tolist() == want["labels"].tolist()
+
+
+def _write_video(path, frames: np.ndarray, fps: int) -> None:
+    import av
+
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        for f in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        out.mux(stream.encode())
+
+
+def test_videos_are_sampled_grouped_and_patched_as_the_family_does(model_dir, media, tmp_path):
+    """A real mp4 written here: 8 frames at 4 fps (2 s) sampled at 2 fps -> 4 frames, two
+    temporal groups; slot ``j`` of every patch of group ``g`` is the image processor's
+    patch of decoded frame ``2g + j``; one ``<|video_pad|>`` per merged patch."""
+    from ray_disagg.data.video import decode_video
+
+    rng = np.random.default_rng(1)
+    frames = (rng.random((8, 40, 48, 3)) * 255).astype(np.uint8)
+    _write_video(tmp_path / "v.mp4", frames, fps=4)
+    decoded, fps = decode_video(tmp_path / "v.mp4", fps=2.0, multiple=2)
+    assert decoded.shape == (4, 40, 48, 3) and fps == 2.0
+    assert decode_video(tmp_path / "v.mp4", fps=4.0, max_frames=6)[0].shape[0] == 6
+    cfg = tiny_qwen2_5_vl_config()
+    proc = _processor(model_dir, tmp_path, cfg)
+    record = {
+        "id": "vid",
+        "video": "v.mp4",
+        "conversations": [
+            {"from": "human", "value": "<video>\nwhich digit is this?"},
+            {"from": "gpt", "value": "seven."},
+        ],
+    }
+    sample = proc(record)
+    get_adapter(cfg).validate_sample(sample)
+    grid = sample["video_grid_thw"]
+    assert grid.tolist() == [[2, 6, 8]] and sample["second_per_grid_ts"].tolist() == [1.0]
+    assert (sample["input_ids"] == SPECIAL["<|video_pad|>"]).sum() == 2 * 6 * 8 // 4
+    pv = sample["pixel_values_videos"].reshape(2, 48, 3, 2, 4, 4)  # groups, patches, C,T,P,P
+    for g in range(2):
+        for j in range(2):
+            own = proc.image_processor(images=[decoded[2 * g + j]], return_tensors="np")
+            want = own["pixel_values"].reshape(48, 3, 2, 4, 4)[:, :, 0]
+            np.testing.assert_allclose(pv[g, :, :, j], want, rtol=0, atol=1e-6)
+    labels = sample["labels"]
+    assert labels[labels != -100].tolist() == [WORDS.index("seven."), SPECIAL["<|im_end|>"]]
+    with pytest.raises(ValueError, match="videos are supported for"):
+        _processor(model_dir, tmp_path, tiny_qwen3_vl_config())(record)

@@ -1,4 +1,5 @@
-"""Conversations with images through the model's own chat template and image processor.
+"""Conversations with images and videos through the model's own chat template and image
+processor.
 
 Two record formats (JSON list, JSON Lines or parquet; media paths relative to
 ``media_root`` or absolute)::
@@ -17,12 +18,18 @@ and its placeholder is expanded to one token per merged patch, as the family's p
 does. Labels (Qwen's ChatML templates have no ``{% generation %}`` markers): the tokens of
 each assistant message's content and its ``<|im_end|>``, never the role header
 ``<|im_start|>assistant\\n`` or the newline after ``<|im_end|>``.
+
+Videos (``<video>`` with ``"video"`` / ``"videos"``, or ``{"type": "video", "video": path}``)
+are decoded with PyAV and cut into patches as the family's video processor does
+(:mod:`ray_disagg.data.video`), for the families whose template puts one placeholder per
+video (Qwen2-VL, Qwen2.5-VL).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -32,6 +39,10 @@ from ray_disagg.models.base import IGNORE_INDEX
 __all__ = ["ConversationProcessor", "read_records", "to_messages"]
 
 IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+MEDIA = ("image", "video")
+_TAG = re.compile(r"(<image>|<video>)")
+_VIDEO = {"qwen2_vl", "qwen2_5_vl"}  # a placeholder per video, no timestamps
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
 END_OF_TURN = "<|im_end|>"
 LABEL_MODES = ("assistant", "last", "all")
@@ -57,36 +68,47 @@ def read_records(path: str | os.PathLike) -> list[dict]:
         return json.load(f)
 
 
-def _llava_messages(record: dict, rid) -> tuple[list[dict], list[str]]:
-    images = record.get("images", record.get("image")) or []
-    images = [images] if isinstance(images, str) else list(images)
-    messages, used = [], 0
+def _paths(record: dict, key: str) -> list[str]:
+    value = record.get(f"{key}s", record.get(key)) or []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _llava_messages(record: dict, rid) -> tuple[list[dict], list[tuple[str, str]]]:
+    files = {kind: _paths(record, kind) for kind in MEDIA}
+    messages, media, used = [], [], {kind: 0 for kind in MEDIA}
     for turn in record["conversations"]:
         role = _ROLES.get(turn.get("from"))
         if role is None:
             raise ValueError(f"record {rid!r}: unknown role {turn.get('from')!r}")
         parts = []
-        for k, piece in enumerate(turn["value"].split("<image>")):
-            if k:
-                parts.append({"type": "image"})
-                used += 1
-            if piece.strip():
+        for piece in _TAG.split(turn["value"]):
+            kind = piece[1:-1] if piece in ("<image>", "<video>") else None
+            if kind is not None:
+                if used[kind] >= len(files[kind]):
+                    raise ValueError(f"record {rid!r}: more <{kind}> tags than {kind}s")
+                media.append((kind, files[kind][used[kind]]))
+                used[kind] += 1
+                parts.append({"type": kind})
+            elif piece.strip():
                 parts.append({"type": "text", "text": piece.strip()})
         messages.append({"role": role, "content": parts})
-    if used != len(images):
-        raise ValueError(f"record {rid!r}: {len(images)} images but {used} <image> tags")
-    return messages, images
+    for kind in MEDIA:
+        if used[kind] != len(files[kind]):
+            n, k = len(files[kind]), used[kind]
+            raise ValueError(f"record {rid!r}: {n} {kind}s but {k} <{kind}> tags")
+    return messages, media
 
 
-def to_messages(record: dict) -> tuple[list[dict], list[str]]:
-    """``(messages, image paths in order)`` of a LLaVA or messages record; content is
-    always a list of parts (``{"type": "text", "text"}``, ``{"type": "image"}``)."""
+def to_messages(record: dict) -> tuple[list[dict], list[tuple[str, str]]]:
+    """``(messages, [(kind, path), ...] in order)`` of a LLaVA or messages record; content
+    is always a list of parts (``{"type": "text", "text"}``, ``{"type": "image"}``,
+    ``{"type": "video"}``); ``kind`` is ``"image"`` or ``"video"``."""
     rid = record.get("id")
     if "conversations" in record:
         return _llava_messages(record, rid)
     if "messages" not in record:
         raise ValueError(f"record {rid!r}: neither 'conversations' nor 'messages'")
-    messages, images = [], []
+    messages, media = [], []
     for m in record["messages"]:
         role = _ROLES.get(m.get("role"))
         if role is None:
@@ -96,15 +118,16 @@ def to_messages(record: dict) -> tuple[list[dict], list[str]]:
             content = [{"type": "text", "text": content}]
         parts = []
         for part in content:
-            if part.get("type") == "image":
-                images.append(part.get("image") or part.get("path"))
-                parts.append({"type": "image"})
-            elif part.get("type") == "text":
+            kind = part.get("type")
+            if kind in MEDIA:
+                media.append((kind, part.get(kind) or part.get("path")))
+                parts.append({"type": kind})
+            elif kind == "text":
                 parts.append({"type": "text", "text": part["text"]})
             else:
                 raise ValueError(f"record {rid!r}: unsupported content part {part!r}")
         messages.append({"role": role, "content": parts})
-    return messages, images
+    return messages, media
 
 
 def assistant_spans(text: str, mode: str = "assistant") -> list[tuple[int, int]]:
@@ -133,6 +156,9 @@ class ConversationProcessor:
         labels: ``"assistant"`` (every assistant turn), ``"last"`` (the last one) or
             ``"all"`` (every token but the media placeholders).
         system_prompt: a system message put first when a record has none.
+        fps, max_frames: video frames sampled per second of video, and at most this many
+            (each frame's pixels within the image processor's ``min_pixels`` /
+            ``max_pixels``); decoded with PyAV (extra ``video``).
 
     Example:
         >>> proc = ConversationProcessor(tokenizer=tok, image_processor=ip,  # doctest: +SKIP
@@ -149,6 +175,8 @@ class ConversationProcessor:
         media_root: str | os.PathLike | None = None,
         labels: str = "assistant",
         system_prompt: str | None = None,
+        fps: float = 2.0,
+        max_frames: int | None = None,
     ):
         if labels not in LABEL_MODES:
             raise ValueError(f"labels={labels!r}: must be one of {LABEL_MODES}.")
@@ -157,21 +185,37 @@ class ConversationProcessor:
         self.tokenizer, self.image_processor, self.config = tokenizer, image_processor, config
         self.media_root = None if media_root is None else os.fspath(media_root)
         self.labels, self.system_prompt = labels, system_prompt
+        self.fps, self.max_frames = fps, max_frames
 
-    def _images(self, paths: list[str], rid) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def _path(self, rel: str) -> str:
+        return rel if self.media_root is None else os.path.join(self.media_root, rel)
+
+    def _image(self, path: str) -> tuple[np.ndarray, np.ndarray]:
         from PIL import Image
 
-        pixels, grids = [], []
-        for rel in paths:
-            path = rel if self.media_root is None else os.path.join(self.media_root, rel)
+        with Image.open(path) as im:
+            enc = self.image_processor(images=[im.convert("RGB")], return_tensors="np")
+        grid = np.asarray(enc["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
+        return np.asarray(enc["pixel_values"], dtype=np.float32), grid
+
+    def _video(self, path: str) -> tuple[np.ndarray, np.ndarray, float]:
+        from ray_disagg.data.video import decode_video, video_patches
+
+        t = self.image_processor.temporal_patch_size
+        frames, fps = decode_video(path, fps=self.fps, max_frames=self.max_frames, multiple=t)
+        pixels, grid = video_patches(frames, self.image_processor)
+        return pixels, grid, t / fps
+
+    def _media(self, media: list[tuple[str, str]], rid) -> dict[str, list]:
+        """Per kind, the processed items in order: ``(pixels, grid[, seconds per grid])``."""
+        out = {kind: [] for kind in MEDIA}
+        for kind, rel in media:
+            path = self._path(rel)
             try:
-                with Image.open(path) as im:
-                    enc = self.image_processor(images=[im.convert("RGB")], return_tensors="np")
-            except OSError as e:
-                raise ValueError(f"record {rid!r}: cannot read image {path!r}: {e}") from e
-            pixels.append(np.asarray(enc["pixel_values"], dtype=np.float32))
-            grids.append(np.asarray(enc["image_grid_thw"], dtype=np.int64).reshape(-1, 3))
-        return pixels, grids
+                out[kind].append(self._image(path) if kind == "image" else self._video(path))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"record {rid!r}: cannot read {kind} {path!r}: {e}") from e
+        return out
 
     def render(self, messages: list[dict]) -> str:
         """The chat template's text (the system prompt first when set and missing)."""
@@ -181,30 +225,45 @@ class ConversationProcessor:
 
     def __call__(self, record: dict) -> dict[str, Any]:
         rid = record.get("id")
-        messages, paths = to_messages(record)
-        text = self.render(messages)
-        pixels, grids = self._images(paths, rid)
-        merge = self.config.vision_config.spatial_merge_size
-        pieces = text.split(IMAGE_PAD)
-        if len(pieces) - 1 != len(grids):
+        messages, media = to_messages(record)
+        if any(kind == "video" for kind, _ in media) and self.config.model_type not in _VIDEO:
             raise ValueError(
-                f"record {rid!r}: the chat template made {len(pieces) - 1} image "
-                f"placeholders for {len(grids)} images"
+                f"record {rid!r}: videos are supported for {sorted(_VIDEO)}, not "
+                f"{self.config.model_type!r} (whose processor adds timestamps) yet"
             )
-        text = pieces[0]
-        for grid, piece in zip(grids, pieces[1:]):
-            text += IMAGE_PAD * (int(grid.prod()) // merge**2) + piece
+        done = self._media(media, rid)
+        text = self.render(messages)
+        merge = self.config.vision_config.spatial_merge_size
+        for kind, pad in (("image", IMAGE_PAD), ("video", VIDEO_PAD)):
+            counts = [int(item[1].prod()) // merge**2 for item in done[kind]]
+            text = _expand(text, pad, counts, f"record {rid!r}: {kind}")
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int64)
         spans = assistant_spans(text, self.labels)
         keep = np.zeros(len(ids), dtype=bool)
         for i, (s, e) in enumerate(enc["offset_mapping"]):
             keep[i] = any(a <= s and e <= b for a, b in spans)
-        keep &= ids != self.config.image_token_id
-        return {
-            "id": rid,
-            "input_ids": ids,
-            "labels": np.where(keep, ids, IGNORE_INDEX),
-            "pixel_values": np.concatenate(pixels) if pixels else None,
-            "image_grid_thw": np.concatenate(grids) if grids else None,
-        }
+        keep &= (ids != self.config.image_token_id) & (ids != self.config.video_token_id)
+        sample = {"id": rid, "input_ids": ids, "labels": np.where(keep, ids, IGNORE_INDEX)}
+        for kind, (pixels, grid) in (
+            ("image", ("pixel_values", "image_grid_thw")),
+            ("video", ("pixel_values_videos", "video_grid_thw")),
+        ):
+            items = done[kind]
+            sample[pixels] = np.concatenate([i[0] for i in items]) if items else None
+            sample[grid] = np.concatenate([i[1] for i in items]) if items else None
+        if done["video"] and self.config.model_type == "qwen2_5_vl":
+            sample["second_per_grid_ts"] = np.asarray([v[2] for v in done["video"]], np.float32)
+        return sample
+
+
+def _expand(text: str, pad: str, counts: list[int], what: str) -> str:
+    """``text`` with its i-th ``pad`` repeated ``counts[i]`` times."""
+    pieces = text.split(pad)
+    if len(pieces) - 1 != len(counts):
+        raise ValueError(f"{what}: the chat template made {len(pieces) - 1} placeholders for "
+                         f"{len(counts)} items")  # fmt: skip
+    out = pieces[0]
+    for n, piece in zip(counts, pieces[1:]):
+        out += pad * n + piece
+    return out
