@@ -35,14 +35,20 @@ def run_distributed(fn, world: int, *args, timeout: float = 120.0) -> list:
     queue = ctx.Queue()
     init_file = os.path.join(tempfile.mkdtemp(), "pg")
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, init_file, queue, args))
+        ctx.Process(target=_entry, args=(fn, r, world, init_file, queue, args), daemon=True)
         for r in range(world)
     ]
-    for p in procs:
-        p.start()
-    results = {r: pickle.loads(b) for r, b in (queue.get(timeout=timeout) for _ in range(world))}
-    for p in procs:
-        p.join(timeout=30)
+    try:
+        for p in procs:
+            p.start()
+        results = {
+            r: pickle.loads(b) for r, b in (queue.get(timeout=timeout) for _ in range(world))
+        }
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
     errors = [
         f"rank {r}: {results[r]}" for r in range(world) if isinstance(results[r], BaseException)
     ]

@@ -28,6 +28,7 @@ video (Qwen2-VL, Qwen2.5-VL).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from typing import Any
@@ -36,15 +37,13 @@ import numpy as np
 
 from ray_disagg.models.base import IGNORE_INDEX
 
-__all__ = ["ConversationProcessor", "read_records", "to_messages"]
+__all__ = ["ConversationProcessor", "conversations_dataset", "read_records", "to_messages"]
 
-IMAGE_PAD = "<|image_pad|>"
-VIDEO_PAD = "<|video_pad|>"
+logger = logging.getLogger(__name__)
+
 MEDIA = ("image", "video")
 _TAG = re.compile(r"(<image>|<video>)")
 _VIDEO = {"qwen2_vl", "qwen2_5_vl"}  # a placeholder per video, no timestamps
-ASSISTANT_HEADER = "<|im_start|>assistant\n"
-END_OF_TURN = "<|im_end|>"
 LABEL_MODES = ("assistant", "last", "all")
 _ROLES = {
     "human": "user",
@@ -120,7 +119,10 @@ def to_messages(record: dict) -> tuple[list[dict], list[tuple[str, str]]]:
         for part in content:
             kind = part.get("type")
             if kind in MEDIA:
-                media.append((kind, part.get(kind) or part.get("path")))
+                path = part.get(kind) or part.get("path")
+                if not isinstance(path, str):
+                    raise ValueError(f"record {rid!r}: a {kind} part without a path: {part!r}")
+                media.append((kind, path))
                 parts.append({"type": kind})
             elif kind == "text":
                 parts.append({"type": "text", "text": part["text"]})
@@ -128,20 +130,6 @@ def to_messages(record: dict) -> tuple[list[dict], list[tuple[str, str]]]:
                 raise ValueError(f"record {rid!r}: unsupported content part {part!r}")
         messages.append({"role": role, "content": parts})
     return messages, media
-
-
-def assistant_spans(text: str, mode: str = "assistant") -> list[tuple[int, int]]:
-    """Character spans ``[start, end)`` of the labelled text of a ChatML rendering."""
-    if mode == "all":
-        return [(0, len(text))]
-    spans, at = [], 0
-    while (head := text.find(ASSISTANT_HEADER, at)) >= 0:
-        start = head + len(ASSISTANT_HEADER)
-        end = text.find(END_OF_TURN, start)
-        end = len(text) if end < 0 else end + len(END_OF_TURN)
-        spans.append((start, end))
-        at = end
-    return spans[-1:] if mode == "last" else spans
 
 
 class ConversationProcessor:
@@ -217,11 +205,35 @@ class ConversationProcessor:
                 raise ValueError(f"record {rid!r}: cannot read {kind} {path!r}: {e}") from e
         return out
 
-    def render(self, messages: list[dict]) -> str:
-        """The chat template's text (the system prompt first when set and missing)."""
+    def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The chat template's text (the system prompt first when set and missing) and
+        the character spans ``[start, end)`` to label, found from the conversation's
+        structure: assistant turn ``k`` spans from the end of the template's rendering of
+        turns ``< k`` with the generation prompt (its role header) to the end of its
+        rendering of turns ``<= k``, less the newlines after the end-of-turn token."""
         if self.system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False)
+
+        def text(upto: int, prompt: bool = False) -> str:
+            return self.tokenizer.apply_chat_template(
+                messages[:upto], tokenize=False, add_generation_prompt=prompt
+            )
+
+        full = text(len(messages))
+        if self.labels == "all":
+            return full, [(0, len(full))]
+        spans = []
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            head, upto = text(k, prompt=True), text(k + 1)
+            if not (upto.startswith(head) and full.startswith(upto)):
+                raise ValueError(
+                    "the chat template does not render this conversation turn by turn "
+                    "(it rewrites earlier turns), so its assistant tokens cannot be told apart"
+                )
+            spans.append((len(head), len(upto.rstrip("\n"))))
+        return full, spans[-1:] if self.labels == "last" else spans
 
     def __call__(self, record: dict) -> dict[str, Any]:
         rid = record.get("id")
@@ -231,19 +243,32 @@ class ConversationProcessor:
                 f"record {rid!r}: videos are supported for {sorted(_VIDEO)}, not "
                 f"{self.config.model_type!r} (whose processor adds timestamps) yet"
             )
+        if self.labels != "all" and not any(m["role"] == "assistant" for m in messages):
+            raise ValueError(f"record {rid!r}: no assistant turn to take a loss on")
         done = self._media(media, rid)
-        text = self.render(messages)
-        merge = self.config.vision_config.spatial_merge_size
-        for kind, pad in (("image", IMAGE_PAD), ("video", VIDEO_PAD)):
-            counts = [int(item[1].prod()) // merge**2 for item in done[kind]]
-            text = _expand(text, pad, counts, f"record {rid!r}: {kind}")
+        try:
+            text, spans = self.render(messages)
+        except Exception as e:  # a template error names the record
+            raise ValueError(f"record {rid!r}: {e}") from e
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int64)
-        spans = assistant_spans(text, self.labels)
-        keep = np.zeros(len(ids), dtype=bool)
-        for i, (s, e) in enumerate(enc["offset_mapping"]):
-            keep[i] = any(a <= s and e <= b for a, b in spans)
-        keep &= (ids != self.config.image_token_id) & (ids != self.config.video_token_id)
+        # a token is labelled when it starts inside a span
+        keep = np.asarray([any(a <= s < b for a, b in spans) for s, _ in enc["offset_mapping"]])
+        repeats = np.ones(len(ids), dtype=np.int64)
+        merge = self.config.vision_config.spatial_merge_size
+        for kind, token in (
+            ("image", self.config.image_token_id),
+            ("video", self.config.video_token_id),
+        ):
+            where = np.flatnonzero(ids == token)
+            if len(where) != len(done[kind]):
+                raise ValueError(
+                    f"record {rid!r}: the chat template made {len(where)} {kind} "
+                    f"placeholders for {len(done[kind])} {kind}s"
+                )
+            repeats[where] = [int(item[1].prod()) // merge**2 for item in done[kind]]
+            keep[where] = False  # placeholders are never a loss target
+        ids, keep = np.repeat(ids, repeats), np.repeat(keep, repeats)
         sample = {"id": rid, "input_ids": ids, "labels": np.where(keep, ids, IGNORE_INDEX)}
         for kind, (pixels, grid) in (
             ("image", ("pixel_values", "image_grid_thw")),
@@ -257,13 +282,58 @@ class ConversationProcessor:
         return sample
 
 
-def _expand(text: str, pad: str, counts: list[int], what: str) -> str:
-    """``text`` with its i-th ``pad`` repeated ``counts[i]`` times."""
-    pieces = text.split(pad)
-    if len(pieces) - 1 != len(counts):
-        raise ValueError(f"{what}: the chat template made {len(pieces) - 1} placeholders for "
-                         f"{len(counts)} items")  # fmt: skip
-    out = pieces[0]
-    for n, piece in zip(counts, pieces[1:]):
-        out += pad * n + piece
-    return out
+class _Convert:
+    """A Ray Data actor: one record in, its sample out (nothing when it is dropped)."""
+
+    def __init__(self, processor: ConversationProcessor, max_seq_len: int | None):
+        self.processor, self.max_seq_len = processor, max_seq_len
+
+    def __call__(self, row: dict) -> list[dict]:
+        record = json.loads(row["text"]) if set(row) == {"text"} else dict(row)
+        try:
+            sample = self.processor(record)
+        except ValueError as e:
+            logger.warning("dropped a broken record: %s", e)
+            return []
+        if self.max_seq_len is not None and len(sample["input_ids"]) > self.max_seq_len:
+            logger.warning(
+                "dropped record %r: %d tokens > max_seq_len=%d",
+                record.get("id"),
+                len(sample["input_ids"]),
+                self.max_seq_len,
+            )
+            return []
+        return [{k: v for k, v in sample.items() if v is not None}]
+
+
+def conversations_dataset(
+    paths,
+    processor: ConversationProcessor,
+    *,
+    concurrency: int = 1,
+    max_seq_len: int | None = None,
+):
+    """A Ray Data ``Dataset`` of samples for ``datasets={"train": ...}``: the records
+    (``.jsonl`` or ``.parquet``, from any filesystem Ray Data reads) are converted by
+    ``processor`` on ``concurrency`` CPU actors while training streams them; the driver
+    never holds them. A broken record (missing media, a template error) or one longer than
+    ``max_seq_len`` tokens is dropped with a warning naming it.
+
+    Example:
+        >>> ds = conversations_dataset("s3://bucket/train.jsonl", convert,  # doctest: +SKIP
+        ...                            concurrency=8, max_seq_len=8192)
+    """
+    import ray.data
+
+    paths = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
+    if all(p.endswith(".parquet") for p in paths):
+        records = ray.data.read_parquet(paths)
+    elif all(p.endswith(".jsonl") for p in paths):
+        records = ray.data.read_text(paths)  # one record per line, parsed by the actors
+    else:
+        raise ValueError(f"conversations_dataset reads .jsonl or .parquet files, got {paths}")
+    return records.flat_map(
+        _Convert,
+        fn_constructor_kwargs={"processor": processor, "max_seq_len": max_seq_len},
+        concurrency=concurrency,
+    )

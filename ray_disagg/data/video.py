@@ -18,27 +18,41 @@ import numpy as np
 __all__ = ["decode_video", "video_patches"]
 
 
+def _sample(total: int, rate: float, fps: float, max_frames, multiple: int) -> np.ndarray:
+    """Indices of the frames kept of ``total`` at ``rate`` fps (see :func:`decode_video`)."""
+    want = int(total / rate * fps) // multiple * multiple
+    if max_frames is not None:
+        want = min(want, max_frames // multiple * multiple)
+    want = max(multiple, min(want, total - total % multiple or multiple))
+    return np.linspace(0, total - 1, want).round().astype(int)
+
+
 def decode_video(
     path: str | os.PathLike, *, fps: float = 2.0, max_frames: int | None = None, multiple: int = 2
 ) -> tuple[np.ndarray, float]:
     """``(frames [T, H, W, 3] uint8, sampled frames per second)``: ``T`` frames evenly
     spaced over the video, about ``fps`` per second of video, a multiple of ``multiple``
-    (at least ``multiple``) and at most ``max_frames``."""
+    (at least ``multiple``) and at most ``max_frames``. Only the sampled frames are kept
+    in memory when the container states its frame count."""
     import av
 
     with av.open(os.fspath(path)) as container:
         stream = container.streams.video[0]
         rate = float(stream.average_rate or stream.guessed_rate or fps)
-        frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+        total = int(stream.frames or 0)
+        keep = _sample(total, rate, fps, max_frames, multiple) if total else None
+        frames = {}
+        for i, frame in enumerate(container.decode(stream)):
+            if keep is None or i in keep:
+                frames[i] = frame.to_ndarray(format="rgb24")
+            if keep is not None and i >= keep[-1]:
+                break
     if not frames:
         raise ValueError(f"video {os.fspath(path)!r} has no frames")
-    total = len(frames)
-    want = int(total / rate * fps) // multiple * multiple
-    if max_frames is not None:
-        want = min(want, max_frames // multiple * multiple)
-    want = max(multiple, min(want, total - total % multiple or multiple))
-    idx = np.linspace(0, total - 1, want).round().astype(int)
-    return np.stack([frames[i] for i in idx]), want / (total / rate)
+    if keep is None or any(i not in frames for i in keep):  # no (or a wrong) frame count
+        order = sorted(frames)
+        keep = [order[i] for i in _sample(len(order), rate, fps, max_frames, multiple)]
+    return np.stack([frames[i] for i in keep]), len(keep) / (max(total, len(frames)) / rate)
 
 
 def video_patches(frames: np.ndarray, image_processor) -> tuple[np.ndarray, np.ndarray]:

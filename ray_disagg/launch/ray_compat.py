@@ -28,6 +28,7 @@ from ray.train.v2._internal.constants import (
     is_v2_enabled,
 )
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from ray.train.v2._internal.execution.checkpoint.report_handler import ReportCallbackHandler
 from ray.train.v2._internal.execution.context import TrainRunContext
 from ray.train.v2._internal.execution.controller import TrainController
@@ -61,6 +62,7 @@ __all__ = [
     "TrainRunContext",
     "UserCallbackHandler",
     "WorkerGroup",
+    "WorkerGroupCallback",
     "WorkerGroupContext",
     "WorkerGroupError",
     "WorkerGroupPollStatus",

@@ -34,8 +34,10 @@ from ray_disagg.launch.ray_compat import (
     TrainRunContext,
     UserCallbackHandler,
     WorkerGroup,
+    WorkerGroupCallback,
     WorkerGroupContext,
     WorkerGroupPollStatus,
+    WorkerGroupStartupTimeoutError,
     group_train_run_context,
 )
 from ray_disagg.transport.channel import ChannelSpec
@@ -48,6 +50,16 @@ logger = logging.getLogger(__name__)
 _UNION_CALLBACKS = (ReportCallbackHandler, UserCallbackHandler)
 # The preemption watcher assumes one group's rank numbering; not supported across groups.
 _DROPPED_CALLBACKS = (PreemptionCallback,)
+# Worker-group callbacks without per-start state: with only these the groups start at
+# once; any other (a user's WorkerGroupCallback, NCCL RAS, state tracking) makes them
+# start one after another.
+_THREAD_SAFE_CALLBACKS = {
+    "WorkingDirectorySetupCallback",
+    "AcceleratorSetupCallback",
+    "BackendSetupCallback",
+    "ControllerMetricsCallback",
+    "ValidationManager",
+}
 
 
 @dataclass
@@ -159,18 +171,28 @@ class ModuleWorkerGroups:
     def _start_groups(
         cls, launches, base_ctx, run_attempt_id, shared, shared_pg, janitor
     ) -> dict[str, WorkerGroup]:
-        """Start every group at once (each starts its processes, imports and backend in
-        its own thread), in ``launches`` order in the result. On an error the groups that
-        did start are stopped and the first error is raised."""
+        """Start every group, in ``launches`` order in the result: all at once (each in its
+        own thread) when every shared callback is one known to be thread-safe, else one
+        after another. On an error the groups that did start are stopped, every error is
+        logged, and a non-retryable one is raised before a start timeout."""
 
         def start(launch: GroupLaunch) -> WorkerGroup:
             wg = cls._start_group(launch, base_ctx, run_attempt_id, shared, shared_pg)
             if janitor is not None and shared_pg is None:  # removed should we die
-                pg = wg.get_worker_group_state().placement_group_handle.placement_group
-                ray.get(janitor.register.remote(pg))
+                try:
+                    pg = wg.get_worker_group_state().placement_group_handle.placement_group
+                    ray.get(janitor.register.remote(pg))
+                except BaseException:
+                    _shutdown_all([wg])
+                    raise
             return wg
 
-        with ThreadPoolExecutor(max_workers=len(launches)) as pool:
+        parallel = all(
+            type(c).__name__ in _THREAD_SAFE_CALLBACKS
+            for c in shared
+            if isinstance(c, WorkerGroupCallback)  # the others run in the workers
+        )
+        with ThreadPoolExecutor(max_workers=len(launches) if parallel else 1) as pool:
             futures = {name: pool.submit(start, launch) for name, launch in launches.items()}
             wait(futures.values())
         started, errors = {}, []
@@ -179,8 +201,10 @@ class ModuleWorkerGroups:
                 started[name] = fut.result()
             else:
                 errors.append(fut.exception())
+                logger.warning("Starting the %s group failed: %r", name, fut.exception())
         if errors:
             _shutdown_all(started.values())
+            errors.sort(key=lambda e: isinstance(e, WorkerGroupStartupTimeoutError))
             raise errors[0]
         return started
 

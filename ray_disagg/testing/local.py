@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue as queue_mod
+import pickle
 import shutil
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -73,10 +72,12 @@ class LocalSession:
         return None, None
 
     def fetch(self, ref):
-        return ref
+        return pickle.loads(ref)  # the parent pickled it once (no tensor fds to pass)
 
     def report(self, metrics: dict, checkpoint_dir: str | None = None, name: str | None = None):
         if checkpoint_dir is not None:  # every rank adds its files, as Ray Train's upload
+            if name is None:
+                raise ValueError("a local checkpoint needs its directory name")
             shutil.copytree(checkpoint_dir, os.path.join(self.run_dir, name), dirs_exist_ok=True)
         if self.reports is not None:
             self.reports.put(("report", dict(metrics), name if checkpoint_dir else None))
@@ -85,26 +86,28 @@ class LocalSession:
         return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(loop, backend, name, rank, spec, env, run_dir, messages, lead) -> None:
+    import faulthandler
 
-
-def _worker(loop, backend, name, rank, port, spec, run_dir, messages, lead) -> None:
     import torch.distributed as dist
 
     from ray_disagg.worker import runtime, session
+    from ray_disagg.worker.faults_hook import FAULT_DRILL_ENV
 
+    faulthandler.enable()
+    os.environ.pop(FAULT_DRILL_ENV, None)  # the fork server's environment is not the run's
+    os.environ.update(env)
     torch.set_num_threads(1)
     session.set_session(LocalSession(run_dir, messages if lead else None))
     try:
+        timeout = timedelta(seconds=backend.timeout_s)
+        store = dist.TCPStore(spec.master_addr, spec.master_port, None, False, timeout)
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=dist.PrefixStore(f"group/{name}", store),
             rank=rank,
             world_size=backend.world_size,
-            timeout=timedelta(seconds=backend.timeout_s),
+            timeout=timeout,
         )
         runtime.init_runtime(backend.module, backend.mesh_shape, backend.mesh_axes)
         runtime.join_channel(spec, name, rank)
@@ -112,6 +115,7 @@ def _worker(loop, backend, name, rank, port, spec, run_dir, messages, lead) -> N
         runtime.close_channel()
         messages.put(("done", name, rank))
     except BaseException:
+        runtime.close_channel(abort=True)
         messages.put(("error", f"{name} group rank {rank}", traceback.format_exc()))
     finally:
         if dist.is_initialized():
@@ -137,61 +141,79 @@ def _channel_spec(trainer, sizes: dict[str, int], timeout_s: float):
 
 def fit_local(trainer, timeout_s: float = 600.0):
     """Run ``trainer`` (a constructed ``DisaggregatedTrainer``) without Ray; returns a
-    ``ray.train.Result`` (metrics, every checkpoint, ``metrics_dataframe``). Raises
-    ``RuntimeError`` naming the group and rank of a failed worker."""
+    ``ray.train.Result`` (the latest checkpoint and its metrics, every checkpoint,
+    ``metrics_dataframe``). Raises ``RuntimeError`` naming the group and rank of a failed
+    worker."""
     from ray_disagg.worker.ingest import is_ray_dataset
 
     if is_ray_dataset(trainer._train_data):
         raise ValueError("fit_local reads map-style datasets only; Ray Data needs Ray.")
     run = trainer.run_config
-    run_dir = os.path.join(run.storage_path, run.name)
+    run_dir = os.path.join(os.path.expanduser(run.storage_path), run.name)
+    if os.path.isdir(run_dir) and os.listdir(run_dir):
+        raise ValueError(f"fit_local starts runs from scratch: {run_dir} is not empty.")
     os.makedirs(run_dir, exist_ok=True)
-    loops = trainer.group_loops(trainer.loop_args(put=lambda x: x))
+    loops = trainer.group_loops(trainer.loop_args(put=pickle.dumps))
     sizes = {name: trainer.groups[name].num_workers for name in loops}
     store, spec = _channel_spec(trainer, sizes, trainer.loop_config.collective_timeout_s)
+    env = trainer._worker_env_vars()
     ctx = process_context()
-    messages = ctx.Queue()
-    procs = []
-    for i, (name, (loop, backend)) in enumerate(loops.items()):
-        port = _free_port()
-        for rank in range(sizes[name]):
-            lead = i == 0 and rank == 0  # the union's rank 0: the LLM group's
-            args = (loop, backend, name, rank, port, spec, run_dir, messages, lead)
-            procs.append(ctx.Process(target=_worker, args=args, daemon=True))
-    for p in procs:
-        p.start()
+    messages = ctx.SimpleQueue()  # put() writes at once: no message is lost to a kill
+    procs = {}
     try:
+        for i, (name, (loop, backend)) in enumerate(loops.items()):
+            for rank in range(sizes[name]):
+                lead = i == 0 and rank == 0  # the union's rank 0: the LLM group's
+                args = (loop, backend, name, rank, spec, env, run_dir, messages, lead)
+                procs[(name, rank)] = p = ctx.Process(target=_worker, args=args, daemon=True)
+                p.start()
         reports = _collect(messages, procs, timeout_s)
     finally:
-        for p in procs:
-            p.join(timeout=10)
+        for p in procs.values():
+            if p.is_alive():
+                p.join(timeout=5)
             if p.is_alive():
                 p.kill()
         del store
     return _result(run_dir, reports)
 
 
-def _collect(messages, procs, timeout_s: float) -> list:
-    reports, done, deadline = [], 0, time.monotonic() + timeout_s
-    while done < len(procs):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"local run did not finish within {timeout_s:g}s")
-        try:
-            msg = messages.get(timeout=1.0)
-        except queue_mod.Empty:
-            dead = [p for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"a worker died (exit code {dead[0].exitcode})") from None
+def _collect(messages, procs: dict, timeout_s: float) -> list:
+    reports, done, deadline = [], set(), time.monotonic() + timeout_s
+    while len(done) < len(procs):
+        if messages.empty():
+            if time.monotonic() > deadline:
+                _kill(procs)
+                raise TimeoutError(f"local run did not finish within {timeout_s:g}s")
+            dead = [k for k, p in procs.items() if p.exitcode not in (None, 0) and k not in done]
+            if dead and messages.empty():
+                _kill(procs)
+                name, rank = dead[0]
+                code = procs[dead[0]].exitcode
+                raise RuntimeError(f"{name} group rank {rank} died (exit code {code})")
+            time.sleep(0.05)
             continue
+        msg = messages.get()
         if msg[0] == "report":
             reports.append(msg[1:])
         elif msg[0] == "done":
-            done += 1
+            done.add((msg[1], msg[2]))
         else:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"[{msg[1]} failed]:\n{msg[2]}")
+            errors = [f"[{msg[1]} failed]:\n{msg[2]}"]
+            time.sleep(1.0)  # the other workers' errors, if any, follow the first one's
+            while not messages.empty():
+                more = messages.get()
+                if more[0] == "error":
+                    errors.append(f"[{more[1]} failed]:\n{more[2]}")
+            _kill(procs)
+            raise RuntimeError("\n".join(errors))
     return reports
+
+
+def _kill(procs: dict) -> None:
+    for p in procs.values():
+        if p.is_alive():
+            p.kill()
 
 
 def _result(run_dir: str, reports: list):
@@ -203,11 +225,11 @@ def _result(run_dir: str, reports: list):
         for metrics, name in reports
         if name is not None
     ]
-    return Result(
-        metrics=reports[-1][0] if reports else {},
+    return Result(  # as Ray Train's: the latest checkpoint and its metrics
+        metrics=saved[-1][1] if saved else (reports[-1][0] if reports else {}),
         checkpoint=saved[-1][0] if saved else None,
         error=None,
         path=run_dir,
-        metrics_dataframe=pd.DataFrame([m for _, m in saved]),
+        metrics_dataframe=pd.DataFrame([m for _, m in saved]) if saved else None,
         best_checkpoints=saved,
     )
