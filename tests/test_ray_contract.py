@@ -88,3 +88,24 @@ def test_callbacks_and_trainer_hooks():
         assert callable(getattr(rc.DataParallelTrainer, hook))
     assert {"config", "train_func_context", "fn_arg_name"} <= set(_params(rc.construct_train_func))
     assert issubclass(rc._TorchBackend, object) and callable(rc._TorchBackend.on_start)
+
+
+def test_thread_safe_callbacks_are_ray_train_worker_group_callbacks():
+    """The groups start at once only with these callbacks: each must still exist in Ray
+    Train as a WorkerGroupCallback (a rename would silently make every start sequential)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import ray.train.v2._internal as internal
+
+    from ray_disagg.launch.worker_groups import _THREAD_SAFE_CALLBACKS
+
+    found = set()
+    for mod in pkgutil.walk_packages(internal.__path__, internal.__name__ + "."):
+        if "callback" not in mod.name and "checkpoint" not in mod.name:
+            continue
+        for name, cls in inspect.getmembers(importlib.import_module(mod.name), inspect.isclass):
+            if name in _THREAD_SAFE_CALLBACKS and issubclass(cls, rc.WorkerGroupCallback):
+                found.add(name)
+    assert found == _THREAD_SAFE_CALLBACKS

@@ -54,6 +54,7 @@ _DROPPED_CALLBACKS = (PreemptionCallback,)
 # once; any other (a user's WorkerGroupCallback, NCCL RAS, state tracking) makes them
 # start one after another.
 _THREAD_SAFE_CALLBACKS = {
+    "CheckpointManager",  # before_init_train_context only reads the latest checkpoint
     "WorkingDirectorySetupCallback",
     "AcceleratorSetupCallback",
     "BackendSetupCallback",
@@ -187,11 +188,15 @@ class ModuleWorkerGroups:
                     raise
             return wg
 
-        parallel = all(
-            type(c).__name__ in _THREAD_SAFE_CALLBACKS
+        unsafe = [
+            type(c).__name__
             for c in shared
             if isinstance(c, WorkerGroupCallback)  # the others run in the workers
-        )
+            and type(c).__name__ not in _THREAD_SAFE_CALLBACKS
+        ]
+        if unsafe:
+            logger.info("Starting the groups one after another (callbacks %s).", unsafe)
+        parallel = not unsafe
         with ThreadPoolExecutor(max_workers=len(launches) if parallel else 1) as pool:
             futures = {name: pool.submit(start, launch) for name, launch in launches.items()}
             wait(futures.values())
