@@ -271,3 +271,27 @@ def test_videos_are_sampled_grouped_and_patched_as_the_family_does(model_dir, me
     assert labels[labels != -100].tolist() == [WORDS.index("seven."), SPECIAL["<|im_end|>"]]
     with pytest.raises(ValueError, match="videos are supported for"):
         _processor(model_dir, tmp_path, tiny_qwen3_vl_config())(record)
+
+
+def test_ray_data_preprocesses_on_actors_and_drops_broken_records(
+    ray_start_4_cpus, model_dir, media, tmp_path
+):
+    """Records streamed through Ray Data actors equal the eager processor's samples; a
+    record with a missing image and one over max_seq_len are dropped, not fatal."""
+    from ray_disagg.data.conversations import conversations_dataset
+
+    cfg = tiny_qwen2_5_vl_config()
+    broken = {"id": "broken", "messages": [
+        {"role": "user", "content": [{"type": "image", "image": "missing.png"}]},
+        {"role": "assistant", "content": "two."}]}  # fmt: skip
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in [*RECORDS, broken]))
+    proc = _processor(model_dir, media, cfg)
+    longest = max(len(proc(r)["input_ids"]) for r in RECORDS)
+    ds = conversations_dataset(tmp_path / "t.jsonl", proc, concurrency=1, max_seq_len=longest - 1)
+    rows = {r["id"]: r for r in ds.take_all()}
+    kept = [r for r in RECORDS if len(proc(r)["input_ids"]) < longest]
+    assert sorted(rows) == sorted(r["id"] for r in kept) and kept
+    for record in kept:
+        want = proc(record)
+        assert np.asarray(rows[record["id"]]["input_ids"]).tolist() == want["input_ids"].tolist()
+        assert np.asarray(rows[record["id"]]["labels"]).tolist() == want["labels"].tolist()
