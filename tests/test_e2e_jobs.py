@@ -217,7 +217,17 @@ def test_example_as_ray_job(head_node):
             "--skip-loss-check",  # 3 steps do not halve the loss
         ]
     )
-    job_id = client.submit_job(entrypoint=entrypoint)
+    # The Jobs API answers before the head's job agent has registered ("No available
+    # agent to submit job, please try again later"): retry that one answer.
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            job_id = client.submit_job(entrypoint=entrypoint)
+            break
+        except RuntimeError as e:
+            if "try again later" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
 
     terminal = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
     deadline = time.monotonic() + JOB_TIMEOUT_S
