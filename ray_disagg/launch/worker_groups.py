@@ -41,7 +41,7 @@ from ray_disagg.launch.ray_compat import (
     group_train_run_context,
 )
 from ray_disagg.transport.channel import ChannelSpec
-from ray_disagg.transport.select import choose_tier
+from ray_disagg.transport.select import group_offsets, pair_tiers
 from ray_disagg.worker import runtime
 
 logger = logging.getLogger(__name__)
@@ -251,20 +251,11 @@ class ModuleWorkerGroups:
     def _connect_channel(self, run_attempt_id: str, timeout_s: float, transfers) -> None:
         host = next(iter(self._groups.values())).get_workers()[0]
         addr, port = ray.get(host.execute_async(runtime.host_channel_store, timeout_s))
-        offsets, sizes, off = {}, {}, 0
-        for name, wg in self._groups.items():
-            offsets[name], sizes[name] = off, len(wg.get_workers())
-            off += sizes[name]
+        sizes = {name: len(wg.get_workers()) for name, wg in self._groups.items()}
+        offsets = group_offsets(sizes)
         workers = [w for wg in self._groups.values() for w in wg.get_workers()]
         locations = ray.get([w.execute_async(runtime.locate) for w in workers], timeout=timeout_s)
-        tiers = {}
-        for (ga, ra), (gb, rb) in transfers.pairs:
-            a, b = offsets[ga] + ra, offsets[gb] + rb
-            try:
-                tier = choose_tier(locations[a], locations[b], transfers.requested)
-            except ValueError as e:
-                raise ValueError(f"between {ga} rank {ra} and {gb} rank {rb}: {e}") from None
-            tiers[(min(a, b), max(a, b))] = tier
+        tiers = pair_tiers(offsets, transfers.pairs, locations, transfers.requested)
         logger.info(
             "Transfer tiers: %s",
             {

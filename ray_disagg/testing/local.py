@@ -124,16 +124,11 @@ def _worker(loop, backend, name, rank, spec, env, run_dir, messages, lead) -> No
 
 def _channel_spec(trainer, sizes: dict[str, int], timeout_s: float):
     from ray_disagg.transport import channel as sg
-    from ray_disagg.transport.select import Location, choose_tier
+    from ray_disagg.transport.select import Location, group_offsets, pair_tiers
 
-    offsets, off = {}, 0
-    for name, n in sizes.items():
-        offsets[name], off = off, off + n
-    where = [Location(node="local", pid=i, device="cpu") for i in range(off)]
-    tiers = {}
-    for (ga, ra), (gb, rb) in trainer._transfer_pairs():
-        a, b = offsets[ga] + ra, offsets[gb] + rb
-        tiers[(min(a, b), max(a, b))] = choose_tier(where[a], where[b], trainer.transfer)
+    offsets = group_offsets(sizes)
+    where = [Location(node="local", pid=i, device="cpu") for i in range(sum(sizes.values()))]
+    tiers = pair_tiers(offsets, trainer._transfer_pairs(), where, trainer.transfer)
     store, port = sg.host_store("127.0.0.1", timeout_s)
     spec = sg.ChannelSpec("127.0.0.1", port, offsets, sizes, timeout_s, "side/local", where, tiers)
     return store, spec

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ray_disagg.transport.base import TIERS
 
-__all__ = ["Location", "choose_tier"]
+__all__ = ["Location", "choose_tier", "group_offsets", "pair_tiers"]
 
 
 @dataclass(frozen=True)
@@ -65,3 +65,29 @@ def choose_tier(a: Location, b: Location, requested: str = "auto") -> str:
     if a.device == b.device == "cpu" and a.node == b.node:
         return "shm"
     return "gloo"
+
+
+def group_offsets(sizes: dict[str, int]) -> dict[str, int]:
+    """Channel rank of each group's rank 0: the groups' ranks one after another, in
+    ``sizes`` order."""
+    offsets, off = {}, 0
+    for name, n in sizes.items():
+        offsets[name], off = off, off + n
+    return offsets
+
+
+def pair_tiers(
+    offsets: dict[str, int], pairs, locations: list[Location], requested: str = "auto"
+) -> dict[tuple[int, int], str]:
+    """The tier of each exchanging pair ``((group, rank), (group, rank))``, keyed by the
+    pair's channel ranks (lower first); ``ValueError`` naming the pair when ``requested``
+    cannot work between them."""
+    tiers = {}
+    for (ga, ra), (gb, rb) in pairs:
+        a, b = offsets[ga] + ra, offsets[gb] + rb
+        try:
+            tier = choose_tier(locations[a], locations[b], requested)
+        except ValueError as e:
+            raise ValueError(f"between {ga} rank {ra} and {gb} rank {rb}: {e}") from None
+        tiers[(min(a, b), max(a, b))] = tier
+    return tiers
