@@ -40,28 +40,7 @@ _EXPORTS = {
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ADAPTERS",
-    "BatchPlan",
-    "DataParallel",
-    "DisaggregatedTrainer",
-    "HFModelSpec",
-    "ModuleBackendConfig",
-    "ModuleGroup",
-    "SampleError",
-    "SequenceParallel",
-    "TensorParallel",
-    "TrainLoopConfig",
-    "export_hf",
-    "get_adapter",
-    "load_metrics",
-    "lr_at",
-    "plot_metrics",
-    "tiny_qwen2_5_omni_thinker_config",
-    "tiny_qwen2_5_vl_config",
-    "tiny_qwen2_vl_config",
-    "tiny_qwen3_vl_config",
-]
+__all__ = sorted(_EXPORTS)  # the public API: exactly the lazily exported names
 
 # Names of the previous release, importable for one more (not in __all__): importing one
 # from here, and constructing one from anywhere, emits a DeprecationWarning naming its
