@@ -54,6 +54,17 @@ _ROLES = {
 }
 
 
+def image_patches(path: str, image_processor) -> tuple[np.ndarray, np.ndarray]:
+    """``(pixel_values float32, image_grid_thw [1, 3] int64)`` of the image file at
+    ``path`` (RGB) through ``image_processor``."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        enc = image_processor(images=[im.convert("RGB")], return_tensors="np")
+    grid = np.asarray(enc["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
+    return np.asarray(enc["pixel_values"], dtype=np.float32), grid
+
+
 def read_records(path: str | os.PathLike) -> list[dict]:
     """The records of a ``.json`` (a list), ``.jsonl`` or ``.parquet`` file."""
     path = os.fspath(path)
@@ -178,14 +189,6 @@ class ConversationProcessor:
     def _path(self, rel: str) -> str:
         return rel if self.media_root is None else os.path.join(self.media_root, rel)
 
-    def _image(self, path: str) -> tuple[np.ndarray, np.ndarray]:
-        from PIL import Image
-
-        with Image.open(path) as im:
-            enc = self.image_processor(images=[im.convert("RGB")], return_tensors="np")
-        grid = np.asarray(enc["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
-        return np.asarray(enc["pixel_values"], dtype=np.float32), grid
-
     def _video(self, path: str) -> tuple[np.ndarray, np.ndarray, float]:
         from ray_disagg.data.video import decode_video, video_patches
 
@@ -200,7 +203,10 @@ class ConversationProcessor:
         for kind, rel in media:
             path = self._path(rel)
             try:
-                out[kind].append(self._image(path) if kind == "image" else self._video(path))
+                if kind == "image":
+                    out[kind].append(image_patches(path, self.image_processor))
+                else:
+                    out[kind].append(self._video(path))
             except (OSError, ValueError) as e:
                 raise ValueError(f"record {rid!r}: cannot read {kind} {path!r}: {e}") from e
         return out

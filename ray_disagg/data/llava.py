@@ -30,16 +30,15 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 def _build(record: dict, *, image_root, tokenizer, image_processor, config, turn_format) -> dict:
-    from PIL import Image
+    from ray_disagg.data.conversations import image_patches
 
     images = record.get("image")
     images = [] if images is None else [images] if isinstance(images, str) else list(images)
     pixel_values, grids = [], []
     for rel in images:
-        with Image.open(os.path.join(image_root, rel)) as im:
-            enc = image_processor(images=[im.convert("RGB")], return_tensors="np")
-        pixel_values.append(enc["pixel_values"])
-        grids.append(enc["image_grid_thw"].reshape(-1, 3))
+        pixels, grid = image_patches(os.path.join(image_root, rel), image_processor)
+        pixel_values.append(pixels)
+        grids.append(grid)
     merge = config.vision_config.spatial_merge_size
     n_tokens = [int(g.prod()) // merge**2 for g in grids]
 

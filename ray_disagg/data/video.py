@@ -41,9 +41,10 @@ def decode_video(
         rate = float(stream.average_rate or stream.guessed_rate or fps)
         total = int(stream.frames or 0)
         keep = _sample(total, rate, fps, max_frames, multiple) if total else None
+        wanted = None if keep is None else set(keep.tolist())
         frames = {}
         for i, frame in enumerate(container.decode(stream)):
-            if keep is None or i in keep:
+            if wanted is None or i in wanted:
                 frames[i] = frame.to_ndarray(format="rgb24")
             if keep is not None and i >= keep[-1]:
                 break
