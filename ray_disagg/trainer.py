@@ -37,7 +37,7 @@ from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.checkpoint import check_compatible
 from ray_disagg.worker.encoder import encoder_train_loop
 from ray_disagg.worker.faults_hook import FAULT_DRILL_ENV
-from ray_disagg.worker.ingest import is_ray_dataset
+from ray_disagg.worker.ingest import is_stream
 from ray_disagg.worker.llm import llm_train_loop
 
 __all__ = ["DisaggregatedTrainer", "load_metrics"]
@@ -169,7 +169,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         model.check_weights()
         self.frozen_parts = frozen_parts(model, self.groups)
         self._train_data = dsc.train_set(datasets)
-        self._samples_validated = validate_samples and not is_ray_dataset(self._train_data)
+        self._samples_validated = validate_samples and not is_stream(self._train_data)
         self.loop_config = self._resolve_schedule(
             self.loop_config, placement, self._train_data, self._samples_validated
         )
@@ -270,13 +270,13 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         in_flight = 1 if schedule == "sequential" else (cfg.max_in_flight or min(2, k))
         assignment = cfg.assignment
         if assignment == "auto":
-            balanced = validated and placement == "separate" and not is_ray_dataset(data)
+            balanced = validated and placement == "separate" and not is_stream(data)
             assignment = "balanced" if balanced else "contiguous"
-        elif assignment == "balanced" and is_ray_dataset(data):
+        elif assignment == "balanced" and is_stream(data):
             raise ValueError(
                 "train_loop_config['assignment']='balanced' needs a map-style dataset (costs "
-                "are estimated per sample before the run); a Ray Data stream is read in "
-                "order: use 'contiguous' (or 'auto')."
+                "are estimated per sample before the run); a Ray Data or conversation stream "
+                "is read in order: use 'contiguous' (or 'auto')."
             )
         return dataclasses.replace(
             cfg, schedule=schedule, max_in_flight=in_flight, assignment=assignment

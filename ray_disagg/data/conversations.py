@@ -37,7 +37,7 @@ import numpy as np
 
 from ray_disagg.models.base import IGNORE_INDEX
 
-__all__ = ["ConversationProcessor", "conversations_dataset", "read_records", "to_messages"]
+__all__ = ["ConversationProcessor", "read_records", "to_messages"]
 
 logger = logging.getLogger(__name__)
 
@@ -286,60 +286,3 @@ class ConversationProcessor:
         if done["video"] and self.config.model_type == "qwen2_5_vl":
             sample["second_per_grid_ts"] = np.asarray([v[2] for v in done["video"]], np.float32)
         return sample
-
-
-class _Convert:
-    """A Ray Data actor: one record in, its sample out (nothing when it is dropped)."""
-
-    def __init__(self, processor: ConversationProcessor, max_seq_len: int | None):
-        self.processor, self.max_seq_len = processor, max_seq_len
-
-    def __call__(self, row: dict) -> list[dict]:
-        record = json.loads(row["text"]) if set(row) == {"text"} else dict(row)
-        try:
-            sample = self.processor(record)
-        except ValueError as e:
-            logger.warning("dropped a broken record: %s", e)
-            return []
-        if self.max_seq_len is not None and len(sample["input_ids"]) > self.max_seq_len:
-            logger.warning(
-                "dropped record %r: %d tokens > max_seq_len=%d",
-                record.get("id"),
-                len(sample["input_ids"]),
-                self.max_seq_len,
-            )
-            return []
-        return [{k: v for k, v in sample.items() if v is not None}]
-
-
-def conversations_dataset(
-    paths,
-    processor: ConversationProcessor,
-    *,
-    concurrency: int = 1,
-    max_seq_len: int | None = None,
-):
-    """A Ray Data ``Dataset`` of samples for ``datasets={"train": ...}``: the records
-    (``.jsonl`` or ``.parquet``, from any filesystem Ray Data reads) are converted by
-    ``processor`` on ``concurrency`` CPU actors while training streams them; the driver
-    never holds them. A broken record (missing media, a template error) or one longer than
-    ``max_seq_len`` tokens is dropped with a warning naming it.
-
-    Example:
-        >>> ds = conversations_dataset("s3://bucket/train.jsonl", convert,  # doctest: +SKIP
-        ...                            concurrency=8, max_seq_len=8192)
-    """
-    import ray.data
-
-    paths = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
-    if all(p.endswith(".parquet") for p in paths):
-        records = ray.data.read_parquet(paths)
-    elif all(p.endswith(".jsonl") for p in paths):
-        records = ray.data.read_text(paths)  # one record per line, parsed by the actors
-    else:
-        raise ValueError(f"conversations_dataset reads .jsonl or .parquet files, got {paths}")
-    return records.flat_map(
-        _Convert,
-        fn_constructor_kwargs={"processor": processor, "max_seq_len": max_seq_len},
-        concurrency=concurrency,
-    )

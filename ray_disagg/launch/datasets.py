@@ -11,7 +11,7 @@ import numpy as np
 from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.models.packing import check_fits
 from ray_disagg.pipeline.assignment import BatchPlan
-from ray_disagg.worker.ingest import _from_row, is_ray_dataset
+from ray_disagg.worker.ingest import _from_row, is_ray_dataset, is_stream
 
 logger = logging.getLogger("ray_disagg.trainer")
 
@@ -29,9 +29,12 @@ def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups, validate: bo
         return None, None
     if is_ray_dataset(data):
         data = [_from_row(r) for r in data.take_all()]
+    elif is_stream(data):  # a conversation stream: converted here, once
+        data = list(data.samples())
     if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
         raise ValueError(
-            "datasets['validation'] must be a map-style dataset or a ray.data.Dataset, "
+            "datasets['validation'] must be a map-style dataset, a ray.data.Dataset or a "
+            "ConversationStream, "
             f"got {type(data).__name__}."
         )
     b = cfg.global_batch_size
@@ -64,7 +67,7 @@ def scan(data, adapter, cfg: TrainLoopConfig, validate: bool):
     and the length when packing) and, for balanced assignment, its costs (LLM tokens,
     each encoder part's estimate)."""
     balanced = cfg.assignment == "balanced"
-    if is_ray_dataset(data) or not (validate or balanced):
+    if is_stream(data) or not (validate or balanced):
         return None
     costs = {part: np.zeros(len(data), np.float32) for part in adapter.parts}
     for i in range(len(data)):
@@ -89,7 +92,7 @@ def train_set(datasets):
             f"datasets keys must be 'train' and optionally 'validation', got extra keys {extra}."
         )
     data = datasets["train"]
-    if is_ray_dataset(data):
+    if is_stream(data):
         return data  # streamed by the LLM group; each row is validated when read
     if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
         raise ValueError(
@@ -102,6 +105,8 @@ def train_set(datasets):
 
 
 def num_samples(data, reader_dp: int) -> int:
+    if is_stream(data) and not is_ray_dataset(data):
+        return data.num_records  # at most: records may be dropped
     if not is_ray_dataset(data):
         return len(data)
     n = data.count()

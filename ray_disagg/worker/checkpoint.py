@@ -30,6 +30,7 @@ from ray_disagg.models import hf_param_name
 from ray_disagg.models.loading import fill, merge_row_blocks, part_tensor
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
+DATA_STATE = "data_state.json"  # a conversation stream's position, in the LLM's directory
 
 
 def sharded_state(model, optimizer) -> dict[str, torch.Tensor]:
@@ -233,6 +234,7 @@ class ShardWriter:
     lead: bool
     hf_config: object = None
     cfg: object = None  # the TrainLoopConfig: its lr schedule is recorded
+    data_state: dict | None = None  # a stream's position, written with the next checkpoint
 
     def write(self, root: str, step: int, model, optimizer) -> None:
         d = os.path.join(root, self.module)
@@ -245,6 +247,9 @@ class ShardWriter:
                 state["next_lr"] = lr_at(self.cfg, step + 1)
             with open(os.path.join(d, "trainer_state.json"), "w") as f:
                 json.dump(state, f)
+            if self.data_state is not None:
+                with open(os.path.join(d, DATA_STATE), "w") as f:
+                    json.dump(self.data_state, f)
             if self.hf_config is not None:
                 self.hf_config.save_pretrained(root)
 
@@ -265,13 +270,31 @@ def _schedule_note(module_dir: str, cfg) -> str | None:
     )
 
 
+def _start_checkpoint(args):
+    from ray_disagg.worker.session import get_session
+
+    return get_session().restart_checkpoint() or args.resume_from_checkpoint
+
+
+def data_state(module: str, args) -> dict | None:
+    """The data position saved with the checkpoint this run starts from (``None``: no
+    checkpoint, or it was not written by a stream)."""
+    ckpt = _start_checkpoint(args)
+    if ckpt is None:
+        return None
+    with ckpt.as_directory() as root:
+        path = os.path.join(root, module, DATA_STATE)
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+
 def restore(model, optimizer, module: str, args, log=None) -> int:
     """Load the latest checkpoint of this run (Ray Train hands it to restarted workers)
     or ``resume_from_checkpoint``; returns the step to start from. ``log`` gets a note
     when the checkpoint's lr schedule differs from this run's."""
-    from ray_disagg.worker.session import get_session
-
-    ckpt = get_session().restart_checkpoint() or args.resume_from_checkpoint
+    ckpt = _start_checkpoint(args)
     if ckpt is None:
         return 0
     with ckpt.as_directory() as root:

@@ -5,7 +5,9 @@ is read; each encoder group gets its fields from them).
   the deterministic ``BatchPlan`` (same batches as the reference);
 - a Ray Data ``Dataset``: LLM rank 0 makes ``streaming_split(llm_dp, equal=True)``
   at the start of every run attempt and each leader streams its split; each epoch every
-  row is used at most once (the rows that do not fill a last local batch are dropped).
+  row is used at most once (the rows that do not fill a last local batch are dropped);
+- a :class:`~ray_disagg.data.stream.ConversationStream`: each leader converts its own
+  records in a fixed order (:mod:`ray_disagg.worker.record_source`), resumable mid-epoch.
 """
 
 from __future__ import annotations
@@ -17,6 +19,13 @@ import torch.distributed as dist
 
 def is_ray_dataset(data) -> bool:
     return isinstance(data, ray.data.Dataset)
+
+
+def is_stream(data) -> bool:
+    """Whether ``data`` is read while training runs (no length or costs up front)."""
+    from ray_disagg.data.stream import ConversationStream
+
+    return is_ray_dataset(data) or isinstance(data, ConversationStream)
 
 
 class MapStyleSource:
@@ -53,9 +62,16 @@ def _from_row(row) -> dict:
     return {k: (np.asarray(v) if isinstance(v, list) else v) for k, v in dict(row).items()}
 
 
-def make_source(data, plan, dp_rank: int, is_leader: bool, group: str, object_group=None):
+def make_source(
+    data, plan, dp_rank: int, is_leader: bool, group: str, object_group=None, state=None
+):
     """Collective over the reading group when ``data`` is a Ray Dataset (the splits go
-    to every rank over ``object_group``, a gloo group)."""
+    to every rank over ``object_group``, a gloo group). A conversation stream's source is
+    on every rank (its reads agree over ``object_group``), positioned at ``state``."""
+    if not is_ray_dataset(data) and is_stream(data):
+        from ray_disagg.worker.record_source import RecordSource
+
+        return RecordSource(data, plan, group, dp_rank, is_leader, object_group, state)
     if not is_ray_dataset(data):
         return MapStyleSource(data, plan, group) if is_leader else None
     dp = plan.dp_sizes[group]
@@ -68,6 +84,8 @@ def make_source(data, plan, dp_rank: int, is_leader: bool, group: str, object_gr
 def read_samples(source, step, positions, args) -> list[dict]:
     """This step's samples at batch ``positions`` (a replica's share), validated unless
     the driver already validated the whole (map-style) dataset before the run."""
+    if source is None:  # not a leader of map-style or Ray Data reading
+        return []
     samples = []
     for index, sample in source.take(step, positions):
         if not args.samples_validated:

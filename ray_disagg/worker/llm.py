@@ -24,7 +24,7 @@ from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.pipeline.assignment import count_label_tokens
 from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expect
 from ray_disagg.pipeline.schedule import WAITS, Op, llm_actions
-from ray_disagg.worker import faults_hook, ingest
+from ray_disagg.worker import checkpoint, faults_hook, ingest, metrics
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.part_worker import PartWorker
 from ray_disagg.worker.session import get_session
@@ -175,8 +175,8 @@ class LLMStep:
         items over tp, and (training) count the global batch's label tokens."""
         w, mbs = self.w, self.mbs
         share = [p for mb in mbs for p in mb[w.part][w.dp_rank]]
+        read = ingest.read_samples(self.source, self.plan_step, share, w.args)
         if w.leader:
-            read = ingest.read_samples(self.source, self.plan_step, share, w.args)
             self.samples = dict(zip(share, read))
             _send_inputs(w, self.samples, mbs, self.plan, self.key, self.plan_step)
         keys = self.llm.text_keys
@@ -260,6 +260,16 @@ def _sample_ids(w: PartWorker, run: LLMStep) -> tuple[list, dict]:
     return ids, {"sample_ids": [i for part in gathered for i in part]}
 
 
+def _data_position(w: PartWorker, source, step: int) -> dict:
+    """A stream's metrics; at checkpoint steps its position goes to the checkpoint
+    (collective over the group)."""
+    if not hasattr(source, "state"):
+        return {}
+    if metrics.is_checkpoint_step(w.cfg, step):
+        w.writer.data_state = source.state()
+    return source.metrics()
+
+
 def llm_train_loop(args: LoopArgs) -> None:
     w = PartWorker(args, args.adapter.llm_part)
     model = w.build()
@@ -270,7 +280,10 @@ def llm_train_loop(args: LoopArgs) -> None:
         tp_group, vocab_start = tp.parallelize_text(model, decoder, lm_head, w.mp_mesh, plan, norms)
     start = w.setup(model)
     data = get_session().fetch(args.dataset_ref[0])
-    source = ingest.make_source(data, args.plan, w.dp_rank, w.leader, w.part, w.rt.object_group)
+    state = checkpoint.data_state(w.part, args)
+    source = ingest.make_source(
+        data, args.plan, w.dp_rank, w.leader, w.part, w.rt.object_group, state
+    )
     llm = LLMModel(w, model, lm_head, tp_group, vocab_start)
     evaluate = None
     if args.val_plan is not None:
@@ -283,4 +296,5 @@ def llm_train_loop(args: LoopArgs) -> None:
         run = LLMStep(llm, source, args.plan, step, StepKey(step), grad=True)
         run.run(actions)
         ids, extra = _sample_ids(w, run)
+        extra.update(_data_position(w, source, step))
         finish_step(w, step, _stats(w, run), sample_ids=ids, evaluate=evaluate, extra=extra)

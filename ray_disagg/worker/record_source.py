@@ -1,0 +1,141 @@
+"""A :class:`~ray_disagg.data.stream.ConversationStream` read by the LLM group, resumable.
+
+Every LLM rank holds a :class:`RecordSource`; the data-parallel leaders read. Leader ``d``
+of ``n`` converts the epoch's records ``d, d + n, ...`` (``epoch_order``) in order and
+takes each step's ``global_batch_size / n`` samples from them. Every read ends with one
+small all-reduce over the group's gloo object group, so all ranks agree on:
+
+- the epoch's end: when any leader runs out of records, every leader starts the next
+  epoch (records it had read for the unfinished batch are not used this epoch);
+- the broken and too-long records so far (metrics ``records_bad`` /
+  ``records_too_long``); more than ``max_bad_records`` broken ones fail the run, naming
+  the ones seen.
+
+The position (epoch, records read per leader, counts) is gathered at checkpoint steps and
+saved with the LLM checkpoint (``data_state.json``); a restart or resume starts from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+
+import torch
+import torch.distributed as dist
+
+from ray_disagg.data.stream import BAD, OK, epoch_order
+
+logger = logging.getLogger(__name__)
+
+
+class RecordSource:
+    def __init__(self, stream, plan, group: str, dp_rank: int, leader: bool, object_group, state):
+        self.stream, self.leader, self.object_group = stream, leader, object_group
+        self.dp, self.dp_rank = plan.dp_sizes[group], dp_rank
+        self.seed, self.shuffle = plan.seed, plan.shuffle
+        self.per_step = plan.global_batch_size // self.dp
+        self.epoch, self.pos, self.bad, self.long = self._resume(state)
+        self.totals = (0, 0)  # every leader's (bad, too long), as of the last read
+        self.bad_names: list[str] = []  # this leader's broken records in this attempt
+        self._records = None
+
+    def _key(self) -> dict:
+        return {"records": self.stream.num_records, "seed": self.seed, "shuffle": self.shuffle}
+
+    def _resume(self, state) -> tuple[int, int, int, int]:
+        if state is None:
+            return 0, 0, 0, 0
+        if {k: state.get(k) for k in self._key()} != self._key():
+            logger.warning(
+                "the checkpoint's data position is for other records or another order "
+                "(%s, now %s): reading this stream from its start",
+                {k: state.get(k) for k in self._key()},
+                self._key(),
+            )
+            return 0, 0, 0, 0
+        bad, long = sum(state["bad"]), sum(state["long"])  # kept by leader 0
+        if state["dp"] != self.dp:
+            logger.warning(
+                "the checkpoint was read by %d LLM replicas, now %d: the positions do not "
+                "carry over, reading from the start of epoch %d",
+                state["dp"],
+                self.dp,
+                state["epoch"] + 1,
+            )
+            first = self.dp_rank == 0
+            return state["epoch"] + 1, 0, bad if first else 0, long if first else 0
+        d = self.dp_rank
+        return state["epoch"], state["positions"][d], state["bad"][d], state["long"][d]
+
+    def _fill(self) -> list | None:
+        """The step's samples, or ``None`` when this leader's records ran out."""
+        out = []
+        while len(out) < self.per_step:
+            if self._records is None:
+                order = epoch_order(self.stream.num_records, self.seed, self.epoch, self.shuffle)
+                mine = order[self.dp_rank :: self.dp][self.pos :]
+                self._records = iter(self.stream.outcomes(mine))
+            outcome = next(self._records, None)
+            if outcome is None:
+                return None
+            self.pos += 1
+            if outcome["status"] == OK:
+                out.append((outcome["record"], pickle.loads(outcome["sample"])))
+                continue
+            logger.warning("skipped %s", outcome["message"])
+            if outcome["status"] == BAD:
+                self.bad += 1
+                self.bad_names.append(outcome["message"])
+            else:
+                self.long += 1
+        return out
+
+    def take(self, step: int, positions: list[int]) -> list[tuple[int, dict]]:
+        """Collective over the group: this leader's samples of the step (``[]`` off the
+        leaders), in record order."""
+        while True:
+            got = self._fill() if self.leader else []
+            flags = [got is None, self.bad, self.long] if self.leader else [0, 0, 0]
+            flags = torch.tensor(flags, dtype=torch.float64)
+            dist.all_reduce(flags, group=self.object_group)
+            self.totals = (int(flags[1]), int(flags[2]))
+            self._check_bad()
+            if not flags[0]:
+                assert got is not None and (not self.leader or len(got) == len(positions))
+                return got
+            self.epoch, self.pos, self._records = self.epoch + 1, 0, None
+
+    def _check_bad(self) -> None:
+        limit = self.stream.max_bad_records
+        if self.totals[0] <= limit:
+            return
+        names = [None] * dist.get_world_size(self.object_group)
+        dist.all_gather_object(names, self.bad_names, group=self.object_group)
+        shown = [n for part in names for n in part][:20]
+        raise ValueError(
+            f"{self.totals[0]} broken records, more than max_bad_records={limit}; the "
+            f"ones seen in this attempt: {shown}. Fix or remove them, or raise "
+            "ConversationStream(max_bad_records=...)."
+        )
+
+    def state(self) -> dict:
+        """Collective over the group: the position of every leader (for the checkpoint)."""
+        mine = [self.pos, self.bad, self.long] if self.leader else None
+        every = [None] * dist.get_world_size(self.object_group)
+        dist.all_gather_object(every, mine, group=self.object_group)
+        every = [m for m in every if m is not None]  # leaders, in dp order
+        return {
+            **self._key(),
+            "dp": self.dp,
+            "epoch": self.epoch,
+            "positions": [m[0] for m in every],
+            "bad": [m[1] for m in every],
+            "long": [m[2] for m in every],
+        }
+
+    def metrics(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "records_bad": self.totals[0],
+            "records_too_long": self.totals[1],
+        }
