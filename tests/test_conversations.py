@@ -44,7 +44,7 @@ def _expected_ids(proc, record, media):
     counts = []
     for p in paths:
         with Image.open(media / p) as im:
-            grid = proc.imagemake_processor(images=[im.convert("RGB")], return_tensors="np")
+            grid = proc.image_processor(images=[im.convert("RGB")], return_tensors="np")
         counts.append(int(np.prod(grid["image_grid_thw"])) // 4)
     out = []
     for t in ids:
@@ -73,7 +73,7 @@ def test_records_become_samples_of_the_family(model_dir, media, tmp_path, config
         labels = sample["labels"]
         assert [inv[int(t)] for t in labels[labels != -100]] == labelled[record["id"]]
         if paths:  # the processor's own pixels, in order
-            own = [proc.imagemake_processor(images=[Image.open(media / p).convert("RGB")],
+            own = [proc.image_processor(images=[Image.open(media / p).convert("RGB")],
                                         return_tensors="np") for p in paths]  # fmt: skip
             np.testing.assert_array_equal(
                 sample["pixel_values"], np.concatenate([o["pixel_values"] for o in own])
@@ -181,7 +181,7 @@ def test_videos_are_sampled_grouped_and_patched_as_the_family_does(model_dir, me
     pv = sample["pixel_values_videos"].reshape(2, 48, 3, 2, 4, 4)  # groups, patches, C,T,P,P
     for g in range(2):
         for j in range(2):
-            own = proc.imagemake_processor(images=[decoded[2 * g + j]], return_tensors="np")
+            own = proc.image_processor(images=[decoded[2 * g + j]], return_tensors="np")
             want = own["pixel_values"].reshape(48, 3, 2, 4, 4)[:, :, 0]
             np.testing.assert_allclose(pv[g, :, :, j], want, rtol=0, atol=1e-6)
     labels = sample["labels"]
