@@ -130,13 +130,22 @@ def test_recipe_type_conversations_loads_the_records(model_dir, media, tmp_path)
     d = {"type": "conversations", "records": str(tmp_path / "t.jsonl"), "tokenizer": str(model_dir)}
     d = parse_data(dict(d, media_root=str(media), labels="last"), "data.train")
     recipe = SimpleNamespace(data={"train": d}, model=HFModelSpec(config=cfg))
-    samples = build_dataset(recipe, "train")
+    stream = build_dataset(recipe, "train")
+    assert stream.num_records == 3 and stream.max_bad_records == 100  # defaults
+    samples = list(stream.samples())
     proc = make_processor(model_dir, media, cfg, labels="last")
     assert len(samples) == 3
     for got, record in zip(samples, RECORDS):
         want = proc(record)
         assert got["input_ids"].tolist() == want["input_ids"].tolist()
         assert got["labels"].tolist() == want["labels"].tolist()
+    # `ray-disagg plan`'s line about these records
+    from ray_disagg.recipes.data_stats import recipe_statistics
+
+    tokens = sorted(len(s["input_ids"]) for s in samples)
+    line = recipe_statistics(recipe, "train")
+    assert line.startswith(f"3 of 3 records: tokens/sample mean {np.mean(tokens):.0f}, ")
+    assert f"max {tokens[-1]};" in line and line.endswith("broken 0, over max_seq_len 0")
 
 
 def _write_video(path, frames: np.ndarray, fps: int) -> None:

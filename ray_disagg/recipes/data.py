@@ -7,11 +7,14 @@ loading anything (for ``plan``), loaded for ``train``.
   max_pixels, user_turn, assistant_turn}``: :func:`ray_disagg.data.llava.load_llava`, tokenizer
   and image processor from local directories (default: ``model.pretrained_path``);
 - ``{type: conversations, records: F, media_root: D, tokenizer, image_processor,
-  min_pixels, max_pixels, labels, system_prompt}``: LLaVA or messages records (JSON, JSONL,
-  parquet) through the tokenizer's chat template and the family's image processor
+  min_pixels, max_pixels, labels, system_prompt, fps, max_frames, concurrency,
+  max_seq_len, max_bad_records}``: LLaVA or messages records through the tokenizer's chat
+  template and the family's image / video processing
   (:class:`ray_disagg.data.conversations.ConversationProcessor`; ``labels``: ``assistant``,
   ``last`` or ``all``), tokenizer and image processor from local directories (default:
-  ``model.pretrained_path``);
+  ``model.pretrained_path``). ``.jsonl`` / ``.parquet`` files or a directory of them are
+  streamed (:class:`ray_disagg.data.stream.ConversationStream`, resumable); a ``.json``
+  list is converted at once;
 - ``{type: parquet | json, paths: P}``: a Ray Data dataset (``ray.data.read_<type>``).
 
 Example:
@@ -48,6 +51,11 @@ DATA = {  # type -> keys (with defaults)
         "max_pixels": None,
         "labels": "assistant",
         "system_prompt": None,
+        "fps": 2.0,
+        "max_frames": None,
+        "concurrency": 1,
+        "max_seq_len": None,
+        "max_bad_records": 100,
     },
     "parquet": {"paths": REQUIRED},
     "json": {"paths": REQUIRED},
@@ -61,9 +69,12 @@ def parse_data(value, path: str) -> dict:
             "{type: digits, num_samples: 512}."
         )
     d = section({k: v for k, v in value.items() if k != "type"}, path, DATA[value["type"]])
-    for k in ("num_samples", "start", "image_size", "min_pixels", "max_pixels"):
+    keys = ("num_samples", "start", "image_size", "min_pixels", "max_pixels", "max_frames")
+    for k in (*keys, "concurrency", "max_seq_len", "max_bad_records"):
         if d.get(k) is not None:
             check(d[k], f"{path}.{k}", int, "an int")
+    if d.get("fps") is not None:
+        check(d["fps"], f"{path}.fps", (int, float), "a number")
     for k in ("user_turn", "assistant_turn"):
         if k in d and not (isinstance(d[k], list) and len(d[k]) == 2):
             fail(f"{path}.{k}={d[k]!r}: must be [prefix, suffix].")
@@ -102,19 +113,7 @@ def build_dataset(recipe, which: str):
             return getattr(ray.data, f"read_{d['type']}")(paths)
     tok, proc = _processors(recipe, d, key)
     if d["type"] == "conversations":
-        from ray_disagg.data.conversations import ConversationProcessor, read_records
-
-        root = d["media_root"]
-        with at(key):
-            convert = ConversationProcessor(
-                tokenizer=tok,
-                image_processor=proc,
-                config=config,
-                media_root=None if root is None else _local(root, f"{key}.media_root"),
-                labels=d["labels"],
-                system_prompt=d["system_prompt"],
-            )
-            return [convert(r) for r in read_records(_local(d["records"], f"{key}.records"))]
+        return _conversations(d, key, config, tok, proc)
     from ray_disagg.data.llava import load_llava
 
     with at(key):
@@ -126,6 +125,36 @@ def build_dataset(recipe, which: str):
             config=config,
             user_turn=tuple(d["user_turn"]),
             assistant_turn=tuple(d["assistant_turn"]),
+        )
+
+
+def _conversations(d: dict, key: str, config, tok, proc):
+    """A stream of ``.jsonl`` / ``.parquet`` records (a file or a directory); a ``.json``
+    list is converted here, at once (small sets)."""
+    from ray_disagg.data.conversations import ConversationProcessor, read_records
+    from ray_disagg.data.stream import ConversationStream
+
+    root = d["media_root"]
+    records = _local(d["records"], f"{key}.records")
+    with at(key):
+        convert = ConversationProcessor(
+            tokenizer=tok,
+            image_processor=proc,
+            config=config,
+            media_root=None if root is None else _local(root, f"{key}.media_root"),
+            labels=d["labels"],
+            system_prompt=d["system_prompt"],
+            fps=d["fps"],
+            max_frames=d["max_frames"],
+        )
+        if records.endswith(".json"):
+            return [convert(r) for r in read_records(records)]
+        return ConversationStream(
+            paths=records,
+            processor=convert,
+            concurrency=d["concurrency"],
+            max_seq_len=d["max_seq_len"],
+            max_bad_records=d["max_bad_records"],
         )
 
 

@@ -211,7 +211,7 @@ def _parallelism(p) -> str:
 
 
 def _source(d: dict) -> str:
-    where = d.get("annotations") or d.get("paths")
+    where = d.get("annotations") or d.get("paths") or d.get("records")
     if d["type"] == "digits":
         return f"digits ({d['num_samples'] or 'all'} from #{d['start']}, {d['image_size']} px)"
     paths = where if isinstance(where, list) else [where]
@@ -247,6 +247,7 @@ def per_gpu(r, memory: dict[str, WorkerMemory]) -> dict[str, float]:
 def render(r) -> str:
     """The plan of recipe ``r`` as text: model, layout table, memory table."""
     from ray_disagg.launch.resources import colocation_for
+    from ray_disagg.recipes.data_stats import recipe_statistics
 
     cfg, sched, memory = r.model.load_config(), _schedule(r), estimate(r)
     counts = {p: sum(t.numel() for t in r.model.meta_model(p).parameters()) for p in r.groups}
@@ -274,6 +275,10 @@ def render(r) -> str:
         f"{'bf16 autocast, ' if loop.bf16 else ''}{loop.param_dtype} parameters + AdamW"
     )
     lines.append("data: " + ", ".join(f"{k} {_source(d)}" for k, d in r.data.items()))
+    for k in r.data:
+        stats = recipe_statistics(r, k)
+        if stats is not None:
+            lines.append(f"  {k}: {stats}")
     if getattr(cfg, "vision_config", None) is not None:
         n, (gh, gw) = image_patches(cfg.vision_config, r.plan["image_size"])
         merge = cfg.vision_config.spatial_merge_size**2
