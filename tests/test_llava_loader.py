@@ -1,81 +1,45 @@
-"""Tier 1: the LLaVA-style loader with real image files and a locally built tokenizer."""
+"""Tier 1: the deprecated LLaVA loader is a thin wrapper over ConversationProcessor (the
+tokenizer's chat template), with real image files and a locally built tokenizer."""
 
 import json
 
 import numpy as np
+import pytest
 import torch
-from PIL import Image
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
 from ray_disagg.data.llava import load_llava
 from ray_disagg.models import get_adapter
+from ray_disagg.recipes.data import parse_data
+from ray_disagg.recipes.schema import RecipeError
 from ray_disagg.testing.reference import reference_batch
-
-WORDS = ["[UNK]", "user:", "assistant:", "which", "digit", "is", "this", "?", "a", "seven", "hi"]
-
-
-def _tokenizer():
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+from tests.conversation_data import RECORDS, build_media, build_model_dir, make_processor
 
 
-def test_llava_jsonl_to_samples(tmp_path):
+def test_load_llava_wraps_the_conversation_processor(tmp_path):
     cfg = tiny_qwen2_5_vl_config()
-    (tmp_path / "img").mkdir()
-    sizes = {"a.png": (16, 16), "b.png": (48, 40)}
-    for name, (w, h) in sizes.items():
-        Image.fromarray((np.random.rand(h, w, 3) * 255).astype(np.uint8)).save(
-            tmp_path / "img" / name
-        )
-    records = [
-        {
-            "id": "a",
-            "image": "a.png",
-            "conversations": [
-                {"from": "human", "value": "<image>\nwhich digit is this ?"},
-                {"from": "gpt", "value": "a seven"},
-            ],
-        },
-        {
-            "id": "b",
-            "image": "b.png",
-            "conversations": [
-                {"from": "human", "value": "which digit <image> is this ?"},
-                {"from": "gpt", "value": "seven"},
-            ],
-        },
-        {
-            "id": "t",
-            "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hi"}],
-        },
-    ]
-    ann = tmp_path / "train.jsonl"
-    ann.write_text("\n".join(json.dumps(r) for r in records))
-    proc = Qwen2VLImageProcessorPil(
-        patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=16 * 16, max_pixels=32 * 32
-    )
-    ds = load_llava(
-        ann, image_root=tmp_path / "img", tokenizer=_tokenizer(), image_processor=proc, config=cfg
-    )
-
+    media, model = build_media(tmp_path), build_model_dir(tmp_path / "model")
+    proc = make_processor(model, media, cfg)
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS))
+    kwargs = {"image_root": media, "tokenizer": proc.tokenizer, "config": cfg}
+    kwargs["image_processor"] = proc.image_processor
+    with pytest.warns(DeprecationWarning, match="conversations_dataset"):
+        ds = load_llava(tmp_path / "train.jsonl", **kwargs)
     assert len(ds) == 3
-    a, b, t = ds[0], ds[1], ds[2]
-    assert a["image_grid_thw"] == [[1, 4, 4]]  # 16x16 px, within [min, max] pixels
-    ((_, gh, gw),) = b["image_grid_thw"]
-    assert gh * gw * 4 * 4 <= 32 * 32 < 48 * 40  # 48x40 px resized down to max_pixels
-    for s in (a, b, t):
-        get_adapter(cfg).validate_sample(s)
-    ids, labels = np.asarray(a["input_ids"]), np.asarray(a["labels"])
-    assert (ids == cfg.image_token_id).sum() == 4
-    # labels only on the assistant turn ("a seven"), not on "assistant:" or the user turn
-    assert [WORDS[i] for i in labels[labels != -100]] == ["a", "seven"]
-    assert t["pixel_values"] is None and t["image_grid_thw"] is None
-
+    for i, record in enumerate(RECORDS):
+        want = proc(record)
+        assert ds[i]["input_ids"] == want["input_ids"].tolist()
+        assert ds[i]["labels"] == want["labels"].tolist()
+        get_adapter(cfg).validate_sample(ds[i])
     # the samples feed the real HF model
     model = HFModelSpec(config=cfg).build_full()
     loss = model(**reference_batch(HFModelSpec(config=cfg), [ds[i] for i in range(3)])).loss
     assert torch.isfinite(loss)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="chat template"):
+        load_llava(tmp_path / "train.jsonl", **kwargs, user_turn=("user:", ""))
+    # the recipe type llava: an alias of conversations; the turn prefixes are refused
+    d = parse_data({"type": "llava", "annotations": "a.jsonl", "image_root": "i"}, "data.train")
+    assert (d["type"], d["records"], d["media_root"]) == ("conversations", "a.jsonl", "i")
+    with pytest.raises(RecipeError, match="user_turn: gone"):
+        parse_data({"type": "llava", "annotations": "a", "user_turn": ["u", ""]}, "data.train")
+    assert np.asarray(ds[0]["image_grid_thw"]).tolist()[0] == [1, 4, 4]

@@ -3,9 +3,8 @@ loading anything (for ``plan``), loaded for ``train``.
 
 - ``{type: digits, num_samples: N, start: 0, image_size: 16}``: scikit-learn's digits
   (:func:`ray_disagg.data.examples.digits_samples`), samples ``start .. start + N``;
-- ``{type: llava, annotations: F, image_root: D, tokenizer, image_processor, min_pixels,
-  max_pixels, user_turn, assistant_turn}``: :func:`ray_disagg.data.llava.load_llava`, tokenizer
-  and image processor from local directories (default: ``model.pretrained_path``);
+- ``{type: llava, annotations: F, image_root: D, ...}``: deprecated alias of
+  ``{type: conversations, records: F, media_root: D, ...}``;
 - ``{type: conversations, records: F, media_root: D, tokenizer, image_processor,
   min_pixels, max_pixels, labels, system_prompt, fps, max_frames, concurrency,
   max_seq_len, max_bad_records}``: LLaVA or messages records through the tokenizer's chat
@@ -24,11 +23,14 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import os
 
 from ray_disagg.recipes.schema import REQUIRED, at, check, fail, section
 
 __all__ = ["DATA", "build_dataset", "parse_data"]
+
+logger = logging.getLogger(__name__)
 
 DATA = {  # type -> keys (with defaults)
     "digits": {"num_samples": None, "start": 0, "image_size": 16},
@@ -39,8 +41,6 @@ DATA = {  # type -> keys (with defaults)
         "image_processor": None,
         "min_pixels": None,
         "max_pixels": None,
-        "user_turn": ["user:", ""],
-        "assistant_turn": ["assistant:", ""],
     },
     "conversations": {
         "records": REQUIRED,
@@ -68,6 +68,8 @@ def parse_data(value, path: str) -> dict:
             f"{path}={value!r}: must be a mapping with type one of {list(DATA)}, e.g. "
             "{type: digits, num_samples: 512}."
         )
+    if value["type"] == "llava":  # deprecated: the same records as conversations
+        value = _from_llava(value, path)
     d = section({k: v for k, v in value.items() if k != "type"}, path, DATA[value["type"]])
     keys = ("num_samples", "start", "image_size", "min_pixels", "max_pixels", "max_frames")
     for k in (*keys, "concurrency", "max_seq_len", "max_bad_records"):
@@ -75,15 +77,28 @@ def parse_data(value, path: str) -> dict:
             check(d[k], f"{path}.{k}", int, "an int")
     if d.get("fps") is not None:
         check(d["fps"], f"{path}.fps", (int, float), "a number")
-    for k in ("user_turn", "assistant_turn"):
-        if k in d and not (isinstance(d[k], list) and len(d[k]) == 2):
-            fail(f"{path}.{k}={d[k]!r}: must be [prefix, suffix].")
     if "labels" in d:
         from ray_disagg.data.conversations import LABEL_MODES
 
         if d["labels"] not in LABEL_MODES:
             fail(f"{path}.labels={d['labels']!r}: must be one of {list(LABEL_MODES)}.")
     return {"type": value["type"], **d}
+
+
+def _from_llava(value: dict, path: str) -> dict:
+    """``{type: llava, annotations, image_root, ...}`` as ``{type: conversations, records,
+    media_root, ...}`` (the chat template writes the turns)."""
+    gone = sorted({"user_turn", "assistant_turn"} & set(value))
+    if gone:
+        fail(
+            f"{path}.{gone[0]}: gone; the tokenizer's chat template writes the turns now "
+            "(type: conversations, which type: llava is an alias of)."
+        )
+    logger.warning("%s: type llava is deprecated; use type: conversations", path)
+    renamed = {"annotations": "records", "image_root": "media_root"}
+    return {renamed.get(k, k): v for k, v in value.items() if k != "type"} | {
+        "type": "conversations"
+    }
 
 
 def _local(path: str, key: str) -> str:
@@ -112,20 +127,7 @@ def build_dataset(recipe, which: str):
         with at(key):
             return getattr(ray.data, f"read_{d['type']}")(paths)
     tok, proc = _processors(recipe, d, key)
-    if d["type"] == "conversations":
-        return _conversations(d, key, config, tok, proc)
-    from ray_disagg.data.llava import load_llava
-
-    with at(key):
-        return load_llava(
-            _local(d["annotations"], f"{key}.annotations"),
-            image_root=_local(d["image_root"], f"{key}.image_root"),
-            tokenizer=tok,
-            image_processor=proc,
-            config=config,
-            user_turn=tuple(d["user_turn"]),
-            assistant_turn=tuple(d["assistant_turn"]),
-        )
+    return _conversations(d, key, config, tok, proc)
 
 
 def _conversations(d: dict, key: str, config, tok, proc):

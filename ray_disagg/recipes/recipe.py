@@ -10,7 +10,7 @@ Schema (``model``, ``data.train``, ``groups`` and ``train_loop_config`` are requ
       attn_implementation: sdpa  # only `plan`'s fallback when the path is not on this machine
     data:                        # train (required) and validation, each one source:
       train: {type: digits, num_samples: 512, start: 0, image_size: 16}
-      validation: {type: llava, annotations: val.jsonl, image_root: images/,
+      validation: {type: conversations, records: val.jsonl, media_root: images/,
                    tokenizer: null, image_processor: null, min_pixels: null, max_pixels: null}
       # or {type: parquet, paths: s3://bucket/train/} / {type: json, paths: [...]} (Ray Data)
     groups:                      # one entry per part of the model (vision, text, ...)
