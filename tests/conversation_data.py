@@ -4,53 +4,11 @@ and records in both formats."""
 
 import numpy as np
 from PIL import Image
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from ray_disagg.data.conversations import ConversationProcessor
-
-# Qwen2-VL's chat template (as its tokenizer_config / chat_template.json ship it).
-QWEN2_VL_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
-    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
-    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-WORDS = ["[UNK]", "system", "user", "assistant", "You", "are", "a", "helpful", "assistant."]
-WORDS += ["which", "digit", "is", "this?", "seven.", "and", "now?", "two.", "be", "brief."]
-SPECIAL = {
-    "<|image_pad|>": 100,
-    "<|video_pad|>": 101,
-    "<|vision_start|>": 102,
-    "<|vision_end|>": 103,
-    "<|im_start|>": 104,
-    "<|im_end|>": 105,
-}
-
-
-def build_model_dir(path):
-    """A local model directory: a trained-here tokenizer with the family's template."""
-    vocab = {w: i for i, w in enumerate(WORDS)} | SPECIAL
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-    fast.add_special_tokens({"additional_special_tokens": list(SPECIAL)})
-    fast.chat_template = QWEN2_VL_TEMPLATE
-    fast.save_pretrained(path)
-    Qwen2VLImageProcessorPil(
-        patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=16 * 16, max_pixels=32 * 32
-    ).save_pretrained(path)
-    return path
+from ray_disagg.testing.conversations import SPECIAL, WORDS, build_model_dir  # noqa: F401
 
 
 def build_media(root):
