@@ -22,7 +22,10 @@ each assistant message's content and its ``<|im_end|>``, never the role header
 Videos (``<video>`` with ``"video"`` / ``"videos"``, or ``{"type": "video", "video": path}``)
 are decoded with PyAV and cut into patches as the family's video processor does
 (:mod:`ray_disagg.data.video`), for the families whose template puts one placeholder per
-video (Qwen2-VL, Qwen2.5-VL).
+video (Qwen2-VL, Qwen2.5-VL, Qwen2.5-Omni). Audio (``<audio>`` with ``"audio"`` /
+``"audios"``, or ``{"type": "audio", "audio": path}``; Qwen2.5-Omni) is decoded with PyAV
+and turned into log-mel features by the family's feature extractor, one ``<|AUDIO|>`` per
+audio-tower output (:mod:`ray_disagg.data.audio`).
 """
 
 from __future__ import annotations
@@ -41,9 +44,15 @@ __all__ = ["ConversationProcessor", "read_records", "to_messages"]
 
 logger = logging.getLogger(__name__)
 
-MEDIA = ("image", "video")
-_TAG = re.compile(r"(<image>|<video>)")
-_VIDEO = {"qwen2_vl", "qwen2_5_vl"}  # a placeholder per video, no timestamps
+MEDIA = ("image", "video", "audio")
+_TAG = re.compile(r"(<image>|<video>|<audio>)")
+# families whose template puts one placeholder per video (no timestamps), and the field
+# of each video's seconds per temporal patch
+_VIDEO = {
+    "qwen2_vl": None,
+    "qwen2_5_vl": "second_per_grid_ts",
+    "qwen2_5_omni_thinker": "video_second_per_grid",
+}
 LABEL_MODES = ("assistant", "last", "all")
 _ROLES = {
     "human": "user",
@@ -92,7 +101,7 @@ def _llava_messages(record: dict, rid) -> tuple[list[dict], list[tuple[str, str]
             raise ValueError(f"record {rid!r}: unknown role {turn.get('from')!r}")
         parts = []
         for piece in _TAG.split(turn["value"]):
-            kind = piece[1:-1] if piece in ("<image>", "<video>") else None
+            kind = piece[1:-1] if _TAG.fullmatch(piece) else None
             if kind is not None:
                 if used[kind] >= len(files[kind]):
                     raise ValueError(f"record {rid!r}: more <{kind}> tags than {kind}s")
@@ -112,7 +121,7 @@ def _llava_messages(record: dict, rid) -> tuple[list[dict], list[tuple[str, str]
 def to_messages(record: dict) -> tuple[list[dict], list[tuple[str, str]]]:
     """``(messages, [(kind, path), ...] in order)`` of a LLaVA or messages record; content
     is always a list of parts (``{"type": "text", "text"}``, ``{"type": "image"}``,
-    ``{"type": "video"}``); ``kind`` is ``"image"`` or ``"video"``."""
+    ``{"type": "video"}``, ``{"type": "audio"}``); ``kind`` is one of :data:`MEDIA`."""
     rid = record.get("id")
     if "conversations" in record:
         return _llava_messages(record, rid)
@@ -158,6 +167,8 @@ class ConversationProcessor:
         fps, max_frames: video frames sampled per second of video, and at most this many
             (each frame's pixels within the image processor's ``min_pixels`` /
             ``max_pixels``); decoded with PyAV (extra ``video``).
+        feature_extractor: the family's audio feature extractor (Qwen2.5-Omni: its
+            ``WhisperFeatureExtractor``), for audio parts (:mod:`ray_disagg.data.audio`).
 
     Example:
         >>> proc = ConversationProcessor(tokenizer=tok, image_processor=ip,  # doctest: +SKIP
@@ -176,6 +187,7 @@ class ConversationProcessor:
         system_prompt: str | None = None,
         fps: float = 2.0,
         max_frames: int | None = None,
+        feature_extractor=None,
     ):
         if labels not in LABEL_MODES:
             raise ValueError(f"labels={labels!r}: must be one of {LABEL_MODES}.")
@@ -185,6 +197,7 @@ class ConversationProcessor:
         self.media_root = None if media_root is None else os.fspath(media_root)
         self.labels, self.system_prompt = labels, system_prompt
         self.fps, self.max_frames = fps, max_frames
+        self.feature_extractor = feature_extractor
 
     def _path(self, rel: str) -> str:
         return rel if self.media_root is None else os.path.join(self.media_root, rel)
@@ -205,8 +218,12 @@ class ConversationProcessor:
             try:
                 if kind == "image":
                     out[kind].append(image_patches(path, self.image_processor))
-                else:
+                elif kind == "video":
                     out[kind].append(self._video(path))
+                else:
+                    from ray_disagg.data.audio import audio_features
+
+                    out[kind].append(audio_features(path, self.feature_extractor))
             except (OSError, ValueError) as e:
                 raise ValueError(f"record {rid!r}: cannot read {kind} {path!r}: {e}") from e
         return out
@@ -241,14 +258,56 @@ class ConversationProcessor:
             spans.append((len(head), len(upto.rstrip("\n"))))
         return full, spans[-1:] if self.labels == "last" else spans
 
-    def __call__(self, record: dict) -> dict[str, Any]:
-        rid = record.get("id")
-        messages, media = to_messages(record)
-        if any(kind == "video" for kind, _ in media) and self.config.model_type not in _VIDEO:
+    def _check(self, media: list[tuple[str, str]], rid) -> None:
+        kinds = {kind for kind, _ in media}
+        if "video" in kinds and self.config.model_type not in _VIDEO:
             raise ValueError(
                 f"record {rid!r}: videos are supported for {sorted(_VIDEO)}, not "
                 f"{self.config.model_type!r} (whose processor adds timestamps) yet"
             )
+        if "audio" in kinds and getattr(self.config, "audio_token_id", None) is None:
+            raise ValueError(
+                f"record {rid!r}: audio needs a family with an audio tower (Qwen2.5-Omni), "
+                f"not {self.config.model_type!r}"
+            )
+        if "audio" in kinds and self.feature_extractor is None:
+            raise ValueError(
+                f"record {rid!r}: audio needs ConversationProcessor(feature_extractor=...), "
+                "the family's (e.g. WhisperFeatureExtractor.from_pretrained(model_dir))"
+            )
+
+    def _tokens_per_item(self, kind: str, items: list) -> list[int]:
+        """Placeholder tokens of each item, as the family's processor counts them."""
+        if kind == "audio":
+            from ray_disagg.models.qwen2_5_omni.adapter import audio_rows
+
+            return [int(audio_rows(int(mask.sum()))) for _, mask in items]
+        merge = self.config.vision_config.spatial_merge_size
+        return [int(item[1].prod()) // merge**2 for item in items]
+
+    def _fields(self, done: dict[str, list]) -> dict[str, Any]:
+        """The sample's media fields (``None`` for a kind it has none of)."""
+        out = {}
+        for kind, (pixels, grid) in (
+            ("image", ("pixel_values", "image_grid_thw")),
+            ("video", ("pixel_values_videos", "video_grid_thw")),
+        ):
+            items = done[kind]
+            out[pixels] = np.concatenate([i[0] for i in items]) if items else None
+            out[grid] = np.concatenate([i[1] for i in items]) if items else None
+        seconds = _VIDEO.get(self.config.model_type)
+        if done["video"] and seconds is not None:
+            out[seconds] = np.asarray([v[2] for v in done["video"]], np.float32)
+        if done["audio"]:  # frames past the longest audio are never read by the tower
+            frames = max(int(mask.sum()) for _, mask in done["audio"])
+            out["input_features"] = np.stack([f[:, :frames] for f, _ in done["audio"]])
+            out["feature_attention_mask"] = np.stack([m[:frames] for _, m in done["audio"]])
+        return out
+
+    def __call__(self, record: dict) -> dict[str, Any]:
+        rid = record.get("id")
+        messages, media = to_messages(record)
+        self._check(media, rid)
         if self.labels != "all" and not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"record {rid!r}: no assistant turn to take a loss on")
         done = self._media(media, rid)
@@ -261,28 +320,16 @@ class ConversationProcessor:
         # a token is labelled when it starts inside a span
         keep = np.asarray([any(a <= s < b for a, b in spans) for s, _ in enc["offset_mapping"]])
         repeats = np.ones(len(ids), dtype=np.int64)
-        merge = self.config.vision_config.spatial_merge_size
-        for kind, token in (
-            ("image", self.config.image_token_id),
-            ("video", self.config.video_token_id),
-        ):
-            where = np.flatnonzero(ids == token)
+        for kind in MEDIA:
+            token = getattr(self.config, f"{kind}_token_id", None)
+            where = np.flatnonzero(ids == token) if token is not None else []
             if len(where) != len(done[kind]):
                 raise ValueError(
                     f"record {rid!r}: the chat template made {len(where)} {kind} "
                     f"placeholders for {len(done[kind])} {kind}s"
                 )
-            repeats[where] = [int(item[1].prod()) // merge**2 for item in done[kind]]
+            repeats[where] = self._tokens_per_item(kind, done[kind])
             keep[where] = False  # placeholders are never a loss target
         ids, keep = np.repeat(ids, repeats), np.repeat(keep, repeats)
         sample = {"id": rid, "input_ids": ids, "labels": np.where(keep, ids, IGNORE_INDEX)}
-        for kind, (pixels, grid) in (
-            ("image", ("pixel_values", "image_grid_thw")),
-            ("video", ("pixel_values_videos", "video_grid_thw")),
-        ):
-            items = done[kind]
-            sample[pixels] = np.concatenate([i[0] for i in items]) if items else None
-            sample[grid] = np.concatenate([i[1] for i in items]) if items else None
-        if done["video"] and self.config.model_type == "qwen2_5_vl":
-            sample["second_per_grid_ts"] = np.asarray([v[2] for v in done["video"]], np.float32)
-        return sample
+        return sample | self._fields(done)

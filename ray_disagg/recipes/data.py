@@ -6,7 +6,7 @@ loading anything (for ``plan``), loaded for ``train``.
 - ``{type: llava, annotations: F, image_root: D, ...}``: deprecated alias of
   ``{type: conversations, records: F, media_root: D, ...}``;
 - ``{type: conversations, records: F, media_root: D, tokenizer, image_processor,
-  min_pixels, max_pixels, labels, system_prompt, fps, max_frames, concurrency,
+  feature_extractor (audio families), min_pixels, max_pixels, labels, system_prompt, fps, max_frames, concurrency,
   max_seq_len, max_bad_records}``: LLaVA or messages records through the tokenizer's chat
   template and the family's image / video processing
   (:class:`ray_disagg.data.conversations.ConversationProcessor`; ``labels``: ``assistant``,
@@ -47,6 +47,7 @@ DATA = {  # type -> keys (with defaults)
         "media_root": None,
         "tokenizer": None,
         "image_processor": None,
+        "feature_extractor": None,
         "min_pixels": None,
         "max_pixels": None,
         "labels": "assistant",
@@ -148,6 +149,7 @@ def _conversations(d: dict, key: str, config, tok, proc):
             system_prompt=d["system_prompt"],
             fps=d["fps"],
             max_frames=d["max_frames"],
+            feature_extractor=_feature_extractor(d, key, config, tok.name_or_path),
         )
         if records.endswith(".json"):
             return [convert(r) for r in read_records(records)]
@@ -158,6 +160,18 @@ def _conversations(d: dict, key: str, config, tok, proc):
             max_seq_len=d["max_seq_len"],
             max_bad_records=d["max_bad_records"],
         )
+
+
+def _feature_extractor(d: dict, key: str, config, tok_dir: str):
+    """The audio feature extractor of a family with an audio tower (``None`` otherwise),
+    from ``feature_extractor`` or the tokenizer's directory."""
+    if getattr(config, "audio_token_id", None) is None:
+        return None
+    from transformers import AutoFeatureExtractor
+
+    path = _local(d["feature_extractor"] or tok_dir, f"{key}.feature_extractor")
+    with at(key):
+        return AutoFeatureExtractor.from_pretrained(path, local_files_only=True)
 
 
 def _processors(recipe, d: dict, key: str):

@@ -4,11 +4,21 @@ tokenizer trained here with Qwen2-VL's chat template and the family's PIL image 
 
 from __future__ import annotations
 
+import os
+
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-__all__ = ["QWEN2_VL_TEMPLATE", "SPECIAL", "WORDS", "build_model_dir"]
+__all__ = [
+    "OMNI_SPECIAL",
+    "QWEN2_5_OMNI_TEMPLATE",
+    "QWEN2_VL_TEMPLATE",
+    "SPECIAL",
+    "WORDS",
+    "build_model_dir",
+    "build_omni_model_dir",
+]
 
 # Qwen2-VL's chat template (as its tokenizer_config / chat_template.json ship it).
 QWEN2_VL_TEMPLATE = (
@@ -26,6 +36,18 @@ QWEN2_VL_TEMPLATE = (
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Qwen2.5-Omni's: its own vision and audio markers, and an audio branch.
+QWEN2_5_OMNI_TEMPLATE = (
+    QWEN2_VL_TEMPLATE.replace("<|vision_start|>", "<|vision_bos|>")
+    .replace("<|vision_end|>", "<|vision_eos|>")
+    .replace("<|image_pad|>", "<|IMAGE|>")
+    .replace("<|video_pad|>", "<|VIDEO|>")
+    .replace(
+        "{% elif content['type'] == 'video'",
+        "{% elif content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
+        "<|audio_bos|><|AUDIO|><|audio_eos|>{% elif content['type'] == 'video'",
+    )
+)
 WORDS = ["[UNK]", "system", "user", "assistant", "You", "are", "a", "helpful", "assistant."]
 WORDS += ["which", "digit", "is", "this?", "seven.", "and", "now?", "two.", "be", "brief."]
 SPECIAL = {
@@ -36,17 +58,47 @@ SPECIAL = {
     "<|im_start|>": 104,
     "<|im_end|>": 105,
 }
+OMNI_SPECIAL = {  # the tiny Omni thinker config's ids
+    "<|IMAGE|>": 100,
+    "<|VIDEO|>": 101,
+    "<|vision_bos|>": 102,
+    "<|vision_eos|>": 103,
+    "<|AUDIO|>": 104,
+    "<|audio_bos|>": 105,
+    "<|audio_eos|>": 106,
+    "<|im_start|>": 107,
+    "<|im_end|>": 108,
+}
+
+
+def _tokenizer(path, special: dict, template: str) -> None:
+    vocab = {w: i for i, w in enumerate(WORDS)} | special
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    fast.add_special_tokens({"additional_special_tokens": list(special)})
+    fast.chat_template = template
+    fast.save_pretrained(path)
+
+
+def build_omni_model_dir(path, num_mel_bins: int = 8):
+    """:func:`build_model_dir` for the tiny Qwen2.5-Omni thinker: its template and ids,
+    the image processor and, in ``audio/``, a ``WhisperFeatureExtractor`` with
+    ``num_mel_bins`` bins."""
+    from transformers import WhisperFeatureExtractor
+
+    _tokenizer(path, OMNI_SPECIAL, QWEN2_5_OMNI_TEMPLATE)
+    Qwen2VLImageProcessorPil(
+        patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=16 * 16, max_pixels=32 * 32
+    ).save_pretrained(path)
+    # its own directory: it would share preprocessor_config.json with the image processor
+    WhisperFeatureExtractor(feature_size=num_mel_bins).save_pretrained(os.path.join(path, "audio"))
+    return path
 
 
 def build_model_dir(path, max_pixels: int = 32 * 32):
     """A local model directory: a trained-here tokenizer with the family's template."""
-    vocab = {w: i for i, w in enumerate(WORDS)} | SPECIAL
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-    fast.add_special_tokens({"additional_special_tokens": list(SPECIAL)})
-    fast.chat_template = QWEN2_VL_TEMPLATE
-    fast.save_pretrained(path)
+    _tokenizer(path, SPECIAL, QWEN2_VL_TEMPLATE)
     Qwen2VLImageProcessorPil(
         patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=16 * 16, max_pixels=max_pixels
     ).save_pretrained(path)
