@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from PIL import Image
 
 from ray_disagg import tiny_qwen2_5_vl_config, tiny_qwen3_vl_config
@@ -195,5 +196,66 @@ def test_videos_are_sampled_grouped_and_patched_as_the_family_does(model_dir, me
             np.testing.assert_allclose(pv[g, :, :, j], want, rtol=0, atol=1e-6)
     labels = sample["labels"]
     assert labels[labels != -100].tolist() == [WORDS.index("seven."), SPECIAL["<|im_end|>"]]
-    with pytest.raises(ValueError, match="videos are supported for"):
+    with pytest.raises(ValueError, match=r"video_processor=\.\.\."):
         make_processor(model_dir, tmp_path, tiny_qwen3_vl_config())(record)
+
+
+def test_qwen3_videos_get_a_timestamp_and_a_run_per_frame_group(model_dir, tmp_path):
+    """Qwen3-VL: frames sampled, one size for the whole clip and the pixels of each group
+    as its video processor's settings make them; each group's tokens are ``<t seconds>``
+    then its own vision start / pads / end, where the template put the video pad (the
+    installed processor's ``replace_video_token``, timestamps from its own function)."""
+    from transformers.image_transforms import normalize, rescale, resize
+    from transformers.image_utils import ChannelDimension, PILImageResampling
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+        Qwen3VLVideoProcessor,
+        smart_resize,
+    )
+    from transformers.video_utils import VideoMetadata
+
+    from ray_disagg import HFModelSpec
+    from ray_disagg.testing.reference import reference_batch
+
+    rng = np.random.default_rng(3)
+    frames = (rng.random((10, 40, 48, 3)) * 255).astype(np.uint8)
+    _write_video(tmp_path / "v.mp4", frames, fps=4)
+    vp = Qwen3VLVideoProcessor(patch_size=4, size={"shortest_edge": 256, "longest_edge": 6144})
+    cfg = tiny_qwen3_vl_config()
+    proc = make_processor(model_dir, tmp_path, cfg, video_processor=vp)
+    record = {"id": "v3", "video": "v.mp4", "conversations": [
+        {"from": "human", "value": "<video>\nwhich digit is this?"},
+        {"from": "gpt", "value": "seven."}]}  # fmt: skip
+    sample = proc(record)
+    get_adapter(cfg).validate_sample(sample)
+    idx = vp.sample_frames(VideoMetadata(total_num_frames=10, fps=4.0)).tolist()
+    h, w = smart_resize(len(idx), 40, 48, 2, 8, 256, 6144)
+    groups = -(-len(idx) // 2)
+    assert sample["video_grid_thw"].tolist() == [[groups, h // 4, w // 4]]
+    times = Qwen3VLProcessor._calculate_timestamps(None, idx, 4.0, 2)
+    messages, _ = to_messages(record)
+    template = proc.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    per_group = []
+    for t in times:
+        per_group += proc.tokenizer(f"<{t:.1f} seconds>", add_special_tokens=False)["input_ids"]
+        per_group += [102, *[101] * (h * w // 64), 103]
+    k = template.index(101)
+    assert sample["input_ids"].tolist() == template[:k] + per_group + template[k + 1 :]
+    # slot j of group g: decoded frame idx[2g + j] resized to (h, w), normalized
+    import av
+
+    with av.open(str(tmp_path / "v.mp4")) as c:
+        decoded = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    pv = sample["pixel_values_videos"].reshape(groups, -1, 3, 2, 4, 4)
+    first = ChannelDimension.FIRST
+    for g in range(groups):
+        for j in range(2):
+            f = decoded[idx[min(2 * g + j, len(idx) - 1)]].transpose(2, 0, 1)
+            x = resize(f, (h, w), resample=PILImageResampling.BICUBIC, input_data_format=first)
+            x = rescale(x.astype(np.float32), 1 / 255, input_data_format=first)
+            x = normalize(x, [0.5] * 3, [0.5] * 3, input_data_format=first)
+            want = x.reshape(3, h // 8, 2, 4, w // 8, 2, 4).transpose(1, 4, 2, 5, 0, 3, 6)
+            np.testing.assert_allclose(pv[g, :, :, j], want.reshape(-1, 3, 4, 4), atol=1e-5)
+    spec = HFModelSpec(config=cfg)
+    loss = spec.build_full()(**reference_batch(spec, [sample])).loss
+    assert torch.isfinite(loss)

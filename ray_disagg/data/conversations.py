@@ -52,7 +52,9 @@ _VIDEO = {
     "qwen2_vl": None,
     "qwen2_5_vl": "second_per_grid_ts",
     "qwen2_5_omni_thinker": "video_second_per_grid",
+    "qwen3_vl": None,  # timestamps in the text instead (its own video processing)
 }
+_TIMESTAMPED = {"qwen3_vl"}
 LABEL_MODES = ("assistant", "last", "all")
 _ROLES = {
     "human": "user",
@@ -169,6 +171,9 @@ class ConversationProcessor:
             ``max_pixels``); decoded with PyAV (extra ``video``).
         feature_extractor: the family's audio feature extractor (Qwen2.5-Omni: its
             ``WhisperFeatureExtractor``), for audio parts (:mod:`ray_disagg.data.audio`).
+        video_processor: Qwen3-VL: its ``Qwen3VLVideoProcessor`` (settings only: frame
+            sampling, the clip's pixel budget, normalization); other families cut video
+            frames with ``image_processor``.
 
     Example:
         >>> proc = ConversationProcessor(tokenizer=tok, image_processor=ip,  # doctest: +SKIP
@@ -188,6 +193,7 @@ class ConversationProcessor:
         fps: float = 2.0,
         max_frames: int | None = None,
         feature_extractor=None,
+        video_processor=None,
     ):
         if labels not in LABEL_MODES:
             raise ValueError(f"labels={labels!r}: must be one of {LABEL_MODES}.")
@@ -198,12 +204,19 @@ class ConversationProcessor:
         self.labels, self.system_prompt = labels, system_prompt
         self.fps, self.max_frames = fps, max_frames
         self.feature_extractor = feature_extractor
+        self.video_processor = video_processor
 
     def _path(self, rel: str) -> str:
         return rel if self.media_root is None else os.path.join(self.media_root, rel)
 
-    def _video(self, path: str) -> tuple[np.ndarray, np.ndarray, float]:
-        from ray_disagg.data.video import decode_video, video_patches
+    def _video(self, path: str) -> tuple[np.ndarray, np.ndarray, Any]:
+        """``(pixels, grid, seconds per group)``; Qwen3-VL: ``(pixels, grid, each
+        group's timestamp)``."""
+        from ray_disagg.data.video import decode_video, qwen3_video, video_patches
+
+        if self.config.model_type in _TIMESTAMPED:
+            vp = self.video_processor
+            return qwen3_video(path, vp, fps=self.fps, max_frames=self.max_frames)
 
         t = self.image_processor.temporal_patch_size
         frames, fps = decode_video(path, fps=self.fps, max_frames=self.max_frames, multiple=t)
@@ -263,7 +276,14 @@ class ConversationProcessor:
         if "video" in kinds and self.config.model_type not in _VIDEO:
             raise ValueError(
                 f"record {rid!r}: videos are supported for {sorted(_VIDEO)}, not "
-                f"{self.config.model_type!r} (whose processor adds timestamps) yet"
+                f"{self.config.model_type!r} yet"
+            )
+        timestamped = self.config.model_type in _TIMESTAMPED
+        if "video" in kinds and timestamped and self.video_processor is None:
+            raise ValueError(
+                f"record {rid!r}: {self.config.model_type} videos need "
+                "ConversationProcessor(video_processor=...), the family's (e.g. "
+                "Qwen3VLVideoProcessor.from_pretrained(model_dir); only its settings are read)"
             )
         if "audio" in kinds and getattr(self.config, "audio_token_id", None) is None:
             raise ValueError(
@@ -276,14 +296,22 @@ class ConversationProcessor:
                 "the family's (e.g. WhisperFeatureExtractor.from_pretrained(model_dir))"
             )
 
-    def _tokens_per_item(self, kind: str, items: list) -> list[int]:
-        """Placeholder tokens of each item, as the family's processor counts them."""
+    def _replacement(self, kind: str, item, token: int) -> list[int]:
+        """The tokens one placeholder becomes, as the family's processor expands it."""
         if kind == "audio":
             from ray_disagg.models.qwen2_5_omni.adapter import audio_rows
 
-            return [int(audio_rows(int(mask.sum()))) for _, mask in items]
+            return [token] * int(audio_rows(int(item[1].sum())))
         merge = self.config.vision_config.spatial_merge_size
-        return [int(item[1].prod()) // merge**2 for item in items]
+        if kind == "image" or self.config.model_type not in _TIMESTAMPED:
+            return [token] * (int(item[1].prod()) // merge**2)
+        _, grid, times = item  # Qwen3-VL: "<t seconds>" and its own run, per frame group
+        c, per_group = self.config, int(grid[0, 1:].prod()) // merge**2
+        out = []
+        for t in times:
+            out += self.tokenizer(f"<{t:.1f} seconds>", add_special_tokens=False)["input_ids"]
+            out += [c.vision_start_token_id, *[token] * per_group, c.vision_end_token_id]
+        return out
 
     def _fields(self, done: dict[str, list]) -> dict[str, Any]:
         """The sample's media fields (``None`` for a kind it has none of)."""
@@ -319,7 +347,13 @@ class ConversationProcessor:
         ids = np.asarray(enc["input_ids"], dtype=np.int64)
         # a token is labelled when it starts inside a span
         keep = np.asarray([any(a <= s < b for a, b in spans) for s, _ in enc["offset_mapping"]])
-        repeats = np.ones(len(ids), dtype=np.int64)
+        ids, keep = self._expand(ids, keep, done, rid)
+        sample = {"id": rid, "input_ids": ids, "labels": np.where(keep, ids, IGNORE_INDEX)}
+        return sample | self._fields(done)
+
+    def _expand(self, ids: np.ndarray, keep: np.ndarray, done: dict, rid):
+        """Each media placeholder token replaced by its item's tokens (never labels)."""
+        spliced = {}
         for kind in MEDIA:
             token = getattr(self.config, f"{kind}_token_id", None)
             where = np.flatnonzero(ids == token) if token is not None else []
@@ -328,8 +362,13 @@ class ConversationProcessor:
                     f"record {rid!r}: the chat template made {len(where)} {kind} "
                     f"placeholders for {len(done[kind])} {kind}s"
                 )
-            repeats[where] = self._tokens_per_item(kind, done[kind])
-            keep[where] = False  # placeholders are never a loss target
-        ids, keep = np.repeat(ids, repeats), np.repeat(keep, repeats)
-        sample = {"id": rid, "input_ids": ids, "labels": np.where(keep, ids, IGNORE_INDEX)}
-        return sample | self._fields(done)
+            for pos, item in zip(where, done[kind]):
+                spliced[int(pos)] = self._replacement(kind, item, token)
+        out_ids, out_keep, last = [], [], 0
+        for pos in sorted(spliced):
+            out_ids += [ids[last:pos], np.asarray(spliced[pos], dtype=np.int64)]
+            out_keep += [keep[last:pos], np.zeros(len(spliced[pos]), dtype=bool)]
+            last = pos + 1
+        out_ids.append(ids[last:])
+        out_keep.append(keep[last:])
+        return np.concatenate(out_ids), np.concatenate(out_keep)

@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-__all__ = ["decode_video", "video_patches"]
+__all__ = ["decode_video", "group_timestamps", "qwen3_video", "video_patches"]
 
 
 def _sample(total: int, rate: float, fps: float, max_frames, multiple: int) -> np.ndarray:
@@ -27,20 +27,17 @@ def _sample(total: int, rate: float, fps: float, max_frames, multiple: int) -> n
     return np.linspace(0, total - 1, want).round().astype(int)
 
 
-def decode_video(
-    path: str | os.PathLike, *, fps: float = 2.0, max_frames: int | None = None, multiple: int = 2
-) -> tuple[np.ndarray, float]:
-    """``(frames [T, H, W, 3] uint8, sampled frames per second)``: ``T`` frames evenly
-    spaced over the video, about ``fps`` per second of video, a multiple of ``multiple``
-    (at least ``multiple``) and at most ``max_frames``. Only the sampled frames are kept
-    in memory when the container states its frame count."""
+def _decode(path, pick) -> tuple[np.ndarray, list[int], float]:
+    """``(frames, their indices in the video, the video's frames per second)`` of the
+    frames ``pick(total frames, fps)`` chooses. Only the chosen frames are kept in memory
+    when the container states its frame count."""
     import av
 
     with av.open(os.fspath(path)) as container:
         stream = container.streams.video[0]
-        rate = float(stream.average_rate or stream.guessed_rate or fps)
+        rate = float(stream.average_rate or stream.guessed_rate or 24.0)
         total = int(stream.frames or 0)
-        keep = _sample(total, rate, fps, max_frames, multiple) if total else None
+        keep = pick(total, rate) if total else None
         wanted = None if keep is None else set(keep.tolist())
         frames = {}
         for i, frame in enumerate(container.decode(stream)):
@@ -52,8 +49,25 @@ def decode_video(
         raise ValueError(f"video {os.fspath(path)!r} has no frames")
     if keep is None or any(i not in frames for i in keep):  # no (or a wrong) frame count
         order = sorted(frames)
-        keep = [order[i] for i in _sample(len(order), rate, fps, max_frames, multiple)]
-    return np.stack([frames[i] for i in keep]), len(keep) / (max(total, len(frames)) / rate)
+        keep = [order[i] for i in pick(len(order), rate)]
+    keep = [int(i) for i in keep]
+    return np.stack([frames[i] for i in keep]), keep, rate
+
+
+def decode_video(
+    path: str | os.PathLike, *, fps: float = 2.0, max_frames: int | None = None, multiple: int = 2
+) -> tuple[np.ndarray, float]:
+    """``(frames [T, H, W, 3] uint8, sampled frames per second)``: ``T`` frames evenly
+    spaced over the video, about ``fps`` per second of video, a multiple of ``multiple``
+    (at least ``multiple``) and at most ``max_frames``."""
+    totals = {}
+
+    def pick(total: int, rate: float) -> np.ndarray:
+        totals["n"] = max(totals.get("n", 0), total)
+        return _sample(total, rate, fps, max_frames, multiple)
+
+    frames, keep, rate = _decode(path, pick)
+    return frames, len(keep) / (max(totals["n"], keep[-1] + 1) / rate)
 
 
 def video_patches(frames: np.ndarray, image_processor) -> tuple[np.ndarray, np.ndarray]:
@@ -70,7 +84,12 @@ def video_patches(frames: np.ndarray, image_processor) -> tuple[np.ndarray, np.n
         x = ip.resize(frame.transpose(2, 0, 1), size=size, resample=ip.resample, factor=p * m)
         x = ip.normalize(ip.rescale(x, ip.rescale_factor), ip.image_mean, ip.image_std)
         out.append(np.asarray(x, dtype=np.float32))
-    x = np.stack(out)  # T, C, H, W
+    return _patchify(np.stack(out), p, m, t)
+
+
+def _patchify(x: np.ndarray, p: int, m: int, t: int) -> tuple[np.ndarray, np.ndarray]:
+    """Frames ``[T, C, H, W]`` (the last repeated to a multiple of ``t``) as the tower's
+    patches ``[groups * h * w, C * t * p * p]`` in merge-window order, and their grid."""
     if len(x) % t:
         x = np.concatenate([x, np.repeat(x[-1:], t - len(x) % t, axis=0)])
     gt, c, h, w = len(x) // t, x.shape[1], x.shape[2], x.shape[3]
@@ -78,3 +97,54 @@ def video_patches(frames: np.ndarray, image_processor) -> tuple[np.ndarray, np.n
     x = x.reshape(gt, t, c, gh // m, m, p, gw // m, m, p)
     x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
     return x.reshape(gt * gh * gw, c * t * p * p), np.asarray([[gt, gh, gw]], dtype=np.int64)
+
+
+def group_timestamps(indices: list[int], rate: float, t: int) -> list[float]:
+    """Seconds of each group of ``t`` frames (the mean of its first and last frame's
+    time; the last index repeated to fill the last group), as Qwen3-VL's processor puts
+    them in front of each group's tokens."""
+    indices = list(indices) + [indices[-1]] * (-len(indices) % t)
+    times = [i / rate for i in indices]
+    return [(times[k] + times[k + t - 1]) / 2 for k in range(0, len(times), t)]
+
+
+def qwen3_video(
+    path: str | os.PathLike, video_processor, *, fps: float | None = None, max_frames=None
+) -> tuple[np.ndarray, np.ndarray, list[float]]:
+    """``(pixel_values_videos, video_grid_thw [1, 3], seconds of each frame group)`` of
+    the video at ``path`` as Qwen3-VL's video processor makes them, with its settings
+    (``video_processor``: a ``Qwen3VLVideoProcessor``, only read): frames sampled at
+    ``fps`` (default its own) between its ``min_frames`` and ``max_frames``, every frame
+    resized to one size chosen for the whole clip (its ``smart_resize`` over frames x
+    pixels), rescaled and normalized, grouped by ``temporal_patch_size``."""
+    from transformers.image_transforms import normalize, rescale, resize
+    from transformers.image_utils import ChannelDimension, PILImageResampling
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    vp = video_processor
+    fps = vp.fps if fps is None else fps
+    most = vp.max_frames if max_frames is None else min(max_frames, vp.max_frames)
+
+    def pick(total: int, rate: float) -> np.ndarray:
+        n = min(max(int(total / rate * fps), vp.min_frames), most, total)
+        return np.linspace(0, total - 1, n).round().astype(int)
+
+    frames, keep, rate = _decode(path, pick)
+    p, m, t = vp.patch_size, vp.merge_size, vp.temporal_patch_size
+    size, n = vp.size, len(frames)
+    max_pixels = size["longest_edge"]
+    if vp.cap_pixels_per_frame:  # the processor's per-frame cap
+        cap = vp.max_video_tokens * (p * m) ** 2
+        per_frame = max(min(cap, max_pixels // n), int(size["shortest_edge"] * 1.05))
+        max_pixels = per_frame * n
+    h, w = smart_resize(
+        n, frames.shape[1], frames.shape[2], t, p * m, size["shortest_edge"], max_pixels
+    )
+    out, first = [], ChannelDimension.FIRST
+    for frame in frames:
+        x = resize(frame.transpose(2, 0, 1), (h, w), resample=PILImageResampling(vp.resample),
+                   input_data_format=first)  # fmt: skip
+        x = rescale(x.astype(np.float32), vp.rescale_factor, input_data_format=first)
+        out.append(normalize(x, vp.image_mean, vp.image_std, input_data_format=first))
+    pixels, grid = _patchify(np.stack(out).astype(np.float32), p, m, t)
+    return pixels, grid, group_timestamps(keep, rate, t)

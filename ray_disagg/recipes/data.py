@@ -6,8 +6,8 @@ loading anything (for ``plan``), loaded for ``train``.
 - ``{type: llava, annotations: F, image_root: D, ...}``: deprecated alias of
   ``{type: conversations, records: F, media_root: D, ...}``;
 - ``{type: conversations, records: F, media_root: D, tokenizer, image_processor,
-  feature_extractor (audio families), min_pixels, max_pixels, labels, system_prompt, fps,
-  max_frames, concurrency, max_seq_len, max_bad_records}``: LLaVA or messages records
+  feature_extractor (audio families), video_processor (Qwen3-VL), min_pixels, max_pixels,
+  labels, system_prompt, fps, max_frames, concurrency, max_seq_len, max_bad_records}``: LLaVA or messages records
   through the tokenizer's chat template and the family's image / video / audio processing
   (:class:`ray_disagg.data.conversations.ConversationProcessor`; ``labels``: ``assistant``,
   ``last`` or ``all``), tokenizer and image processor from local directories (default:
@@ -48,6 +48,7 @@ DATA = {  # type -> keys (with defaults)
         "tokenizer": None,
         "image_processor": None,
         "feature_extractor": None,
+        "video_processor": None,
         "min_pixels": None,
         "max_pixels": None,
         "labels": "assistant",
@@ -150,6 +151,7 @@ def _conversations(d: dict, key: str, config, tok, proc):
             fps=d["fps"],
             max_frames=d["max_frames"],
             feature_extractor=_feature_extractor(d, key, config, tok.name_or_path),
+            video_processor=_video_processor(d, key, config, tok.name_or_path),
         )
         if records.endswith(".json"):
             return [convert(r) for r in read_records(records)]
@@ -172,6 +174,18 @@ def _feature_extractor(d: dict, key: str, config, tok_dir: str):
     path = _local(d["feature_extractor"] or tok_dir, f"{key}.feature_extractor")
     with at(key):
         return AutoFeatureExtractor.from_pretrained(path, local_files_only=True)
+
+
+def _video_processor(d: dict, key: str, config, tok_dir: str):
+    """Qwen3-VL's video processor settings (``None`` for families that cut video frames
+    with the image processor), from ``video_processor`` or the tokenizer's directory."""
+    if config.model_type != "qwen3_vl":
+        return None
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    path = _local(d["video_processor"] or tok_dir, f"{key}.video_processor")
+    with at(key):
+        return Qwen3VLVideoProcessor.from_pretrained(path, local_files_only=True)
 
 
 def _processors(recipe, d: dict, key: str):
