@@ -8,7 +8,8 @@ loading anything (for ``plan``), loaded for ``train``.
 - ``{type: conversations, records: F, media_root: D, tokenizer, image_processor,
   feature_extractor (audio families), video_processor (Qwen3-VL), min_pixels, max_pixels,
   labels, system_prompt, fps, max_frames, concurrency, max_seq_len, max_bad_records}``:
-  LLaVA or messages records through the tokenizer's chat template and the family's image / video / audio processing
+  LLaVA or messages records through the tokenizer's chat template and the family's
+  image / video / audio processing
   (:class:`ray_disagg.data.conversations.ConversationProcessor`; ``labels``: ``assistant``,
   ``last`` or ``all``), tokenizer and image processor from local directories (default:
   ``model.pretrained_path``). ``.jsonl`` / ``.parquet`` files or a directory of them are
