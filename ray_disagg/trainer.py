@@ -37,7 +37,7 @@ from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.checkpoint import check_compatible
 from ray_disagg.worker.encoder import encoder_train_loop
 from ray_disagg.worker.faults_hook import FAULT_DRILL_ENV
-from ray_disagg.worker.ingest import is_stream
+from ray_disagg.worker.ingest import is_ray_dataset, is_stream
 from ray_disagg.worker.llm import llm_train_loop
 
 __all__ = ["DisaggregatedTrainer", "load_metrics"]
@@ -184,6 +184,8 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             micro_batches=self.loop_config.micro_batches,
             reader=adapter.llm_part,
             costs=costs,
+            streamed_costs=self.loop_config.assignment == "balanced"
+            and is_stream(datasets["train"]),
         )
         self._val_data, self.val_plan = dsc.validation_set(
             datasets, adapter, self.loop_config, self.groups, validate_samples
@@ -272,11 +274,11 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         if assignment == "auto":
             balanced = validated and placement == "separate" and not is_stream(data)
             assignment = "balanced" if balanced else "contiguous"
-        elif assignment == "balanced" and is_stream(data):
+        elif assignment == "balanced" and is_ray_dataset(data):
             raise ValueError(
                 "train_loop_config['assignment']='balanced' needs a map-style dataset (costs "
-                "are estimated per sample before the run); a Ray Data or conversation stream "
-                "is read in order: use 'contiguous' (or 'auto')."
+                "estimated before the run) or a ConversationStream (costs computed with each "
+                "sample); a Ray Data dataset is read in order: use 'contiguous' (or 'auto')."
             )
         return dataclasses.replace(
             cfg, schedule=schedule, max_in_flight=in_flight, assignment=assignment

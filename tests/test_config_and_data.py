@@ -236,3 +236,18 @@ def test_both_sides_agree_on_who_exchanges_messages(balanced):
                 assert not sends or (d, t) in pairs
     if not balanced:  # contiguous slices: only overlapping replicas ever talk
         assert pairs == {(0, 0), (0, 1), (1, 2), (1, 3)}
+
+
+def test_a_balanced_stream_splits_the_encoders_by_each_steps_costs():
+    """Costs that arrive with a stream's step: the reader keeps contiguous shares (its
+    replicas read their own records), the vision replicas are balanced by those costs,
+    and the reader talks to every vision replica."""
+    plan = BatchPlan(32, 8, {"vision": 2, "text": 2}, reader="text", streamed_costs=True)
+    step_costs = {"vision": np.array([9.0, 9.0, 1, 1, 1, 1, 1, 1]), "text": np.ones(8)}
+    (mb,) = plan.assign(0, step_costs)
+    assert mb["text"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert sorted(len({0, 1} & set(share)) for share in mb["vision"]) == [1, 1]
+    (contiguous,) = plan.assign(0)  # without the step's costs: contiguous
+    assert contiguous["vision"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert plan.peers("text", 0, "vision", 0) == [0, 1] == plan.peers("vision", 1, "text", 0)
+    assert plan.exchange_pairs("vision", "text") == {(a, b) for a in range(2) for b in range(2)}

@@ -114,6 +114,23 @@ def test_a_resumed_run_reads_the_records_the_uninterrupted_one_reads(data, tmp_p
     assert got == rows["loss"].tolist()[3:]
 
 
+def test_a_balanced_stream_reads_the_same_samples_and_losses_as_a_contiguous_one(data, tmp_path):
+    """assignment='balanced' on a stream: the vision replicas split each step by the
+    costs the converting actors computed; the steps read the same records and the losses
+    agree with contiguous assignment."""
+    proc, path, cfg = data
+    spec = HFModelSpec(config=cfg, seed=2)
+    stream = ConversationStream(paths=path, processor=proc)
+    runs = {}
+    for assignment in ("contiguous", "balanced"):
+        loop = dict(LOOP, max_steps=3, global_batch_size=4, assignment=assignment)
+        groups = vt(group(2), group(2))
+        runs[assignment] = fit(spec, stream, loop, groups, tmp_path, assignment, local=True)
+    assert _ids(runs["balanced"]) == _ids(runs["contiguous"])
+    losses = {a: r.metrics_dataframe.sort_values("step")["loss"].tolist() for a, r in runs.items()}
+    np.testing.assert_allclose(losses["balanced"], losses["contiguous"], rtol=1e-5)
+
+
 def test_more_broken_records_than_allowed_fail_the_run_naming_them(data, tmp_path):
     proc, path, cfg = data
     stream = ConversationStream(paths=path, processor=proc, max_bad_records=0)

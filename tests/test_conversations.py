@@ -259,3 +259,33 @@ def test_qwen3_videos_get_a_timestamp_and_a_run_per_frame_group(model_dir, tmp_p
     spec = HFModelSpec(config=cfg)
     loss = spec.build_full()(**reference_batch(spec, [sample])).loss
     assert torch.isfinite(loss)
+
+
+def _torchvision_loads() -> bool:
+    try:
+        import torchvision
+
+        torchvision.ops.nms  # noqa: B018 - a CUDA build beside a CPU torch fails here
+        return True
+    except Exception:  # noqa: BLE001 - not installed, or not loadable beside this torch
+        return False
+
+
+@pytest.mark.skipif(not _torchvision_loads(), reason="torchvision does not load beside torch")
+def test_torchvision_processors_give_the_same_tokens(model_dir, media, tmp_path):
+    """Where torchvision loads (GPU installs): the family's torchvision image processor
+    makes the same tokens and grids as the PIL one, pixels within resampling error."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    cfg = tiny_qwen2_5_vl_config()
+    pil = make_processor(model_dir, media, cfg)
+    fast = Qwen2VLImageProcessor(
+        patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=16 * 16, max_pixels=32 * 32
+    )
+    tv = make_processor(model_dir, media, cfg)
+    tv.image_processor = fast
+    for record in RECORDS[:2]:
+        a, b = pil(record), tv(record)
+        assert a["input_ids"].tolist() == b["input_ids"].tolist()
+        assert a["image_grid_thw"].tolist() == b["image_grid_thw"].tolist()
+        np.testing.assert_allclose(a["pixel_values"], b["pixel_values"], atol=0.1)

@@ -212,9 +212,12 @@ class ConversationStream:
 
     def convert(self, i: int, read: RecordReader) -> dict:
         """Record ``i`` as an outcome: ``{"record": i, "status": "ok" | "bad" | "long",
-        "message": why not ok, "sample": the pickled sample when ok}`` (pickled: rows of
-        one schema whatever the sample's fields)."""
-        out = {"record": int(i), "status": OK, "message": "", "sample": b""}
+        "message": why not ok, "sample": the pickled sample when ok, "costs": its
+        :meth:`costs`}`` (pickled: rows of one schema whatever the sample's fields)."""
+        from ray_disagg.models import get_adapter
+
+        zero = [0.0] * len(get_adapter(self.processor.config).parts)  # one row schema
+        out = {"record": int(i), "status": OK, "message": "", "sample": b"", "costs": zero}
         try:
             record = read(int(i))
             sample = self.processor(record)
@@ -227,7 +230,20 @@ class ConversationStream:
             msg = f"record {sample['id']!r}: {n} tokens > max_seq_len={self.max_seq_len}"
             return {**out, "status": LONG, "message": msg}
         sample = {k: v for k, v in sample.items() if v is not None}
-        return {**out, "sample": pickle.dumps(sample, protocol=5)}
+        return {**out, "sample": pickle.dumps(sample, protocol=5), "costs": self.costs(sample)}
+
+    def costs(self, sample: dict) -> list[float]:
+        """The sample's cost to each part (the adapter's ``parts`` order): LLM tokens, each
+        encoder's estimate; what balanced assignment splits by."""
+        from ray_disagg.models import get_adapter
+
+        adapter = get_adapter(self.processor.config)
+        return [
+            float(len(sample["input_ids"]))
+            if part == adapter.llm_part
+            else float(adapter.encoder_cost(part, sample))
+            for part in adapter.parts
+        ]
 
     def outcomes(self, records):
         """The outcomes of ``records`` in their order: on Ray Data actors when Ray is

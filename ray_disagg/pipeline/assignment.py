@@ -86,6 +86,11 @@ class BatchPlan:
     """The group that reads samples (the LLM group); the others follow its microbatches."""
     costs: dict[str, np.ndarray] | None = None
     """Per dataset index, each group's estimated cost (``None``: contiguous slices)."""
+    streamed_costs: bool = False
+    """Costs arrive with each step's samples (a balanced stream): the reader's replicas
+    keep contiguous shares, the other groups are balanced by the step's costs
+    (``assign(step, step_costs)``), and every reader replica sends every replica of the
+    other groups its inputs (possibly none)."""
 
     def __post_init__(self) -> None:
         k = self.micro_batches
@@ -119,28 +124,28 @@ class BatchPlan:
         per = self.global_batch_size // self.dp_sizes[group]
         return rank * per, (rank + 1) * per
 
-    def assign(self, step: int) -> list[dict[str, list[list[int]]]]:
+    def assign(self, step: int, step_costs=None) -> list[dict[str, list[list[int]]]]:
         """Per microbatch, per group, per replica: the batch positions it processes (in
         position order). The reader group's replicas get contiguous slices (or, balanced,
         equal-count sets by cost), each cut into ``micro_batches`` consecutive pieces;
         microbatch ``j`` is the union of the pieces ``j``, which every other group splits
         over its replicas (contiguously, or balanced by its cost, counts free: one large
-        image may be a replica's only sample). With one microbatch
-        and no costs this is :meth:`span` for every group."""
+        image may be a replica's only sample). ``step_costs``: per group, the cost of each
+        batch position (a balanced stream's step). With one microbatch and no costs this is
+        :meth:`span` for every group."""
         b, k = self.global_batch_size, self.micro_batches
-        costs = self.costs
-        indices = self.global_indices(step) if costs is not None else None
+        reader = self.reader or next(iter(self.dp_sizes))
+        cost = self._position_costs(step, step_costs)
 
         def split(group: str, positions: list[int]) -> list[list[int]]:
             n = self.dp_sizes[group]
-            if costs is None or group not in costs:
+            if cost is None or group not in cost or (self.streamed_costs and group == reader):
                 per = len(positions) // n
                 return [positions[r * per : (r + 1) * per] for r in range(n)]
             # the reader's shares are cut into equal microbatches: equal counts there
-            cost = [float(costs[group][indices[p]]) for p in positions]
-            return balanced_split(positions, cost, n, equal_counts=group == reader)
+            costs = [cost[group][p] for p in positions]
+            return balanced_split(positions, costs, n, equal_counts=group == reader)
 
-        reader = self.reader or next(iter(self.dp_sizes))
         shares = split(reader, list(range(b)))
         per = b // (self.dp_sizes[reader] * k)
         out = []
@@ -153,10 +158,23 @@ class BatchPlan:
             out.append(mb)
         return out
 
+    def _position_costs(self, step: int, step_costs) -> dict[str, list[float]] | None:
+        """Per group, the cost of each batch position of ``step`` (``None``: no costs)."""
+        if step_costs is not None:
+            return {g: [float(c) for c in v] for g, v in step_costs.items()}
+        if self.costs is None:
+            return None
+        indices = self.global_indices(step)
+        return {g: [float(v[i]) for i in indices] for g, v in self.costs.items()}
+
     def peers(self, group: str, rank: int, other: str, step: int, mbs=None) -> list[int]:
         """Replicas of ``other`` that share samples with replica ``rank`` of ``group`` in
         some microbatch of ``step`` (they exchange messages that step), ascending; ``mbs``:
-        ``assign(step)`` when the caller has it already."""
+        ``assign(step)`` when the caller has it already. With ``streamed_costs``, between
+        the reader and another group: every replica (the inputs go to all)."""
+        reader = self.reader or next(iter(self.dp_sizes))
+        if self.streamed_costs and reader in (group, other):
+            return list(range(self.dp_sizes[other]))
         mbs = self.assign(step) if mbs is None else mbs
         return [
             r
@@ -167,7 +185,7 @@ class BatchPlan:
     def exchange_pairs(self, group: str, other: str) -> set[tuple[int, int]]:
         """``(rank, other_rank)`` replica pairs that may ever exchange samples: the
         overlaps of the contiguous slices, or (balanced) every pair."""
-        if self.costs is not None:
+        if self.costs is not None or self.streamed_costs:
             return {
                 (a, b) for a in range(self.dp_sizes[group]) for b in range(self.dp_sizes[other])
             }

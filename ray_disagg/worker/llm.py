@@ -176,6 +176,8 @@ class LLMStep:
         w, mbs = self.w, self.mbs
         share = [p for mb in mbs for p in mb[w.part][w.dp_rank]]
         read = ingest.read_samples(self.source, self.plan_step, share, w.args)
+        if self.plan.streamed_costs:  # a balanced stream: split by this step's costs
+            self.mbs = mbs = self.plan.assign(self.plan_step, self.source.step_costs)
         if w.leader:
             self.samples = dict(zip(share, read))
             _send_inputs(w, self.samples, mbs, self.plan, self.key, self.plan_step)

@@ -11,6 +11,9 @@ small all-reduce over the group's gloo object group, so all ranks agree on:
   ``records_too_long``); more than ``max_bad_records`` broken ones fail the run, naming
   the ones seen.
 
+With balanced assignment every LLM rank also gets the costs of the step's samples
+(computed with each sample by the converting actors) to split the encoders' work by.
+
 The position (epoch, records read per leader, counts) is gathered at checkpoint steps and
 saved with the LLM checkpoint (``data_state.json``); a restart or resume starts from it.
 """
@@ -20,10 +23,12 @@ from __future__ import annotations
 import logging
 import pickle
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ray_disagg.data.stream import BAD, OK, epoch_order
+from ray_disagg.models import get_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +39,9 @@ class RecordSource:
         self.dp, self.dp_rank = plan.dp_sizes[group], dp_rank
         self.seed, self.shuffle = plan.seed, plan.shuffle
         self.per_step = plan.global_batch_size // self.dp
+        self.balanced = plan.streamed_costs  # the step's costs go to every LLM rank
+        self.parts = get_adapter(stream.processor.config).parts
+        self.step_costs = None  # the last step's, when balanced
         self.epoch, self.pos, self.bad, self.long = self._resume(state)
         self.totals = (0, 0)  # every leader's (bad, too long), as of the last read
         self.bad_names: list[str] = []  # this leader's broken records in this attempt
@@ -80,7 +88,8 @@ class RecordSource:
                 return None
             self.pos += 1
             if outcome["status"] == OK:
-                out.append((outcome["record"], pickle.loads(outcome["sample"])))
+                sample = pickle.loads(outcome["sample"])
+                out.append((outcome["record"], sample, list(outcome["costs"])))
                 continue
             logger.warning("skipped %s", outcome["message"])
             if outcome["status"] == BAD:
@@ -102,8 +111,18 @@ class RecordSource:
             self._check_bad()
             if not flags[0]:
                 assert got is not None and (not self.leader or len(got) == len(positions))
-                return got
+                if self.balanced:
+                    self.step_costs = self._gather_costs([c for _, _, c in got])
+                return [(i, sample) for i, sample, _ in got]
             self.epoch, self.pos, self._records = self.epoch + 1, 0, None
+
+    def _gather_costs(self, mine: list[list[float]]) -> dict[str, np.ndarray]:
+        """Collective: per part, the cost of every position of the global batch (the
+        leaders' contiguous shares in replica order)."""
+        every = [None] * dist.get_world_size(self.object_group)
+        dist.all_gather_object(every, mine if self.leader else None, group=self.object_group)
+        rows = np.asarray([c for part in every if part is not None for c in part], np.float64)
+        return {part: rows[:, k] for k, part in enumerate(self.parts)}
 
     def _check_bad(self) -> None:
         limit = self.stream.max_bad_records
