@@ -289,3 +289,37 @@ def test_torchvision_processors_give_the_same_tokens(model_dir, media, tmp_path)
         assert a["input_ids"].tolist() == b["input_ids"].tolist()
         assert a["image_grid_thw"].tolist() == b["image_grid_thw"].tolist()
         np.testing.assert_allclose(a["pixel_values"], b["pixel_values"], atol=0.1)
+
+
+# A template that, like Qwen3's thinking templates, keeps the <think> block of the final
+# assistant turn only (earlier turns are rewritten without it).
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% set c = m['content'] | map(attribute='text') | join('') %}"
+    "{% if m['role'] == 'assistant' and not loop.last %}"
+    "{{ c.split('</think>')[-1].strip() }}"
+    "{% else %}{{ c }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_think_blocks_of_the_last_turn_are_labels_and_rewriting_templates_are_named(
+    model_dir, media
+):
+    cfg = tiny_qwen2_5_vl_config()
+    inv = {i: w for w, i in ({w: i for i, w in enumerate(WORDS)} | SPECIAL).items()}
+    proc = make_processor(model_dir, media, cfg, labels="last")
+    proc.tokenizer.chat_template = THINKING_TEMPLATE
+    record = {"id": "t", "messages": [
+        {"role": "user", "content": "which digit is this?"},
+        {"role": "assistant", "content": "<think> a seven. </think> seven."},
+        {"role": "user", "content": "and now?"},
+        {"role": "assistant", "content": "<think> a two. </think> two."}]}  # fmt: skip
+    labels = proc(record)["labels"]
+    # the reasoning and the answer of the last turn, and its <|im_end|>
+    want = ["[UNK]", "a", "two.", "[UNK]", "two.", "<|im_end|>"]
+    assert [inv[int(t)] for t in labels[labels != -100]] == want
+    every = make_processor(model_dir, media, cfg)
+    every.tokenizer.chat_template = THINKING_TEMPLATE
+    with pytest.raises(ValueError, match="drops their <think> blocks.*labels='last'"):
+        every(record)

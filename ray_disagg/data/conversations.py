@@ -258,18 +258,19 @@ class ConversationProcessor:
         full = text(len(messages))
         if self.labels == "all":
             return full, [(0, len(full))]
+        turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
         spans = []
-        for k, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
+        for k in turns[-1:] if self.labels == "last" else turns:
             head, upto = text(k, prompt=True), text(k + 1)
             if not (upto.startswith(head) and full.startswith(upto)):
                 raise ValueError(
-                    "the chat template does not render this conversation turn by turn "
-                    "(it rewrites earlier turns), so its assistant tokens cannot be told apart"
+                    "the chat template does not render this conversation turn by turn (it "
+                    "rewrites earlier turns, e.g. drops their <think> blocks), so its earlier "
+                    "assistant tokens cannot be told apart: use labels='last', or one record "
+                    "per assistant turn"
                 )
             spans.append((len(head), len(upto.rstrip("\n"))))
-        return full, spans[-1:] if self.labels == "last" else spans
+        return full, spans
 
     def _check(self, media: list[tuple[str, str]], rid) -> None:
         kinds = {kind for kind, _ in media}
