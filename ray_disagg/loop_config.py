@@ -133,6 +133,12 @@ class TrainLoopConfig:
     """Packed row length (tokens); required with ``pack_sequences``. A longer sample is a
     ``ValueError`` naming it."""
 
+    loss_chunk_tokens: int | None = None
+    """Compute the LLM's logits and cross-entropy this many label positions at a time,
+    recomputing each chunk in backward, so ``[tokens x vocab]`` logits never exist at
+    once (long sequences, large vocabularies). ``None``: all label positions at once
+    (logits are only ever computed where the next token is a label)."""
+
     report_sample_ids: bool = False
     """Add the metric ``sample_ids``: the indices of the samples each step trained on, in
     order (an audit that no sample is repeated or dropped within an epoch)."""
@@ -208,6 +214,14 @@ class TrainLoopConfig:
         ):
             raise ValueError(
                 f"train_loop_config['max_seq_len']={self.max_seq_len!r}: must be an int >= 2."
+            )
+        chunk = self.loss_chunk_tokens
+        if chunk is not None and (
+            not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1
+        ):
+            raise ValueError(
+                f"train_loop_config['loss_chunk_tokens']={chunk!r}: must be an int >= 1 "
+                "(label positions per chunk) or None."
             )
         if self.pack_sequences and self.max_seq_len is None:
             raise ValueError(

@@ -267,6 +267,25 @@ class ModelAdapter:
         return None
 
 
+def loss_index(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices into ``hidden[:, :-1]`` of the positions whose next token is a label
+    (computed on the host with the batch, so the loss needs no device sync)."""
+    return (labels[:, 1:] != IGNORE_INDEX).flatten().nonzero().flatten()
+
+
+def _token_loss_sum(hidden, targets, lm_head, tp_group, vocab_start) -> torch.Tensor:
+    """Summed cross-entropy of ``hidden`` ``(n, d)`` against ``targets`` ``(n,)``."""
+    logits = lm_head(hidden).float()
+    if tp_group is not None:
+        from ray_disagg.parallel.tensor_parallel import VocabParallelCrossEntropy
+
+        per_token = VocabParallelCrossEntropy.apply(
+            logits, targets, vocab_start, IGNORE_INDEX, tp_group
+        )
+        return per_token.sum()
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def lm_loss(
     hidden: torch.Tensor,
     lm_head: nn.Module,
@@ -274,17 +293,30 @@ def lm_loss(
     num_label_tokens: float,
     tp_group=None,
     vocab_start: int = 0,
+    *,
+    index: torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """``sum(token CE after the causal shift) / num_label_tokens``; with ``tp_group`` the
-    logits are vocab-sharded and the cross-entropy is vocab-parallel."""
-    logits = lm_head(hidden[:, :-1]).float().flatten(0, 1)
-    targets = labels[:, 1:].flatten()
-    if tp_group is not None:
-        from ray_disagg.parallel.tensor_parallel import VocabParallelCrossEntropy
+    logits are vocab-sharded and the cross-entropy is vocab-parallel.
 
-        per_token = VocabParallelCrossEntropy.apply(
-            logits, targets, vocab_start, IGNORE_INDEX, tp_group
+    Logits are computed only at the positions whose next token is a label (``index``:
+    :func:`loss_index` of ``labels``, computed here when not given). With
+    ``chunk_tokens`` they are computed ``chunk_tokens`` positions at a time under
+    activation checkpointing, so ``[tokens x vocab]`` logits never exist at once (each
+    chunk's are recomputed in backward)."""
+    index = loss_index(labels.cpu()).to(hidden.device) if index is None else index
+    flat = hidden[:, :-1].flatten(0, 1).index_select(0, index)
+    targets = labels[:, 1:].flatten().index_select(0, index)
+    if chunk_tokens is None or len(index) <= chunk_tokens:
+        total = _token_loss_sum(flat, targets, lm_head, tp_group, vocab_start)
+        return total / num_label_tokens
+    from torch.utils.checkpoint import checkpoint
+
+    total = flat.new_zeros((), dtype=torch.float32)
+    for lo in range(0, len(index), chunk_tokens):
+        part = (flat[lo : lo + chunk_tokens], targets[lo : lo + chunk_tokens])
+        total = total + checkpoint(
+            _token_loss_sum, *part, lm_head, tp_group, vocab_start, use_reentrant=False
         )
-        return per_token.sum() / num_label_tokens
-    loss_sum = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss_sum / num_label_tokens
+    return total / num_label_tokens

@@ -19,7 +19,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ray_disagg.models.base import lm_loss
+from ray_disagg.models.base import lm_loss, loss_index
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.pipeline.assignment import count_label_tokens
 from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expect
@@ -31,9 +31,12 @@ from ray_disagg.worker.session import get_session
 from ray_disagg.worker.step import finish_step
 
 
-def _loss(adapter, lm_head, batch, received, n_labels, tp_group, vocab_start, model):
+def _loss(adapter, lm_head, batch, received, n_labels, tp_group, vocab_start, chunk, model):
     hidden = adapter.llm_hidden(model, batch, received)
-    return lm_loss(hidden, lm_head, batch["labels"], n_labels, tp_group, vocab_start)
+    labels, index = batch["labels"], batch["loss_index"]
+    return lm_loss(
+        hidden, lm_head, labels, n_labels, tp_group, vocab_start, index=index, chunk_tokens=chunk
+    )
 
 
 def _plain(v):
@@ -120,6 +123,7 @@ def _collate(w: PartWorker, items: list[dict]) -> dict:
         batch = w.adapter.collate_llm_packed(items, w.cfg.max_seq_len)
     else:
         batch = w.adapter.collate_llm(items)
+    batch["loss_index"] = loss_index(batch["labels"])  # on the host: no device sync
     return {n: v.to(w.device) if torch.is_tensor(v) else v for n, v in batch.items()}
 
 
@@ -140,7 +144,8 @@ class LLMModel:
     def loss(self, items, mb, received, n_labels):
         w = self.w
         batch = _collate(w, [items[p] for p in mb[w.part][w.dp_rank]])
-        loss_args = (batch, received, n_labels, self.tp_group, self.vocab_start)
+        chunk = w.cfg.loss_chunk_tokens
+        loss_args = (batch, received, n_labels, self.tp_group, self.vocab_start, chunk)
         with torch.autocast(w.device.type, torch.bfloat16, enabled=w.cfg.bf16):
             return w.runner(functools.partial(_loss, w.adapter, self.lm_head, *loss_args))
 
