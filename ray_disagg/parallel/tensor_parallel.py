@@ -225,7 +225,10 @@ def grad_sq_norm(params, group=None, device="cpu") -> float:
             for dim, pl in enumerate(g.placements):
                 if not pl.is_replicate():  # Shard, or FSDP2 x TP's _StridedShard
                     shards *= g.device_mesh.size(dim)
-        total += local(g).double().pow(2).sum() * (shards / world)
+        # the norm of the local piece without a float64 copy of it (a large embedding's
+        # gradient would briefly cost 4x its size); squared and summed in float64
+        norm = torch.linalg.vector_norm(local(g)).double()
+        total += norm * norm * (shards / world)
     if world > 1:
         dist.all_reduce(total, group=group)
     return float(total)
