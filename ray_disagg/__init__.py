@@ -25,6 +25,7 @@ _EXPORTS = {
     "ModuleGroup": "ray_disagg.config",
     "SampleError": "ray_disagg.pipeline.assignment",
     "SequenceParallel": "ray_disagg.config",
+    "ContextParallel": "ray_disagg.config",
     "TensorParallel": "ray_disagg.config",
     "TrainLoopConfig": "ray_disagg.loop_config",
     "export_hf": "ray_disagg.export",

@@ -107,17 +107,46 @@ class TensorParallel:
         _check_sharding(self)
 
 
-Parallelism = Literal["none"] | DataParallel | SequenceParallel | TensorParallel
+@dataclass(kw_only=True, frozen=True)
+class ContextParallel:
+    """Ulysses context parallelism for the LLM, composed with data parallel: each of
+    ``size`` workers holds a contiguous slice of every sequence through the decoder layers
+    and attends over the whole sequence with ``1 / size`` of the heads (an all-to-all
+    before and after attention). Activations per worker shrink with ``size``.
+
+    The group's ``num_workers`` must be a multiple of ``size`` (mesh axes ``("dp",
+    "cp")``); ``size`` must divide the attention and KV heads.
+
+    Example:
+        >>> ContextParallel(size=2)
+        ContextParallel(size=2, fsdp=False)
+    """
+
+    size: int
+    """Number of workers that split each sequence."""
+
+    fsdp: bool = False
+    """Also shard parameters, gradients and AdamW state over all ``dp x cp`` workers of
+    the group with FSDP2."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"ContextParallel(size={self.size!r}): size must be an int >= 1.")
+        _check_sharding(self)
 
 
-def _normalize_parallelism(p: Any) -> DataParallel | SequenceParallel | TensorParallel:
+Parallelism = Literal["none"] | DataParallel | SequenceParallel | TensorParallel | ContextParallel
+_KINDS = (DataParallel, SequenceParallel, TensorParallel, ContextParallel)
+
+
+def _normalize_parallelism(p: Any):
     if p is None or p == "none":
         return DataParallel()
-    if isinstance(p, DataParallel | SequenceParallel | TensorParallel):
+    if isinstance(p, _KINDS):
         return p
     raise ValueError(
         f"parallelism={p!r} is not understood. Use 'none', DataParallel(), "
-        "SequenceParallel(size=N) or TensorParallel(size=N)."
+        "SequenceParallel(size=N), TensorParallel(size=N) or ContextParallel(size=N)."
     )
 
 
@@ -137,7 +166,8 @@ class ModuleGroup:
 
     parallelism: Parallelism = "none"
     """How the group's workers split the module: ``"none"`` (data parallel replicas),
-    :class:`DataParallel`, :class:`SequenceParallel` or :class:`TensorParallel`."""
+    :class:`DataParallel`, :class:`SequenceParallel`, :class:`TensorParallel` or
+    :class:`ContextParallel`."""
 
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward to save memory."""
@@ -196,7 +226,7 @@ class ModuleGroup:
 
     @property
     def model_parallel_size(self) -> int:
-        """SP or TP degree (1 for data parallel)."""
+        """SP, TP or CP degree (1 for data parallel)."""
         return getattr(self.parallelism, "size", 1)
 
     @property

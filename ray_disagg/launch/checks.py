@@ -3,7 +3,13 @@ starts. Every error names the setting to change."""
 
 from __future__ import annotations
 
-from ray_disagg.config import DataParallel, ModuleGroup, SequenceParallel, TensorParallel
+from ray_disagg.config import (
+    ContextParallel,
+    DataParallel,
+    ModuleGroup,
+    SequenceParallel,
+    TensorParallel,
+)
 from ray_disagg.models import loading
 
 
@@ -29,6 +35,8 @@ def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
                 "SequenceParallel(size=N, fsdp=True)."
             )
         allowed = adapter.sp_parts if isinstance(p, SequenceParallel) else adapter.tp_parts
+        if isinstance(p, ContextParallel):
+            allowed = adapter.cp_parts
         if isinstance(p, TensorParallel) and part != adapter.llm_part:
             allowed = allowed if adapter.tower_tp_plan(part) is not None else ()
         if part not in allowed:
@@ -38,7 +46,7 @@ def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
                 f"another parallelism for {part!r}."
             )
         sizes = dict(adapter.head_counts(part))
-        if isinstance(p, SequenceParallel):
+        if isinstance(p, SequenceParallel | ContextParallel):
             sizes = {k: v for k, v in sizes.items() if "heads" in k}
         for what, value in sizes.items():
             if value % p.size:

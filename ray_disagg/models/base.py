@@ -73,6 +73,9 @@ class ModelAdapter:
     sp_parts: ClassVar[tuple[str, ...]] = ()
     """Parts that support Ulysses ``SequenceParallel``."""
     tp_parts: ClassVar[tuple[str, ...]] = ("text",)
+    cp_parts: ClassVar[tuple[str, ...]] = ()
+    """Parts that support ``ContextParallel`` (the LLM, where its decoder stack takes the
+    merged embeddings and positions as keywords; :mod:`ray_disagg.parallel.context_parallel`)."""
     """Parts that support ``TensorParallel``."""
 
     def __init__(self, config):
@@ -208,8 +211,12 @@ class ModelAdapter:
         other than 0 get tensors with 0 rows that are still in the graph."""
         raise NotImplementedError
 
-    def llm_hidden(self, module: nn.Module, batch: dict, received: dict) -> torch.Tensor:
-        """Final hidden states ``(B, T, H)`` of the LLM part given the crossings."""
+    def llm_hidden(
+        self, module: nn.Module, batch: dict, received: dict, context=None
+    ) -> torch.Tensor:
+        """Final hidden states ``(B, T, H)`` of the LLM part given the crossings; with a
+        ``context`` (a :class:`~ray_disagg.parallel.context_parallel.ContextSlice`, for
+        ``cp_parts``) those of this rank's slice of ``T``."""
         raise NotImplementedError
 
     def collate_llm(self, items: Sequence[dict]) -> dict[str, Any]:
@@ -267,10 +274,12 @@ class ModelAdapter:
         return None
 
 
-def loss_index(labels: torch.Tensor) -> torch.Tensor:
+def loss_index(labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
     """Flat indices into ``hidden[:, :-1]`` of the positions whose next token is a label
-    (computed on the host with the batch, so the loss needs no device sync)."""
-    return (labels[:, 1:] != IGNORE_INDEX).flatten().nonzero().flatten()
+    (computed on the host with the batch, so the loss needs no device sync); ``shifted``:
+    ``labels`` are already each position's next-token targets, indices into ``hidden``."""
+    targets = labels if shifted else labels[:, 1:]
+    return (targets != IGNORE_INDEX).flatten().nonzero().flatten()
 
 
 def _token_loss_sum(hidden, targets, lm_head, tp_group, vocab_start) -> torch.Tensor:
@@ -296,6 +305,7 @@ def lm_loss(
     *,
     index: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
+    shifted: bool = False,
 ) -> torch.Tensor:
     """``sum(token CE after the causal shift) / num_label_tokens``; with ``tp_group`` the
     logits are vocab-sharded and the cross-entropy is vocab-parallel.
@@ -304,10 +314,14 @@ def lm_loss(
     :func:`loss_index` of ``labels``, computed here when not given). With
     ``chunk_tokens`` they are computed ``chunk_tokens`` positions at a time under
     activation checkpointing, so ``[tokens x vocab]`` logits never exist at once (each
-    chunk's are recomputed in backward)."""
-    index = loss_index(labels.cpu()).to(hidden.device) if index is None else index
-    flat = hidden[:, :-1].flatten(0, 1).index_select(0, index)
-    targets = labels[:, 1:].flatten().index_select(0, index)
+    chunk's are recomputed in backward). ``shifted``: ``labels`` are each position's
+    next-token targets, same length as ``hidden`` (a context-parallel slice's)."""
+    if index is None:
+        index = loss_index(labels.cpu(), shifted).to(hidden.device)
+    if not shifted:
+        hidden, labels = hidden[:, :-1], labels[:, 1:]
+    flat = hidden.flatten(0, 1).index_select(0, index)
+    targets = labels.flatten().index_select(0, index)
     if chunk_tokens is None or len(index) <= chunk_tokens:
         total = _token_loss_sum(flat, targets, lm_head, tp_group, vocab_start)
         return total / num_label_tokens

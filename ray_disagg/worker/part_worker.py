@@ -27,8 +27,8 @@ def _flat_mesh(mesh, device):
 
 
 class PartWorker:
-    """One worker of group ``part`` (mesh axes ``("dp", <mp axis>)``, the mp axis ``"sp"``
-    or ``"tp"``). The model-parallel rank 0 of each replica is its leader: it reads or
+    """One worker of group ``part`` (mesh axes ``("dp", <mp axis>)``, the mp axis ``"sp"``,
+    ``"cp"`` or ``"tp"``). The model-parallel rank 0 of each replica is its leader: it reads or
     receives the samples and talks to the other groups."""
 
     def __init__(self, args: LoopArgs, part: str):
@@ -47,6 +47,7 @@ class PartWorker:
         self.mp_src = self.group_rank - self.mp_rank
         self.is_tp = self.mp_axis == "tp" and self.mp_size > 1
         self.is_sp = self.mp_axis == "sp" and self.mp_size > 1
+        self.is_cp = self.mp_axis == "cp" and self.mp_size > 1
         self.group = args.groups[part]
         self.fsdp = self.group.fsdp
         self.frozen = part in args.frozen_parts  # every parameter frozen: forward only

@@ -190,7 +190,9 @@ class Qwen2_5OmniThinkerAdapter(OmniParallelMixin, QwenVLAdapter):
         batch["feature_attention_mask"] = self.collate_audio(items)[1]
         return batch
 
-    def llm_hidden(self, module, batch, received):
+    def llm_hidden(self, module, batch, received, context=None):
+        if context is not None:
+            raise ValueError("ContextParallel is not supported for Qwen2.5-Omni")
         inner = module.model
         ids = batch["input_ids"]
         embeds = inner.get_input_embeddings()(ids)

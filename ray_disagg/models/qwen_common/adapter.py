@@ -268,10 +268,12 @@ class QwenVLAdapter(QwenParallelMixin, PackedQwenMixin, ModelAdapter):
         mm = {m: self.encoder_output(received, m) for m in MODALITIES}
         return {k: v for k, v in mm.items() if v is not None} or None
 
-    def llm_hidden(self, module, batch, received):
+    def llm_hidden(self, module, batch, received, context=None):
+        extra = {} if context is None else {"context": context}
         out = module.model(
             **self.llm_inputs(module.model, batch),
             mm_encoder_outputs=self.mm_encoder_outputs(received),
+            **extra,
         )
         return out.last_hidden_state
 

@@ -1,0 +1,148 @@
+"""Ulysses context parallelism for the LLM, through its unmodified HF forward.
+
+The ``cp`` ranks of an LLM replica all run the model's own embedding, merge of the
+encoders' crossings and multimodal rope positions over the whole batch (cheap next to the
+decoder), then each keeps a contiguous slice of the sequence (:func:`slice_bounds`) for the
+decoder layers: a forward pre-hook on the decoder stack (:func:`enable_context_parallel`)
+cuts ``inputs_embeds`` and ``position_ids`` to the slice and hands the layers no mask.
+Every attention call swaps sequence and heads with an all-to-all
+(:class:`~ray_disagg.parallel.ulysses.SeqToHeads`), attends over the whole sequence
+(causal per row; with packed rows, causal within each sample, the samples found where the
+text positions restart at 0) and swaps back. The decoder's output is the slice's hidden
+states; the loss takes the slice's next-token targets (:func:`local_targets`), so the
+label shift crosses slice boundaries, and the replica's loss is the sum over its ranks.
+
+The slice of one call is a :class:`ContextSlice`, passed as the ``context`` keyword of
+the model's forward; HF hands it to the decoder stack, every layer and attention call, and
+activation checkpointing recomputes a layer with the keywords of its own call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from ray_disagg.models.base import IGNORE_INDEX
+from ray_disagg.parallel.ulysses import HeadsToSeq, SeqToHeads
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "ContextSlice",
+    "context_attention",
+    "enable_context_parallel",
+    "local_targets",
+    "slice_bounds",
+]
+
+ATTN_IMPLEMENTATION = "ray_disagg_context"
+
+
+def slice_bounds(seq_len: int, size: int) -> list[tuple[int, int]]:
+    """Each rank's ``[lo, hi)`` of a sequence of ``seq_len`` positions: contiguous, as
+    even as possible (the first ranks one longer). ``ValueError`` when a rank would get
+    nothing."""
+    if seq_len < size:
+        raise ValueError(
+            f"a sequence of {seq_len} tokens is shorter than the context-parallel degree "
+            f"{size}; every rank needs at least one token"
+        )
+    base, extra = divmod(seq_len, size)
+    lens = [base + (r < extra) for r in range(size)]
+    starts = [sum(lens[:r]) for r in range(size)]
+    return [(s, s + n) for s, n in zip(starts, lens)]
+
+
+def local_targets(labels: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Next-token targets of positions ``[lo, hi)`` (the last position has none)."""
+    shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], 1)
+    return shifted[:, lo:hi]
+
+
+@dataclass(frozen=True)
+class ContextSlice:
+    """One forward call's split of the sequence over the ``cp`` group."""
+
+    group: dist.ProcessGroup
+    """The context-parallel process group of this replica."""
+    rank: int
+    """This rank in ``group``."""
+    bounds: tuple[tuple[int, int], ...]
+    """Each rank's ``[lo, hi)`` (:func:`slice_bounds`)."""
+    mask: torch.Tensor | None = None
+    """Packed rows: ``(B, 1, S, S)`` bool, causal within each sample (set by the pre-hook);
+    ``None``: causal per row."""
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [hi - lo for lo, hi in self.bounds]
+
+
+def _packed_mask(text_positions: torch.Tensor) -> torch.Tensor:
+    """Causal within each sample of packed rows ``(B, S)`` (a sample starts at position 0)."""
+    segment = (text_positions == 0).cumsum(-1)
+    same = segment.unsqueeze(-1) == segment.unsqueeze(-2)
+    n = text_positions.shape[-1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=same.device).tril()
+    return (same & causal).unsqueeze(1)
+
+
+def _slice_inputs(_module, args, kwargs):
+    """Pre-hook of the decoder stack: keep this rank's slice of the sequence."""
+    cp: ContextSlice | None = kwargs.get("context")
+    if cp is None:
+        return None
+    lo, hi = cp.bounds[cp.rank]
+    positions = kwargs["position_ids"]
+    mask = None
+    if positions.ndim == 3 and positions.shape[0] == 4:  # packed: text positions first
+        mask = _packed_mask(positions[0])
+    kwargs["inputs_embeds"] = kwargs["inputs_embeds"][:, lo:hi]
+    kwargs["position_ids"] = positions[..., lo:hi]
+    kwargs["attention_mask"] = {"full_attention": None, "sliding_attention": None}
+    kwargs["context"] = dataclasses.replace(cp, mask=mask)
+    return args, kwargs
+
+
+def _to_heads(t: torch.Tensor, cp: ContextSlice) -> torch.Tensor:
+    """``(B, H, s, d)`` -> ``(B, H / n, S, d)`` over the group."""
+    b, h, s, d = t.shape
+    x = t.permute(2, 1, 0, 3).reshape(s, h, b * d).contiguous()
+    y = SeqToHeads.apply(x, cp.seq_lens, cp.rank, cp.group)
+    return y.view(y.shape[0], y.shape[1], b, d).permute(2, 1, 0, 3)
+
+
+def context_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, context=None, **kwargs
+):
+    """``AttentionInterface`` function: ``query/key/value`` ``(B, H, s, d)`` (this rank's
+    positions) -> ``(B, s, H, d)``. With a :class:`ContextSlice` (``context``): attends over
+    the whole sequence with this rank's share of the heads; without one, plain SDPA."""
+    cp: ContextSlice | None = context
+    if cp is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    b, h, s, d = query.shape
+    q, k, v = (_to_heads(t, cp) for t in (query, key, value))
+    out, _ = sdpa_attention_forward(
+        module, q, k, v, cp.mask, scaling=scaling, dropout=dropout, is_causal=cp.mask is None
+    )  # (B, S, H / n, d)
+    x = out.permute(1, 2, 0, 3).reshape(out.shape[1], out.shape[2], b * d).contiguous()
+    y = HeadsToSeq.apply(x, cp.seq_lens, cp.rank, cp.group)  # (s, H, B * d)
+    return y.view(s, h, b, d).permute(2, 0, 1, 3), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, context_attention)
+
+
+def enable_context_parallel(decoder: torch.nn.Module) -> None:
+    """Route ``decoder``'s attention through :func:`context_attention` and slice its
+    inputs when a call carries a ``context`` (once, before the first call; calls without
+    one run as before)."""
+    decoder.config._attn_implementation = ATTN_IMPLEMENTATION
+    decoder.register_forward_pre_hook(_slice_inputs, with_kwargs=True)

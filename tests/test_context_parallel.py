@@ -1,0 +1,113 @@
+"""Tier 2: Ulysses context parallelism of the LLM over 2 gloo processes equals the
+single-process model: the loss (summed over the ranks) and every gradient, for padded
+rows of different lengths and for packed rows (fp32, 1e-5); bad degrees are refused."""
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+
+
+def _batch(adapter, cfg, packed: bool):
+    from ray_disagg.data.examples import synthetic_samples
+
+    samples = synthetic_samples(cfg, 3, grids=[(1, 4, 4), None, (1, 8, 4)])
+    if packed:
+        return adapter.collate_llm_packed(samples, 200)
+    return adapter.collate_llm(samples)
+
+
+def _cp_text(rank, world, packed):
+    import torch.distributed as dist
+
+    from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
+    from ray_disagg.models.base import IGNORE_INDEX, lm_loss
+    from ray_disagg.parallel.context_parallel import (
+        ContextSlice,
+        enable_context_parallel,
+        local_targets,
+        slice_bounds,
+    )
+
+    cfg = tiny_qwen2_5_vl_config()
+    spec = HFModelSpec(config=cfg, seed=2)
+    adapter = spec.adapter
+    batch = _batch(adapter, cfg, packed)
+    n_img = int((batch["input_ids"] == cfg.image_token_id).sum())
+    g = torch.Generator().manual_seed(1)
+    received = {
+        c.name: torch.randn(n_img if c.name.startswith("image") else 0, c.width, generator=g)
+        for c in adapter.crossings("vision")
+    }
+    n_labels = float((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    def run(part, context=None):
+        got = {k: v.clone().requires_grad_() for k, v in received.items() if v.shape[0]}
+        hidden = adapter.llm_hidden(part, batch, got, context=context)
+        lm_head = adapter.llm_modules(part)[1]
+        if context is None:
+            loss = lm_loss(hidden, lm_head, batch["labels"], n_labels)
+        else:
+            lo, hi = context.bounds[context.rank]
+            targets = local_targets(batch["labels"], lo, hi)
+            loss = lm_loss(hidden, lm_head, targets, n_labels, shifted=True)
+        loss.backward()
+        grads = {n: p.grad for n, p in part.named_parameters() if p.grad is not None}
+        return loss.detach(), {k: v.grad for k, v in got.items()}, grads
+
+    dense = run(spec.build_part("text"))
+    part = spec.build_part("text")
+    enable_context_parallel(adapter.llm_modules(part)[0])
+    bounds = tuple(slice_bounds(batch["input_ids"].shape[1], world))
+    cp = run(part, ContextSlice(group=dist.group.WORLD, rank=rank, bounds=bounds))
+    loss, crossing_grads, grads = cp
+    dist.all_reduce(loss)
+    for t in [*crossing_grads.values(), *grads.values()]:
+        dist.all_reduce(t)
+    torch.testing.assert_close(loss, dense[0], rtol=1e-5, atol=1e-7)
+    for k, v in dense[1].items():
+        torch.testing.assert_close(crossing_grads[k], v, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == dense[2].keys()
+    for k, v in dense[2].items():
+        torch.testing.assert_close(grads[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    return True
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_cp2_equals_the_single_process_llm(packed):
+    assert run_distributed(_cp_text, 2, packed) == [True, True]
+
+
+def test_context_parallel_degrees_and_short_sequences_are_checked():
+    from ray.train import ScalingConfig
+
+    from ray_disagg import (
+        ContextParallel,
+        ModuleGroup,
+        tiny_qwen2_5_vl_config,
+        tiny_qwen3_vl_config,
+    )
+    from ray_disagg.launch.checks import validate_layout
+    from ray_disagg.models import get_adapter
+    from ray_disagg.parallel.context_parallel import slice_bounds
+
+    assert slice_bounds(5, 2) == [(0, 3), (3, 5)]
+    with pytest.raises(ValueError, match="shorter than the context-parallel degree 4"):
+        slice_bounds(3, 4)
+
+    def groups(size, n=None):
+        text = ModuleGroup(
+            scaling_config=ScalingConfig(num_workers=n or size),
+            parallelism=ContextParallel(size=size),
+        )
+        return {"vision": ModuleGroup(scaling_config=ScalingConfig(num_workers=1)), "text": text}
+
+    adapter = get_adapter(tiny_qwen2_5_vl_config())
+    validate_layout(adapter, groups(2, 4))
+    heads = adapter.config.text_config.num_attention_heads
+    with pytest.raises(ValueError, match=f"size=3.* does not divide num_attention_heads={heads}"):
+        validate_layout(adapter, groups(3))
+    with pytest.raises(ValueError, match="ContextParallel is not supported for the 'text'"):
+        validate_layout(get_adapter(tiny_qwen3_vl_config()), groups(2))
+    with pytest.raises(ValueError, match="size must be an int"):
+        ContextParallel(size=0)
