@@ -173,7 +173,11 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         self.loop_config = self._resolve_schedule(
             self.loop_config, placement, self._train_data, self._samples_validated
         )
-        costs = dsc.scan(self._train_data, adapter, self.loop_config, self._samples_validated)
+        llm_p = self.groups[adapter.llm_part].parallelism
+        cp_size = llm_p.size if isinstance(llm_p, ContextParallel) else 1
+        costs = dsc.scan(
+            self._train_data, adapter, self.loop_config, self._samples_validated, cp_size
+        )
         llm_dp = self.groups[adapter.llm_part].dp_size
         self.plan = BatchPlan(
             num_samples=dsc.num_samples(self._train_data, llm_dp),

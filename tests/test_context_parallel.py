@@ -111,3 +111,29 @@ def test_context_parallel_degrees_and_short_sequences_are_checked():
         validate_layout(get_adapter(tiny_qwen3_vl_config()), groups(2))
     with pytest.raises(ValueError, match="size must be an int"):
         ContextParallel(size=0)
+
+
+@pytest.mark.parametrize(
+    "workers,cp,extra",
+    [
+        (2, {}, {}),  # cp2
+        (4, {}, {"pack_sequences": True, "max_seq_len": 200}),  # dp2 x cp2, packed rows
+        (2, {"fsdp": True}, {"loss_chunk_tokens": 3}),  # cp2 x FSDP2, chunked loss
+    ],
+    ids=["cp2", "dp2xcp2-packed", "cp2-fsdp2-chunked"],
+)
+def test_cp_layouts_train_like_the_single_process_model(workers, cp, extra, tmp_path):
+    """The real workers (without Ray): losses and parameters after 2 steps equal the
+    single-process HF model's (fp32, 1e-5)."""
+    from ray_disagg import ContextParallel, HFModelSpec, tiny_qwen2_5_vl_config
+    from ray_disagg.data.examples import synthetic_samples
+    from tests.helpers import assert_matches_reference, group, run_layout, vt
+
+    cfg = tiny_qwen2_5_vl_config()
+    spec = HFModelSpec(config=cfg, seed=5)
+    data = synthetic_samples(cfg, 8, grids=[(1, 4, 4), None, (1, 8, 4), (1, 4, 8)])
+    loop = {"max_steps": 2, "global_batch_size": 4, "checkpoint_every": 1, "eps": 1e-6}
+    loop = {**loop, "seed": 5, **extra}
+    text = group(workers, ContextParallel(size=2, **cp))
+    result = run_layout(spec, data, loop, vt(group(1), text), tmp_path, "cp", local=True)
+    assert_matches_reference(result, spec, data, loop)

@@ -62,10 +62,10 @@ def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups, validate: bo
     return data, plan
 
 
-def scan(data, adapter, cfg: TrainLoopConfig, validate: bool):
+def scan(data, adapter, cfg: TrainLoopConfig, validate: bool, min_tokens: int = 1):
     """One pass over a map-style dataset: validate every sample (``validate``: fields,
-    and the length when packing) and, for balanced assignment, its costs (LLM tokens,
-    each encoder part's estimate)."""
+    the length when packing, at least ``min_tokens`` tokens: the context-parallel degree)
+    and, for balanced assignment, its costs (LLM tokens, each encoder part's estimate)."""
     balanced = cfg.assignment == "balanced"
     if is_stream(data) or not (validate or balanced):
         return None
@@ -76,6 +76,12 @@ def scan(data, adapter, cfg: TrainLoopConfig, validate: bool):
             adapter.validate_sample(sample, i)
             if cfg.pack_sequences:
                 check_fits(sample, i, cfg.max_seq_len)
+            if len(sample["input_ids"]) < min_tokens:
+                raise ValueError(
+                    f"sample {sample.get('id', i)!r} has {len(sample['input_ids'])} tokens, fewer "
+                    f"than the LLM group's ContextParallel(size={min_tokens}): every rank needs "
+                    "a token of each sequence; drop the sample or lower the size."
+                )
         if balanced:
             costs[adapter.llm_part][i] = len(sample["input_ids"])
             for part in adapter.encoder_parts:

@@ -306,6 +306,7 @@ def lm_loss(
     index: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
     shifted: bool = False,
+    min_chunks: int = 1,
 ) -> torch.Tensor:
     """``sum(token CE after the causal shift) / num_label_tokens``; with ``tp_group`` the
     logits are vocab-sharded and the cross-entropy is vocab-parallel.
@@ -315,20 +316,23 @@ def lm_loss(
     ``chunk_tokens`` they are computed ``chunk_tokens`` positions at a time under
     activation checkpointing, so ``[tokens x vocab]`` logits never exist at once (each
     chunk's are recomputed in backward). ``shifted``: ``labels`` are each position's
-    next-token targets, same length as ``hidden`` (a context-parallel slice's)."""
+    next-token targets, same length as ``hidden`` (a context-parallel slice's).
+    ``min_chunks``: run at least this many chunks (empty ones last), so that ranks whose
+    ``lm_head`` is one FSDP2 unit call it equally often (its collectives must match)."""
     if index is None:
         index = loss_index(labels.cpu(), shifted).to(hidden.device)
     if not shifted:
         hidden, labels = hidden[:, :-1], labels[:, 1:]
     flat = hidden.flatten(0, 1).index_select(0, index)
     targets = labels.flatten().index_select(0, index)
-    if chunk_tokens is None or len(index) <= chunk_tokens:
+    chunks = 1 if chunk_tokens is None else max(-(-len(index) // chunk_tokens), min_chunks)
+    if chunks == 1:
         total = _token_loss_sum(flat, targets, lm_head, tp_group, vocab_start)
         return total / num_label_tokens
     from torch.utils.checkpoint import checkpoint
 
     total = flat.new_zeros((), dtype=torch.float32)
-    for lo in range(0, len(index), chunk_tokens):
+    for lo in range(0, chunks * chunk_tokens, chunk_tokens):
         part = (flat[lo : lo + chunk_tokens], targets[lo : lo + chunk_tokens])
         total = total + checkpoint(
             _token_loss_sum, *part, lm_head, tp_group, vocab_start, use_reentrant=False

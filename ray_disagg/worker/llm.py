@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ray_disagg.models.base import lm_loss, loss_index
+from ray_disagg.parallel import context_parallel as cp
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.pipeline.assignment import count_label_tokens
 from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expect
@@ -31,11 +32,21 @@ from ray_disagg.worker.session import get_session
 from ray_disagg.worker.step import finish_step
 
 
-def _loss(adapter, lm_head, batch, received, n_labels, tp_group, vocab_start, chunk, model):
-    hidden = adapter.llm_hidden(model, batch, received)
-    labels, index = batch["labels"], batch["loss_index"]
+def _loss(adapter, lm_head, batch, received, n_labels, tp_group, vocab_start, chunk, ctx, model):
+    """The microbatch's loss; with a context slice ``ctx``, this rank's share of it."""
+    hidden = adapter.llm_hidden(model, batch, received, context=ctx)
+    labels = batch["labels"] if ctx is None else batch["loss_targets"]
     return lm_loss(
-        hidden, lm_head, labels, n_labels, tp_group, vocab_start, index=index, chunk_tokens=chunk
+        hidden,
+        lm_head,
+        labels,
+        n_labels,
+        tp_group,
+        vocab_start,
+        index=batch["loss_index"],
+        chunk_tokens=chunk,
+        shifted=ctx is not None,
+        min_chunks=batch["loss_chunks"],
     )
 
 
@@ -105,6 +116,11 @@ def _send_grads(w: PartWorker, received: dict, routes, mb, key: StepKey, j: int)
         w.pending.append(w.channel.send_tensors(dst, grads, Grads(key=key, mb=j), False))
 
 
+def _sum_over_cp(w: PartWorker, tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        dist.all_reduce(t, group=w.mp_mesh.get_group())
+
+
 def _share(w: PartWorker, received):
     """tp: the leader's crossing tensors on every tp rank."""
     shapes = {k: tuple(v.shape) for k, v in received.items()} if w.leader else None
@@ -123,8 +139,38 @@ def _collate(w: PartWorker, items: list[dict]) -> dict:
         batch = w.adapter.collate_llm_packed(items, w.cfg.max_seq_len)
     else:
         batch = w.adapter.collate_llm(items)
-    batch["loss_index"] = loss_index(batch["labels"])  # on the host: no device sync
+    if w.is_cp:  # this rank's slice: its next-token targets (the shift crosses slices)
+        ctx = _context(w, batch["input_ids"].shape[1], items)
+        lo, hi = ctx.bounds[ctx.rank]
+        batch["loss_targets"] = cp.local_targets(batch["labels"], lo, hi)
+        batch["loss_index"] = loss_index(batch["loss_targets"], shifted=True)
+        batch["context"] = ctx
+    else:
+        batch["loss_index"] = loss_index(batch["labels"])  # on the host: no device sync
+    batch["loss_chunks"] = _loss_chunks(w, len(batch["loss_index"]))
     return {n: v.to(w.device) if torch.is_tensor(v) else v for n, v in batch.items()}
+
+
+def _loss_chunks(w: PartWorker, positions: int) -> int:
+    """Loss chunks every rank runs: with FSDP2 the group's most (the ``lm_head`` unit's
+    collectives run once per chunk and must match across ranks), else this rank's."""
+    chunk = w.cfg.loss_chunk_tokens
+    if chunk is None or not w.fsdp:
+        return 1
+    n = torch.tensor([-(-positions // chunk)], dtype=torch.int64)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=w.rt.object_group)  # gloo, on the host
+    return int(n)
+
+
+def _context(w: PartWorker, seq_len: int, items: list[dict]):
+    """This rank's :class:`~ray_disagg.parallel.context_parallel.ContextSlice` of rows of
+    ``seq_len`` tokens (an error naming the samples when they are too short to split)."""
+    try:
+        bounds = tuple(cp.slice_bounds(seq_len, w.mp_size))
+    except ValueError as e:
+        ids = [_plain(it.get("id")) for it in items]
+        raise ValueError(f"LLM microbatch of samples {ids}: {e}") from None
+    return cp.ContextSlice(group=w.mp_mesh.get_group(), rank=w.mp_rank, bounds=bounds)
 
 
 class LLMModel:
@@ -144,8 +190,9 @@ class LLMModel:
     def loss(self, items, mb, received, n_labels):
         w = self.w
         batch = _collate(w, [items[p] for p in mb[w.part][w.dp_rank]])
+        ctx = batch.pop("context", None)
         chunk = w.cfg.loss_chunk_tokens
-        loss_args = (batch, received, n_labels, self.tp_group, self.vocab_start, chunk)
+        loss_args = (batch, received, n_labels, self.tp_group, self.vocab_start, chunk, ctx)
         with torch.autocast(w.device.type, torch.bfloat16, enabled=w.cfg.bf16):
             return w.runner(functools.partial(_loss, w.adapter, self.lm_head, *loss_args))
 
@@ -174,6 +221,8 @@ class LLMStep:
         for action in actions:
             with self.w.clock.span(waiting=action.op in WAITS):
                 handlers[action.op](action.mb)
+        if self.w.is_cp:  # the replica's loss: the sum of its ranks' slices
+            _sum_over_cp(self.w, [self.loss_sum])
 
     def send_inputs(self, _mb) -> None:
         """Read the replica's samples (leader), send the encoders theirs, share the LLM
@@ -220,6 +269,8 @@ class LLMStep:
         if loss.requires_grad:  # not: a frozen LLM with nothing trainable upstream
             loss.backward()
             w.backward_passes += 1
+            if w.is_cp:  # each cp rank has its slice's part of the crossings' gradients
+                _sum_over_cp(w, [v.grad for v in received.values() if v.grad is not None])
         self.loss_sum += loss.detach().to(torch.float64)
         self.tokens += sum(len(self.items[p]["input_ids"]) for p in mb[w.part][w.dp_rank])
 
@@ -285,6 +336,8 @@ def llm_train_loop(args: LoopArgs) -> None:
     if w.is_tp:
         plan, norms = w.adapter.llm_tp_plan(), w.adapter.per_head_norms
         tp_group, vocab_start = tp.parallelize_text(model, decoder, lm_head, w.mp_mesh, plan, norms)
+    if w.is_cp:
+        cp.enable_context_parallel(decoder)
     start = w.setup(model)
     data = get_session().fetch(args.dataset_ref[0])
     state = checkpoint.data_state(w.part, args)
