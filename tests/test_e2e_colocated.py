@@ -4,7 +4,13 @@ group) and the transfer tiers, on a real Ray cluster, against the single-process
 import pytest
 import torch
 
-from ray_disagg import HFModelSpec, SequenceParallel, TensorParallel, tiny_qwen2_5_vl_config
+from ray_disagg import (
+    ContextParallel,
+    HFModelSpec,
+    SequenceParallel,
+    TensorParallel,
+    tiny_qwen2_5_vl_config,
+)
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.testing.faults import fault_drill
 from tests.helpers import assert_matches_reference, checkpoint_state, group, run_layout, vt
@@ -53,10 +59,10 @@ def assert_paired_in_one_placement_group(metrics, n: int) -> None:
 @pytest.mark.parametrize(
     "vision,text",
     [
-        (lambda: group(2), lambda: group(2)),
+        (lambda: group(2), lambda: group(2, ContextParallel(size=2))),
         (lambda: group(2, SequenceParallel(size=2)), lambda: group(2, TensorParallel(size=2))),
     ],
-    ids=["2+2", "vision-dp1xsp2+text-tp2"],
+    ids=["2+text-cp2", "vision-dp1xsp2+text-tp2"],
 )
 def test_colocated_layouts_match_single_process(ray_start_4_cpus, setup, tmp_path, vision, text):
     spec, data = setup
