@@ -120,6 +120,11 @@ def test_plan_overrides_change_the_estimate(no_ray):
         ["plan", BIG, "groups.text.parallelism.size=4", "groups.text.parallelism.fsdp=true"]
     )
     assert estimate(fsdp)["text"].params == pytest.approx(base["text"].params, rel=0.01)
+    # context parallelism: the decoder's activations split over cp, the weights whole
+    cp = load_recipe(BIG, ["groups.text.parallelism={type: context, size: 4, fsdp: true}"])
+    assert type(cp.groups["text"].parallelism).__name__ == "ContextParallel"
+    one = load_recipe(BIG, ["groups.text.parallelism={type: context, size: 1, fsdp: true}"])
+    assert estimate(cp)["text"].activations < 0.5 * estimate(one)["text"].activations
 
 
 def test_overrides_are_dotted_yaml(no_ray):

@@ -56,7 +56,7 @@ import math
 import os
 import re
 
-from ray_disagg.config import SequenceParallel, TensorParallel
+from ray_disagg.config import ContextParallel, SequenceParallel, TensorParallel
 from ray_disagg.freezing import is_frozen
 
 __all__ = ["WorkerMemory", "estimate", "image_patches", "mesh", "render"]
@@ -81,7 +81,7 @@ class WorkerMemory:
 
 def mesh(group) -> tuple[tuple[str, str], tuple[int, int]]:
     """The group's device mesh axes and sizes, as the trainer builds it."""
-    mp = "sp" if isinstance(group.parallelism, SequenceParallel) else "tp"
+    mp = {SequenceParallel: "sp", ContextParallel: "cp"}.get(type(group.parallelism), "tp")
     axes = ("dp_shard" if group.fsdp else "dp", mp)
     return axes, (group.dp_size, group.model_parallel_size)
 
@@ -124,9 +124,12 @@ def _llm_activations(cfg, r, group, sched, a: int) -> float:
     tokens = samples * _seq_len(cfg, r)
     if r.loop.pack_sequences:
         tokens = math.ceil(tokens / r.loop.max_seq_len) * r.loop.max_seq_len
+    cp = group.model_parallel_size if isinstance(group.parallelism, ContextParallel) else 1
     layer = 4 * h + (2 * q + 2 * kv + 4 * i) / tp
     kept = layers * h + layer if group.activation_checkpointing else layers * layer
-    return tokens * ((kept + 2 * h) * a + vocab / tp * (a + 8))
+    # the decoder sees 1/cp of the tokens; logits exist for a chunk of them at a time
+    logit_rows = min(tokens / cp, r.loop.loss_chunk_tokens or math.inf)
+    return tokens / cp * kept * a + tokens * 2 * h * a + logit_rows * vocab / tp * (a + 8)
 
 
 def _vision_activations(cfg, r, group, sched, a: int, gated: bool) -> float:
