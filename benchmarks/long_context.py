@@ -8,8 +8,9 @@ layout on 4 worker processes:
   the whole model) over the whole HF model, activation checkpointing, one sample per
   worker: what a Ray user writes today with the public API;
 - (b) the seed's layout: vision Ulysses SP2 + LLM TP2, a sample per microbatch;
-- (c) vision SP2 + LLM CP2 with the chunked loss, a sample per microbatch (at this size
-  FSDP2's gathers cost more memory than the sharded weights save).
+- (c) vision SP2 + LLM CP2 with the chunked loss and activation checkpointing in both
+  groups, a sample per microbatch;
+- (d) as (c) with the LLM's weights, gradients and AdamW state sharded by FSDP2 over cp.
 
 The sweep: vision patches per sample before the merge (512, 1k, 2k, ... up to
 ``--max-patches``); a layout stops at its first size over ``--budget-mb`` or that fails.
@@ -133,19 +134,24 @@ def run_baseline(spec, patches: int, storage: str):
 def run_ours(spec, patches: int, storage: str, layout: str):
     if layout == "b":
         vision, text, extra = SequenceParallel(size=2), TensorParallel(size=2), {}
-    else:
-        vision, text = SequenceParallel(size=2), ContextParallel(size=2)
+    else:  # c, d: context parallel; d also shards the LLM's weights with FSDP2
+        vision, text = SequenceParallel(size=2), ContextParallel(size=2, fsdp=layout == "d")
         extra = {"loss_chunk_tokens": 1024}
     loop = {**LOOP, **extra, "micro_batches": BATCH, "schedule": "sequential"}
+    groups = {"vision": group(2, vision), "text": group(2, text)}
+    for g in groups.values():
+        g.activation_checkpointing = layout in "cd"
     trainer = DisaggregatedTrainer(
         model=spec,
-        groups={"vision": group(2, vision), "text": group(2, text)},
+        groups=groups,
         train_loop_config=loop,
         datasets={"train": samples(spec.load_config(), patches)},
         run_config=RunConfig(name=f"{layout}_{patches}", storage_path=storage),
     )
     result, procs = fit(trainer)
     last = load_metrics(result).iloc[-1]
+    groups = {g: float(last[f"{g}_peak_memory_mb"]) for g in ("vision", "text")}
+    print(f"  rank-0 peaks by group (MB, absolute): {groups}")
     return procs, float(last["step_time_s"]), float(last["tokens_per_s"])
 
 
@@ -161,13 +167,14 @@ def baseline_mb(storage: str) -> float:
 NAMES = {
     "a": "(a) TorchTrainer + FSDP2, AC",
     "b": "(b) vision SP2 + LLM TP2",
-    "c": "(c) vision SP2 + LLM CP2, chunked loss",
+    "c": "(c) vision SP2 + LLM CP2, AC, chunked",
+    "d": "(d) as (c), LLM CP2 x FSDP2",
 }
 
 
-def sweep(spec, sizes, budget: float, storage: str, base: float) -> dict:
-    out = {k: {} for k in NAMES}
-    for layout in NAMES:
+def sweep(spec, sizes, budget: float, storage: str, base: float, layouts) -> dict:
+    out = {k: {} for k in layouts}
+    for layout in layouts:
         for patches in sizes:
             try:
                 if layout == "a":
@@ -201,9 +208,9 @@ def report(out: dict, sizes, budget: float) -> dict:
             _, step, rate = points[sizes[0]]
             print(f"  {NAMES[layout]:<40} {step:7.2f} s  {rate:8.0f} tokens/s")
     if best.get("a"):
-        for k in ("b", "c"):
+        for k in [k for k in ("b", "c", "d") if k in best]:
             print(f"{NAMES[k]}: {best[k] / best['a']:.1f}x the patches of (a) within budget")
-        a, c = out["a"].get(sizes[0]), out["c"].get(sizes[0])
+        a, c = out["a"].get(sizes[0]), out.get("c", {}).get(sizes[0])
         if a and c:
             print(f"step time (c) / (a) at {sizes[0]} patches: {c[1] / a[1]:.2f}x (goal <= 1.0)")
     return best
@@ -235,6 +242,7 @@ def main():
     p.add_argument("--min-patches", type=int, default=512)
     p.add_argument("--budget-mb", type=float, default=1500.0)
     p.add_argument("--png", default=None, help="write the memory plot here")
+    p.add_argument("--layouts", default="abc", help="which of a, b, c, d to run")
     a = p.parse_args()
     sizes = [a.min_patches * 2**k for k in range(64) if a.min_patches * 2**k <= a.max_patches]
     spec = HFModelSpec(config=make_config(), seed=0)
@@ -245,7 +253,7 @@ def main():
     with tempfile.TemporaryDirectory() as storage:
         base = baseline_mb(storage)
         print(f"idle worker: {base:.0f} MB")
-        out = sweep(spec, sizes, a.budget_mb, storage, base)
+        out = sweep(spec, sizes, a.budget_mb, storage, base, list(a.layouts))
     report(out, sizes, a.budget_mb)
     if a.png:
         plot(out, a.budget_mb, a.png)
