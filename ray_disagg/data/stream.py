@@ -16,6 +16,7 @@ restart or resume continues with the next unread record: no repeat, no skip.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -210,13 +211,18 @@ class ConversationStream:
     def num_records(self) -> int:
         return self.index.num_records
 
+    @functools.cached_property
+    def adapter(self):
+        """The model family's adapter (its parts, their cost estimates)."""
+        from ray_disagg.models import get_adapter
+
+        return get_adapter(self.processor.config)
+
     def convert(self, i: int, read: RecordReader) -> dict:
         """Record ``i`` as an outcome: ``{"record": i, "status": "ok" | "bad" | "long",
         "message": why not ok, "sample": the pickled sample when ok, "costs": its
         :meth:`costs`}`` (pickled: rows of one schema whatever the sample's fields)."""
-        from ray_disagg.models import get_adapter
-
-        zero = [0.0] * len(get_adapter(self.processor.config).parts)  # one row schema
+        zero = [0.0] * len(self.adapter.parts)  # one row schema
         out = {"record": int(i), "status": OK, "message": "", "sample": b"", "costs": zero}
         try:
             record = read(int(i))
@@ -235,9 +241,7 @@ class ConversationStream:
     def costs(self, sample: dict) -> list[float]:
         """The sample's cost to each part (the adapter's ``parts`` order): LLM tokens, each
         encoder's estimate; what balanced assignment splits by."""
-        from ray_disagg.models import get_adapter
-
-        adapter = get_adapter(self.processor.config)
+        adapter = self.adapter
         return [
             float(len(sample["input_ids"]))
             if part == adapter.llm_part

@@ -27,10 +27,10 @@ def _sample(total: int, rate: float, fps: float, max_frames, multiple: int) -> n
     return np.linspace(0, total - 1, want).round().astype(int)
 
 
-def _decode(path, pick) -> tuple[np.ndarray, list[int], float]:
-    """``(frames, their indices in the video, the video's frames per second)`` of the
-    frames ``pick(total frames, fps)`` chooses. Only the chosen frames are kept in memory
-    when the container states its frame count."""
+def _decode(path, pick) -> tuple[np.ndarray, list[int], float, int]:
+    """``(frames, their indices in the video, the video's frames per second, its frame
+    count)`` of the frames ``pick(total frames, fps)`` chooses. Only the chosen frames are
+    kept in memory when the container states its frame count."""
     import av
 
     with av.open(os.fspath(path)) as container:
@@ -51,7 +51,7 @@ def _decode(path, pick) -> tuple[np.ndarray, list[int], float]:
         order = sorted(frames)
         keep = [order[i] for i in pick(len(order), rate)]
     keep = [int(i) for i in keep]
-    return np.stack([frames[i] for i in keep]), keep, rate
+    return np.stack([frames[i] for i in keep]), keep, rate, max(total, len(frames))
 
 
 def decode_video(
@@ -60,14 +60,12 @@ def decode_video(
     """``(frames [T, H, W, 3] uint8, sampled frames per second)``: ``T`` frames evenly
     spaced over the video, about ``fps`` per second of video, a multiple of ``multiple``
     (at least ``multiple``) and at most ``max_frames``."""
-    totals = {}
 
     def pick(total: int, rate: float) -> np.ndarray:
-        totals["n"] = max(totals.get("n", 0), total)
         return _sample(total, rate, fps, max_frames, multiple)
 
-    frames, keep, rate = _decode(path, pick)
-    return frames, len(keep) / (max(totals["n"], keep[-1] + 1) / rate)
+    frames, keep, rate, total = _decode(path, pick)
+    return frames, len(keep) / (total / rate)
 
 
 def video_patches(frames: np.ndarray, image_processor) -> tuple[np.ndarray, np.ndarray]:
@@ -129,7 +127,7 @@ def qwen3_video(
         n = min(max(int(total / rate * fps), vp.min_frames), most, total)
         return np.linspace(0, total - 1, n).round().astype(int)
 
-    frames, keep, rate = _decode(path, pick)
+    frames, keep, rate, _ = _decode(path, pick)
     p, m, t = vp.patch_size, vp.merge_size, vp.temporal_patch_size
     size, n = vp.size, len(frames)
     max_pixels = size["longest_edge"]

@@ -11,7 +11,7 @@ import numpy as np
 from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.models.packing import check_fits
 from ray_disagg.pipeline.assignment import BatchPlan
-from ray_disagg.worker.ingest import _from_row, is_ray_dataset, is_stream
+from ray_disagg.worker.ingest import _from_row, is_ray_dataset, is_record_stream, is_stream
 
 logger = logging.getLogger("ray_disagg.trainer")
 
@@ -29,7 +29,7 @@ def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups, validate: bo
         return None, None
     if is_ray_dataset(data):
         data = [_from_row(r) for r in data.take_all()]
-    elif is_stream(data):  # a conversation stream: converted here, once
+    elif is_record_stream(data):  # converted here, once
         data = list(data.samples())
     if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
         raise ValueError(
@@ -111,7 +111,7 @@ def train_set(datasets):
 
 
 def num_samples(data, reader_dp: int) -> int:
-    if is_stream(data) and not is_ray_dataset(data):
+    if is_record_stream(data):
         return data.num_records  # at most: records may be dropped
     if not is_ray_dataset(data):
         return len(data)

@@ -108,6 +108,11 @@ class BatchPlan:
             )
 
     @property
+    def reader_group(self) -> str:
+        """The reading group (``reader``, or the first group)."""
+        return self.reader or next(iter(self.dp_sizes))
+
+    @property
     def steps_per_epoch(self) -> int:
         return self.num_samples // self.global_batch_size
 
@@ -134,7 +139,7 @@ class BatchPlan:
         batch position (a balanced stream's step). With one microbatch and no costs this is
         :meth:`span` for every group."""
         b, k = self.global_batch_size, self.micro_batches
-        reader = self.reader or next(iter(self.dp_sizes))
+        reader = self.reader_group
         cost = self._position_costs(step, step_costs)
 
         def split(group: str, positions: list[int]) -> list[list[int]]:
@@ -172,8 +177,7 @@ class BatchPlan:
         some microbatch of ``step`` (they exchange messages that step), ascending; ``mbs``:
         ``assign(step)`` when the caller has it already. With ``streamed_costs``, between
         the reader and another group: every replica (the inputs go to all)."""
-        reader = self.reader or next(iter(self.dp_sizes))
-        if self.streamed_costs and reader in (group, other):
+        if self.streamed_costs and self.reader_group in (group, other):
             return list(range(self.dp_sizes[other]))
         mbs = self.assign(step) if mbs is None else mbs
         return [

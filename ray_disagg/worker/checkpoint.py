@@ -270,33 +270,25 @@ def _schedule_note(module_dir: str, cfg) -> str | None:
     )
 
 
-def _start_checkpoint(args):
+def _data_state(module_dir: str) -> dict | None:
+    """The data position saved in a module directory (``None``: not written by a stream)."""
+    path = os.path.join(module_dir, DATA_STATE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def restore(model, optimizer, module: str, args, log=None) -> tuple[int, dict | None]:
+    """Load the latest checkpoint of this run (Ray Train hands it to restarted workers)
+    or ``resume_from_checkpoint``; returns the step to start from and the data position
+    saved with it (``None``: none, or not written by a stream). ``log`` gets a note when
+    the checkpoint's lr schedule differs from this run's."""
     from ray_disagg.worker.session import get_session
 
-    return get_session().restart_checkpoint() or args.resume_from_checkpoint
-
-
-def data_state(module: str, args) -> dict | None:
-    """The data position saved with the checkpoint this run starts from (``None``: no
-    checkpoint, or it was not written by a stream)."""
-    ckpt = _start_checkpoint(args)
+    ckpt = get_session().restart_checkpoint() or args.resume_from_checkpoint
     if ckpt is None:
-        return None
-    with ckpt.as_directory() as root:
-        path = os.path.join(root, module, DATA_STATE)
-        if not os.path.isfile(path):
-            return None
-        with open(path) as f:
-            return json.load(f)
-
-
-def restore(model, optimizer, module: str, args, log=None) -> int:
-    """Load the latest checkpoint of this run (Ray Train hands it to restarted workers)
-    or ``resume_from_checkpoint``; returns the step to start from. ``log`` gets a note
-    when the checkpoint's lr schedule differs from this run's."""
-    ckpt = _start_checkpoint(args)
-    if ckpt is None:
-        return 0
+        return 0, None
     with ckpt.as_directory() as root:
         check_compatible(root, args.spec.load_config(), args.cfg.max_steps)
         module_dir = os.path.join(root, module)
@@ -307,4 +299,4 @@ def restore(model, optimizer, module: str, args, log=None) -> int:
         note = _schedule_note(module_dir, args.cfg)
         if note and log is not None:
             log(f"{module}: {note}")
-        return trained_steps(module_dir)
+        return trained_steps(module_dir), _data_state(module_dir)

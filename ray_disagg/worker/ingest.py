@@ -21,11 +21,16 @@ def is_ray_dataset(data) -> bool:
     return isinstance(data, ray.data.Dataset)
 
 
-def is_stream(data) -> bool:
-    """Whether ``data`` is read while training runs (no length or costs up front)."""
+def is_record_stream(data) -> bool:
+    """Whether ``data`` is a :class:`~ray_disagg.data.stream.ConversationStream`."""
     from ray_disagg.data.stream import ConversationStream
 
-    return is_ray_dataset(data) or isinstance(data, ConversationStream)
+    return isinstance(data, ConversationStream)
+
+
+def is_stream(data) -> bool:
+    """Whether ``data`` is read while training runs (no length or costs up front)."""
+    return is_ray_dataset(data) or is_record_stream(data)
 
 
 class MapStyleSource:
@@ -68,7 +73,7 @@ def make_source(
     """Collective over the reading group when ``data`` is a Ray Dataset (the splits go
     to every rank over ``object_group``, a gloo group). A conversation stream's source is
     on every rank (its reads agree over ``object_group``), positioned at ``state``."""
-    if not is_ray_dataset(data) and is_stream(data):
+    if is_record_stream(data):
         from ray_disagg.worker.record_source import RecordSource
 
         return RecordSource(data, plan, group, dp_rank, is_leader, object_group, state)

@@ -25,7 +25,7 @@ from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.pipeline.assignment import count_label_tokens
 from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expect
 from ray_disagg.pipeline.schedule import WAITS, Op, llm_actions
-from ray_disagg.worker import checkpoint, faults_hook, ingest, metrics
+from ray_disagg.worker import faults_hook, ingest, metrics
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.part_worker import PartWorker
 from ray_disagg.worker.session import get_session
@@ -340,9 +340,8 @@ def llm_train_loop(args: LoopArgs) -> None:
         cp.enable_context_parallel(decoder)
     start = w.setup(model)
     data = get_session().fetch(args.dataset_ref[0])
-    state = checkpoint.data_state(w.part, args)
     source = ingest.make_source(
-        data, args.plan, w.dp_rank, w.leader, w.part, w.rt.object_group, state
+        data, args.plan, w.dp_rank, w.leader, w.part, w.rt.object_group, w.data_state
     )
     llm = LLMModel(w, model, lm_head, tp_group, vocab_start)
     evaluate = None

@@ -95,7 +95,10 @@ class PartWorker:
         hf_config = self.args.spec.load_config() if self.is_llm else None
         lead = self.group_rank == 0
         self.writer = checkpoint.ShardWriter(self.part, lead, hf_config, self.cfg)
-        self.start = checkpoint.restore(model, self.opt, self.part, self.args, log=log)
+        # data_state: a stream's read position, saved with the LLM's checkpoint
+        self.start, self.data_state = checkpoint.restore(
+            model, self.opt, self.part, self.args, log=log
+        )
         if log is not None:
             n_all = sum(p.numel() for p in model.parameters())
             n_train = sum(p.numel() for p in self.params)

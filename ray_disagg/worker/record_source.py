@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from ray_disagg.data.stream import BAD, OK, epoch_order
-from ray_disagg.models import get_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ class RecordSource:
         self.seed, self.shuffle = plan.seed, plan.shuffle
         self.per_step = plan.global_batch_size // self.dp
         self.balanced = plan.streamed_costs  # the step's costs go to every LLM rank
-        self.parts = get_adapter(stream.processor.config).parts
+        self.parts = stream.adapter.parts
         self.step_costs = None  # the last step's, when balanced
         self.epoch, self.pos, self.bad, self.long = self._resume(state)
         self.totals = (0, 0)  # every leader's (bad, too long), as of the last read
