@@ -16,6 +16,8 @@ import pickle
 
 import numpy as np
 
+from ray_disagg.models.base import IGNORE_INDEX
+
 __all__ = ["describe", "record_statistics", "recipe_statistics"]
 
 
@@ -26,7 +28,9 @@ def record_statistics(stream, n: int = 64, seed: int = 0) -> dict:
     order = epoch_order(stream.num_records, seed, 0, shuffle=True)[:n]
     read, out = RecordReader(stream.index), {"tokens": [], "media": [], "labels": []}
     out.update(bad=0, long=0, sampled=len(order), records=stream.num_records)
-    pads = {stream.processor.config.image_token_id, stream.processor.config.video_token_id}
+    cfg = stream.processor.config
+    kinds = ("image_token_id", "video_token_id", "audio_token_id")  # audio: Omni only
+    pads = [getattr(cfg, k) for k in kinds if getattr(cfg, k, None) is not None]
     for i in order:
         outcome = stream.convert(int(i), read)
         if outcome["status"] in (BAD, LONG):
@@ -35,8 +39,8 @@ def record_statistics(stream, n: int = 64, seed: int = 0) -> dict:
         sample = pickle.loads(outcome["sample"])
         ids = np.asarray(sample["input_ids"])
         out["tokens"].append(len(ids))
-        out["media"].append(int(np.isin(ids, list(pads)).sum()))
-        out["labels"].append(int((np.asarray(sample["labels"]) != -100).sum()))
+        out["media"].append(int(np.isin(ids, pads).sum()))
+        out["labels"].append(int((np.asarray(sample["labels"]) != IGNORE_INDEX).sum()))
     return out
 
 
