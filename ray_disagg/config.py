@@ -114,24 +114,31 @@ class ContextParallel:
     and attends over the whole sequence with ``1 / size`` of the heads (an all-to-all
     before and after attention). Activations per worker shrink with ``size``.
 
-    The group's ``num_workers`` must be a multiple of ``size`` (mesh axes ``("dp",
-    "cp")``); ``size`` must divide the attention and KV heads.
+    The group's ``num_workers`` must be a multiple of ``size x tp`` (mesh axes ``("dp",
+    "cp")``, with ``tp > 1`` ``("dp", "cp", "tp")``); ``size x tp`` must divide the
+    attention and KV heads.
 
     Example:
-        >>> ContextParallel(size=2)
-        ContextParallel(size=2, fsdp=False)
+        >>> ContextParallel(size=2, tp=2)
+        ContextParallel(size=2, tp=2, fsdp=False)
     """
 
     size: int
     """Number of workers that split each sequence."""
 
+    tp: int = 1
+    """Tensor-parallel degree inside each context-parallel rank (Megatron-style, as
+    :class:`TensorParallel`): a replica is ``size x tp`` workers."""
+
     fsdp: bool = False
-    """Also shard parameters, gradients and AdamW state over all ``dp x cp`` workers of
-    the group with FSDP2."""
+    """Also shard parameters, gradients and AdamW state with FSDP2 over every worker that
+    holds the same tensor-parallel shard (all ``dp x cp`` workers of one tp rank)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or self.size < 1:
             raise ValueError(f"ContextParallel(size={self.size!r}): size must be an int >= 1.")
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"ContextParallel(tp={self.tp!r}): tp must be an int >= 1.")
         _check_sharding(self)
 
 
@@ -213,10 +220,15 @@ class ModuleGroup:
             raise ValueError(f"ModuleGroup(lr_multiplier={lm!r}): must be a finite float >= 0.")
         if lm < 0:
             raise ValueError(f"ModuleGroup(lr_multiplier={lm!r}): must be a finite float >= 0.")
-        size = getattr(self.parallelism, "size", 1)
+        size = self.model_parallel_size
         if n % size:
+            what = (
+                f"size={size}"
+                if size == getattr(self.parallelism, "size", 1)
+                else (f"size x tp={size}")
+            )
             raise ValueError(
-                f"{type(self.parallelism).__name__}(size={size}) must divide the group's "
+                f"{type(self.parallelism).__name__}({what}) must divide the group's "
                 f"num_workers={n}; use a size that divides it or change num_workers."
             )
 
@@ -226,8 +238,19 @@ class ModuleGroup:
 
     @property
     def model_parallel_size(self) -> int:
-        """SP, TP or CP degree (1 for data parallel)."""
-        return getattr(self.parallelism, "size", 1)
+        """Workers of one replica: the SP, TP or CP x TP degree (1 for data parallel)."""
+        return getattr(self.parallelism, "size", 1) * getattr(self.parallelism, "tp", 1)
+
+    @property
+    def mesh_layout(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The group's device mesh: shape and axis names, data parallel first (``"dp"``,
+        ``"dp_shard"`` with FSDP2), then the replica's axes (``"sp"``, ``"tp"``, ``"cp"``
+        or ``"cp", "tp"``)."""
+        p, dp = self.parallelism, "dp_shard" if self.fsdp else "dp"
+        if isinstance(p, ContextParallel) and p.tp > 1:
+            return (self.dp_size, p.size, p.tp), (dp, "cp", "tp")
+        mp = {SequenceParallel: "sp", ContextParallel: "cp"}.get(type(p), "tp")
+        return (self.dp_size, self.model_parallel_size), (dp, mp)
 
     @property
     def dp_size(self) -> int:

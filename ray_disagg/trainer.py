@@ -15,7 +15,7 @@ import pandas as pd
 import ray
 from ray.train import Checkpoint, Result, RunConfig, ScalingConfig
 
-from ray_disagg.config import ContextParallel, ModuleGroup, SequenceParallel
+from ray_disagg.config import ContextParallel, ModuleGroup
 from ray_disagg.freezing import frozen_parts
 from ray_disagg.launch import datasets as dsc
 from ray_disagg.launch import ray_compat as rc
@@ -334,13 +334,11 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
                 loop = functools.partial(llm_train_loop, args)
             else:
                 loop = functools.partial(encoder_train_loop, args, name)
-            mp_axis = {SequenceParallel: "sp", ContextParallel: "cp"}.get(
-                type(group.parallelism), "tp"
-            )
+            shape, axes = group.mesh_layout
             backend = ModuleBackendConfig(
                 module=name,
-                mesh_shape=(group.dp_size, group.model_parallel_size),
-                mesh_axes=("dp_shard" if group.fsdp else "dp", mp_axis),
+                mesh_shape=shape,
+                mesh_axes=axes,
                 timeout_s=self.loop_config.collective_timeout_s,
             )
             out[name] = (loop, backend)

@@ -125,6 +125,12 @@ def test_plan_overrides_change_the_estimate(no_ray):
     assert type(cp.groups["text"].parallelism).__name__ == "ContextParallel"
     one = load_recipe(BIG, ["groups.text.parallelism={type: context, size: 1, fsdp: true}"])
     assert estimate(cp)["text"].activations < 0.5 * estimate(one)["text"].activations
+    # cp x tp: a 3-D mesh, the weights sharded over tp, FSDP2 over dp x cp
+    cptp = "groups.text.parallelism={type: context, size: 2, tp: 4, fsdp: true}"
+    assert '("dp_shard", "cp", "tp") = (1, 2, 4)' in main(["plan", BIG, cptp])
+    assert estimate(load_recipe(BIG, [cptp]))["text"].params == pytest.approx(
+        base["text"].params, rel=0.01
+    )
 
 
 def test_overrides_are_dotted_yaml(no_ray):

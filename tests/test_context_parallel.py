@@ -119,8 +119,10 @@ def test_context_parallel_degrees_and_short_sequences_are_checked():
         (2, {}, {}),  # cp2
         (4, {}, {"pack_sequences": True, "max_seq_len": 200}),  # dp2 x cp2, packed rows
         (2, {"fsdp": True}, {"loss_chunk_tokens": 3}),  # cp2 x FSDP2, chunked loss
+        (4, {"tp": 2}, {"loss_chunk_tokens": 4}),  # cp2 x tp2 (mesh dp x cp x tp)
+        (4, {"tp": 2, "fsdp": True}, {"pack_sequences": True, "max_seq_len": 200}),
     ],
-    ids=["cp2", "dp2xcp2-packed", "cp2-fsdp2-chunked"],
+    ids=["cp2", "dp2xcp2-packed", "cp2-fsdp2-chunked", "cp2xtp2", "cp2xtp2-fsdp2-packed"],
 )
 def test_cp_layouts_train_like_the_single_process_model(workers, cp, extra, tmp_path):
     """The real workers (without Ray): losses and parameters after 2 steps equal the

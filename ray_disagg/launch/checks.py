@@ -15,12 +15,13 @@ from ray_disagg.models import loading
 
 def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
     llm = groups[adapter.llm_part].parallelism
-    if isinstance(llm, TensorParallel) and llm.size > 1:
+    if (isinstance(llm, TensorParallel) and llm.size > 1) or getattr(llm, "tp", 1) > 1:
         tied = loading.tied_parameters(loading.meta_model(adapter))
         if tied:
             raise ValueError(
                 f"This {adapter.model_type} model ties {sorted(tied)} to the input "
-                "embedding (tie_word_embeddings), which TensorParallel does not support yet; "
+                "embedding (tie_word_embeddings), which tensor parallelism does not support "
+                "yet; "
                 f"use DataParallel(fsdp=True) for the {adapter.llm_part!r} group."
             )
     for part, group in groups.items():
@@ -45,12 +46,30 @@ def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
                 f"groups that support it: {list(allowed)}. Use 'none' (data parallel) or "
                 f"another parallelism for {part!r}."
             )
-        sizes = dict(adapter.head_counts(part))
-        if isinstance(p, SequenceParallel | ContextParallel):
-            sizes = {k: v for k, v in sizes.items() if "heads" in k}
-        for what, value in sizes.items():
-            if value % p.size:
+        _check_divides(adapter.head_counts(part), p, part)
+
+
+def _degrees(p) -> list[tuple[str, int, str]]:
+    """``(setting, degree, sizes)`` of a layout: its degree must divide the sizes named
+    ``"all"``, ``"heads"`` (every head count) or ``"query heads"`` (context parallelism
+    repeats KV heads that do not split, as grouped-query attention does anyway)."""
+    if isinstance(p, ContextParallel):
+        cp = [(f"size x tp={p.size * p.tp}" if p.tp > 1 else f"size={p.size}", p.size * p.tp)]
+        return [(*cp[0], "query heads")] + ([(f"tp={p.tp}", p.tp, "all")] if p.tp > 1 else [])
+    return [(f"size={p.size}", p.size, "heads" if isinstance(p, SequenceParallel) else "all")]
+
+
+def _applies(sizes: str, what: str) -> bool:
+    if sizes == "query heads":
+        return what == "num_attention_heads"
+    return sizes == "all" or "heads" in what
+
+
+def _check_divides(counts: dict[str, int], p, part: str) -> None:
+    for setting, degree, sizes in _degrees(p):
+        for what, value in counts.items():
+            if _applies(sizes, what) and value % degree:
                 raise ValueError(
-                    f"{kind}(size={p.size}) in the {part} group does not divide "
-                    f"{what}={value}; choose a size that divides {value}."
+                    f"{type(p).__name__}({setting}) in the {part} group does not divide "
+                    f"{what}={value}; choose a degree that divides {value}."
                 )

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from ray_disagg.models.base import IGNORE_INDEX
 from ray_disagg.parallel.ulysses import HeadsToSeq, SeqToHeads
@@ -121,16 +122,21 @@ def context_attention(
 ):
     """``AttentionInterface`` function: ``query/key/value`` ``(B, H, s, d)`` (this rank's
     positions) -> ``(B, s, H, d)``. With a :class:`ContextSlice` (``context``): attends over
-    the whole sequence with this rank's share of the heads; without one, plain SDPA."""
+    the whole sequence with this rank's share of the heads (KV heads that do not split over
+    the ranks are repeated first, as grouped-query attention repeats them anyway); without
+    one, plain SDPA."""
     cp: ContextSlice | None = context
     if cp is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     b, h, s, d = query.shape
+    if key.shape[1] % len(cp.bounds):  # fewer KV heads than ranks: repeat them per query
+        key, value = (repeat_kv(t, h // key.shape[1]) for t in (key, value))
     q, k, v = (_to_heads(t, cp) for t in (query, key, value))
+    heads = SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], is_causal=True)
     out, _ = sdpa_attention_forward(
-        module, q, k, v, cp.mask, scaling=scaling, dropout=dropout, is_causal=cp.mask is None
+        heads, q, k, v, cp.mask, scaling=scaling, dropout=dropout, is_causal=cp.mask is None
     )  # (B, S, H / n, d)
     x = out.permute(1, 2, 0, 3).reshape(out.shape[1], out.shape[2], b * d).contiguous()
     y = HeadsToSeq.apply(x, cp.seq_lens, cp.rank, cp.group)  # (s, H, B * d)

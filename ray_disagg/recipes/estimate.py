@@ -56,7 +56,6 @@ import math
 import os
 import re
 
-from ray_disagg.config import ContextParallel, SequenceParallel, TensorParallel
 from ray_disagg.freezing import is_frozen
 
 __all__ = ["WorkerMemory", "estimate", "image_patches", "mesh", "render"]
@@ -79,11 +78,16 @@ class WorkerMemory:
         return self.params + self.grads + self.optimizer + (self.activations or 0.0)
 
 
-def mesh(group) -> tuple[tuple[str, str], tuple[int, int]]:
+def mesh(group) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The group's device mesh axes and sizes, as the trainer builds it."""
-    mp = {SequenceParallel: "sp", ContextParallel: "cp"}.get(type(group.parallelism), "tp")
-    axes = ("dp_shard" if group.fsdp else "dp", mp)
-    return axes, (group.dp_size, group.model_parallel_size)
+    shape, axes = group.mesh_layout
+    return axes, shape
+
+
+def _degree(group, axis: str) -> int:
+    """The group's size along mesh axis ``axis`` (1 when it has no such axis)."""
+    shape, axes = group.mesh_layout
+    return dict(zip(axes, shape)).get(axis, 1)
 
 
 def _tp_sharded(adapter, part: str, name: str) -> bool:
@@ -119,12 +123,12 @@ def _llm_activations(cfg, r, group, sched, a: int) -> float:
     h, layers, i, vocab = t.hidden_size, t.num_hidden_layers, t.intermediate_size, t.vocab_size
     head_dim = getattr(t, "head_dim", None) or h // t.num_attention_heads
     q, kv = t.num_attention_heads * head_dim, t.num_key_value_heads * head_dim
-    tp = group.model_parallel_size if isinstance(group.parallelism, TensorParallel) else 1
+    tp = _degree(group, "tp")
     samples = math.ceil(r.loop.global_batch_size / (group.dp_size * sched.micro_batches))
     tokens = samples * _seq_len(cfg, r)
     if r.loop.pack_sequences:
         tokens = math.ceil(tokens / r.loop.max_seq_len) * r.loop.max_seq_len
-    cp = group.model_parallel_size if isinstance(group.parallelism, ContextParallel) else 1
+    cp = _degree(group, "cp")
     layer = 4 * h + (2 * q + 2 * kv + 4 * i) / tp
     kept = layers * h + layer if group.activation_checkpointing else layers * layer
     # the decoder sees 1/cp of the tokens; logits exist for a chunk of them at a time
@@ -137,8 +141,7 @@ def _vision_activations(cfg, r, group, sched, a: int, gated: bool) -> float:
     h = getattr(v, "embed_dim", None) or v.hidden_size
     i = getattr(v, "intermediate_size", None) or int(h * v.mlp_ratio)
     out = getattr(v, "out_hidden_size", None) or v.hidden_size
-    tp = group.model_parallel_size if isinstance(group.parallelism, TensorParallel) else 1
-    sp = group.model_parallel_size if isinstance(group.parallelism, SequenceParallel) else 1
+    tp, sp = _degree(group, "tp"), _degree(group, "sp")
     samples = math.ceil(r.loop.global_batch_size / (group.dp_size * sched.micro_batches))
     per_image, _ = image_patches(v, r.plan["image_size"])
     patches = samples * r.plan["images_per_sample"] * per_image / sp
@@ -172,7 +175,7 @@ def estimate(r) -> dict[str, WorkerMemory]:
     out = {}
     for part, group in r.groups.items():
         params = dict(r.model.meta_model(part).named_parameters())
-        tp = group.model_parallel_size if isinstance(group.parallelism, TensorParallel) else 1
+        tp = _degree(group, "tp")
         fsdp = group.num_workers // tp if group.fsdp else 1
         zero1 = group.num_workers if getattr(group.parallelism, "zero1", False) else 1
         local = trainable = 0.0
@@ -307,7 +310,7 @@ def render(r) -> str:
                 str(g.num_workers),
                 f"{dict(sc._resources_per_worker_not_none)} {sc.placement_strategy}",
                 _parallelism(g.parallelism),
-                f'("{axes[0]}", "{axes[1]}") = ({shape[0]}, {shape[1]})',
+                f"({', '.join(f'{a!r}' for a in axes)}) = {shape}".replace("'", '"'),
                 "yes" if g.activation_checkpointing else "no",
                 trainable,
                 f"{g.lr_multiplier:g}",

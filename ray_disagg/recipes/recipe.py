@@ -111,7 +111,7 @@ PARALLELISM = {  # type -> (class, allowed keys)
     "data": (DataParallel, ("zero1", "fsdp")),
     "sequence": (SequenceParallel, ("size", "zero1", "fsdp")),
     "tensor": (TensorParallel, ("size", "fsdp")),
-    "context": (ContextParallel, ("size", "fsdp")),
+    "context": (ContextParallel, ("size", "tp", "fsdp")),
 }
 RUN = {"name": None, "storage_path": None, "max_failures": 0, "checkpoint": None}
 CHECKPOINT = {"num_to_keep": None, "score_attribute": None, "order": "max"}

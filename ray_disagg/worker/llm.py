@@ -118,11 +118,11 @@ def _send_grads(w: PartWorker, received: dict, routes, mb, key: StepKey, j: int)
 
 def _sum_over_cp(w: PartWorker, tensors: list[torch.Tensor]) -> None:
     for t in tensors:
-        dist.all_reduce(t, group=w.mp_mesh.get_group())
+        dist.all_reduce(t, group=w.cp_mesh.get_group())
 
 
 def _share(w: PartWorker, received):
-    """tp: the leader's crossing tensors on every tp rank."""
+    """The leader's crossing tensors on every rank of its replica (tp, cp)."""
     shapes = {k: tuple(v.shape) for k, v in received.items()} if w.leader else None
     shapes = w.broadcast_object(shapes)
     received = {k: v.to(w.device) for k, v in received.items()}
@@ -166,11 +166,12 @@ def _context(w: PartWorker, seq_len: int, items: list[dict]):
     """This rank's :class:`~ray_disagg.parallel.context_parallel.ContextSlice` of rows of
     ``seq_len`` tokens (an error naming the samples when they are too short to split)."""
     try:
-        bounds = tuple(cp.slice_bounds(seq_len, w.mp_size))
+        bounds = tuple(cp.slice_bounds(seq_len, w.cp_mesh.size()))
     except ValueError as e:
         ids = [_plain(it.get("id")) for it in items]
         raise ValueError(f"LLM microbatch of samples {ids}: {e}") from None
-    return cp.ContextSlice(group=w.mp_mesh.get_group(), rank=w.mp_rank, bounds=bounds)
+    rank = w.cp_mesh.get_local_rank()
+    return cp.ContextSlice(group=w.cp_mesh.get_group(), rank=rank, bounds=bounds)
 
 
 class LLMModel:
@@ -335,7 +336,7 @@ def llm_train_loop(args: LoopArgs) -> None:
     decoder, lm_head = w.adapter.llm_modules(model)
     if w.is_tp:
         plan, norms = w.adapter.llm_tp_plan(), w.adapter.per_head_norms
-        tp_group, vocab_start = tp.parallelize_text(model, decoder, lm_head, w.mp_mesh, plan, norms)
+        tp_group, vocab_start = tp.parallelize_text(model, decoder, lm_head, w.tp_mesh, plan, norms)
     if w.is_cp:
         cp.enable_context_parallel(decoder)
     start = w.setup(model)

@@ -28,7 +28,8 @@ def _flat_mesh(mesh, device):
 
 class PartWorker:
     """One worker of group ``part`` (mesh axes ``("dp", <mp axis>)``, the mp axis ``"sp"``,
-    ``"cp"`` or ``"tp"``). The model-parallel rank 0 of each replica is its leader: it reads or
+    ``"cp"`` or ``"tp"``, or ``("dp", "cp", "tp")``). A replica's ranks form its
+    model-parallel group (``mp_mesh``); its rank 0 is the replica's leader: it reads or
     receives the samples and talks to the other groups."""
 
     def __init__(self, args: LoopArgs, part: str):
@@ -37,19 +38,23 @@ class PartWorker:
         self.rt = get_runtime()
         self.device = self.rt.device
         self.channel = self.rt.wait_channel(self.cfg.collective_timeout_s)
-        mesh = self.rt.mesh
-        self.dp_mesh = mesh[mesh.mesh_dim_names[0]]  # "dp", or "dp_shard" with FSDP2
-        self.mp_axis = mesh.mesh_dim_names[1]
-        self.mp_mesh = mesh[self.mp_axis]
+        mesh, names = self.rt.mesh, self.rt.mesh.mesh_dim_names
+        self.dp_mesh = mesh[names[0]]  # "dp", or "dp_shard" with FSDP2
+        self.mp_axis = "_".join(names[1:])  # "sp", "tp", "cp" or "cp_tp"
+        self.mp_mesh = mesh[names[1]] if len(names) == 2 else mesh[names[1:]]._flatten()
         self.dp_rank, self.group_rank = self.dp_mesh.get_local_rank(), mesh.get_rank()
         self.mp_size, self.mp_rank = self.mp_mesh.size(), self.mp_mesh.get_local_rank()
         self.leader = self.mp_rank == 0
         self.mp_src = self.group_rank - self.mp_rank
-        self.is_tp = self.mp_axis == "tp" and self.mp_size > 1
+        self.tp_mesh = mesh["tp"] if "tp" in names else None
+        self.cp_mesh = mesh["cp"] if "cp" in names else None
+        self.is_tp = self.tp_mesh is not None and self.tp_mesh.size() > 1
+        self.is_cp = self.cp_mesh is not None and self.cp_mesh.size() > 1
         self.is_sp = self.mp_axis == "sp" and self.mp_size > 1
-        self.is_cp = self.mp_axis == "cp" and self.mp_size > 1
         self.group = args.groups[part]
         self.fsdp = self.group.fsdp
+        # None: the whole group (its default process group) without FSDP2
+        self.shard_mesh = self._shard_mesh() if self.fsdp or self.tp_mesh else None
         self.frozen = part in args.frozen_parts  # every parameter frozen: forward only
         self.is_llm = part == self.adapter.llm_part
         self.clock = StepClock()
@@ -81,10 +86,8 @@ class PartWorker:
         the checkpoint writer and the restore; returns the step to start from."""
         self.model = model
         self.runner = fsdp.PartRunner(model)
-        if self.fsdp:
-            # tp: shard over dp_shard (FSDP2 x TP); sp/dp: over every rank of the group
-            shard_mesh = self.dp_mesh if self.is_tp else _flat_mesh(self.rt.mesh, self.device)
-            fsdp.apply_fsdp(self.runner, shard_mesh, self.cfg.bf16, self._own_units(model))
+        if self.fsdp:  # over the ranks that hold the same tp shard (FSDP2 x TP)
+            fsdp.apply_fsdp(self.runner, self.shard_mesh, self.cfg.bf16, self._own_units(model))
         log = log_line if self.group_rank == 0 else None
         self.args.spec.materialize(model, self.device, self.part, log=log)
         if self.is_tp:
@@ -107,6 +110,15 @@ class PartWorker:
                 f"trainable; starting at step {self.start + 1}/{self.cfg.max_steps}"
             )
         return self.start
+
+    def _shard_mesh(self):
+        """1-D mesh over the ranks whose gradients are partial sums of the same tensors:
+        ``dp`` with TP, ``dp x cp`` with CP x TP, else the whole group. FSDP2 shards over
+        it; without FSDP2 the gradients are all-reduced over it."""
+        mesh, names = self.rt.mesh, self.rt.mesh.mesh_dim_names
+        if names[-1] != "tp":
+            return _flat_mesh(mesh, self.device)
+        return self.dp_mesh if len(names) == 2 else mesh[names[:2]]._flatten()
 
     def _own_units(self, model) -> list[torch.nn.Module]:
         """FSDP2 units besides the blocks: the LLM's input embedding and ``lm_head`` (large

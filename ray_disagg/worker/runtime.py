@@ -90,14 +90,13 @@ def init_runtime(module: str, mesh_shape: tuple[int, ...], mesh_axes: tuple[str,
 
 
 def _object_groups(mesh: DeviceMesh, device: torch.device):
-    """Gloo groups for pickled objects: the whole group and each model-parallel group (on
-    CPU the mesh's own groups are gloo already). Every rank creates every group, in mesh
-    order, as ``new_group`` requires."""
-    mp = mesh[mesh.mesh_dim_names[-1]]
-    if device.type == "cpu":
-        return dist.group.WORLD, mp.get_group()
-    whole = dist.new_group(backend="gloo")
-    rows = mesh.mesh.reshape(-1, mesh.mesh.shape[-1]).tolist()  # the ranks of each mp group
+    """Gloo groups for pickled objects: the whole group and each replica's model-parallel
+    group, every axis after the first (on CPU a 2-D mesh's own groups are gloo already).
+    Every rank creates every group, in mesh order, as ``new_group`` requires."""
+    if device.type == "cpu" and mesh.ndim == 2:
+        return dist.group.WORLD, mesh[mesh.mesh_dim_names[1]].get_group()
+    whole = dist.group.WORLD if device.type == "cpu" else dist.new_group(backend="gloo")
+    rows = mesh.mesh.reshape(mesh.mesh.shape[0], -1).tolist()  # the ranks of each replica
     mine, _ = dist.new_subgroups_by_enumeration(rows, backend="gloo")
     return whole, mine
 

@@ -75,15 +75,16 @@ def scale_grads(params: Iterable[torch.nn.Parameter], coef: float) -> None:
 
 
 def reduce_grads(w) -> None:
-    """Sum the gradients over the replicas (tp: over ``dp``, whose replicas differ in
-    samples only; dp x sp: over the whole group, whose sp ranks hold partial sums of the
-    replicated weights); FSDP2 reduce-scattered them in backward already. TP: the partial
-    sums of the replicated norms over ``tp``."""
+    """Sum the gradients over the ranks that hold the same weights (``w.shard_mesh``: tp:
+    over ``dp``, whose replicas differ in samples only; cp x tp: over ``dp x cp``; dp, sp
+    and cp: over the whole group, whose sp / cp ranks hold partial sums of the replicated
+    weights); FSDP2 reduce-scattered them in backward already. TP: the partial sums of the
+    replicated norms over ``tp``."""
     if not w.fsdp:
-        reduce = w.dp_mesh.get_group() if w.mp_axis == "tp" else dist.group.WORLD
+        reduce = dist.group.WORLD if w.shard_mesh is None else w.shard_mesh.get_group()
         all_reduce_gradients(w.params, reduce)
     if w.is_tp:
-        tp.all_reduce_partial_grads(w.params, w.mp_mesh.get_group())
+        tp.all_reduce_partial_grads(w.params, w.tp_mesh.get_group())
 
 
 def record(w, stats, sq: float, inflight: int) -> None:
