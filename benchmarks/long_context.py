@@ -7,7 +7,8 @@ layout on 4 worker processes:
 - (a) ``ray.train.torch.TorchTrainer`` + FSDP2 (``fully_shard`` per block and layer, then
   the whole model) over the whole HF model, activation checkpointing, one sample per
   worker: what a Ray user writes today with the public API;
-- (b) the seed's layout: vision Ulysses SP2 + LLM TP2, a sample per microbatch;
+- (b) the seed's layout: vision Ulysses SP2 + LLM TP2 (full vocab-parallel logits) with
+  activation checkpointing as in (a), a sample per microbatch;
 - (c) vision SP2 + LLM CP2 with the chunked loss and activation checkpointing in both
   groups, a sample per microbatch;
 - (d) as (c) with the LLM's weights, gradients and AdamW state sharded by FSDP2 over cp.
@@ -16,11 +17,14 @@ The sweep: vision patches per sample before the merge (512, 1k, 2k, ... up to
 ``--max-patches``); a layout stops at its first size over ``--budget-mb`` or that fails.
 Memory: each worker process's peak RSS (``VmHWM``, polled) over an idle Ray Train
 worker's (torch, transformers and the loops imported, nothing built); the table shows the
-largest worker's. It prints per layout and size: that peak, step time (the second step),
-LLM tokens/s; the largest size within the budget; and with ``--png`` a plot of memory
-against patches with the budget as a line (extra ``plot``).
+largest worker's. Every worker of every layout runs with ``MALLOC_MMAP_THRESHOLD_`` =
+``--mmap-threshold`` (1 MiB): the tiny model's activations are 1-16 MB blocks that glibc
+would otherwise keep in a fragmenting heap, unlike a large model's. It prints per layout
+and size: that peak, step time (the second step), LLM tokens/s and ``ray-disagg plan``'s
+estimate of the largest worker; the largest size within the budget; and with ``--png`` a
+plot of memory against patches with the budget as a line (extra ``plot``).
 
-    python benchmarks/long_context.py [--max-patches 16384] [--budget-mb 1500] [--png out.png]
+    python benchmarks/long_context.py [--max-patches 16384] [--budget-mb 600] [--png out.png]
 """
 
 import argparse
@@ -131,7 +135,8 @@ def run_baseline(spec, patches: int, storage: str):
     return procs, last["step_time_s"], last["tokens"] / last["step_time_s"]
 
 
-def run_ours(spec, patches: int, storage: str, layout: str):
+def layout_of(layout: str) -> tuple[dict, dict]:
+    """``(groups, train_loop_config)`` of layout b, c or d."""
     if layout == "b":
         vision, text, extra = SequenceParallel(size=2), TensorParallel(size=2), {}
     else:  # c, d: context parallel; d also shards the LLM's weights with FSDP2
@@ -140,7 +145,31 @@ def run_ours(spec, patches: int, storage: str, layout: str):
     loop = {**LOOP, **extra, "micro_batches": BATCH, "schedule": "sequential"}
     groups = {"vision": group(2, vision), "text": group(2, text)}
     for g in groups.values():
-        g.activation_checkpointing = layout in "cd"
+        g.activation_checkpointing = True
+    return groups, loop
+
+
+def planned_mb(spec, patches: int, layout: str) -> float:
+    """``ray-disagg plan``'s estimate of the largest worker (MB) for this layout and size:
+    its recipe with the sample's image and sequence length."""
+    from types import SimpleNamespace
+
+    from ray_disagg import TrainLoopConfig
+    from ray_disagg.recipes.estimate import estimate
+
+    groups, loop = layout_of(layout)
+    t, h, w = grid(patches)
+    sample = samples(spec.load_config(), patches)[0]
+    plan = {"image_size": [h * 14, w * 14], "images_per_sample": 1}
+    plan["seq_len"] = len(sample["input_ids"])
+    recipe = SimpleNamespace(
+        model=spec, groups=groups, loop=TrainLoopConfig(**loop), placement="separate", plan=plan
+    )
+    return max(m.total for m in estimate(recipe).values()) / 2**20
+
+
+def run_ours(spec, patches: int, storage: str, layout: str):
+    groups, loop = layout_of(layout)
     trainer = DisaggregatedTrainer(
         model=spec,
         groups=groups,
@@ -166,7 +195,7 @@ def baseline_mb(storage: str) -> float:
 
 NAMES = {
     "a": "(a) TorchTrainer + FSDP2, AC",
-    "b": "(b) vision SP2 + LLM TP2",
+    "b": "(b) vision SP2 + LLM TP2, AC",
     "c": "(c) vision SP2 + LLM CP2, AC, chunked",
     "d": "(d) as (c), LLM CP2 x FSDP2",
 }
@@ -185,9 +214,11 @@ def sweep(spec, sizes, budget: float, storage: str, base: float, layouts) -> dic
                 print(f"{NAMES[layout]} at {patches} patches failed: {type(e).__name__}: {e}")
                 break
             peak = max(procs) - base
-            out[layout][patches] = (peak, step, rate)
-            print(f"{NAMES[layout]:<40} {patches:>6} patches: peak {peak:7.0f} MB, "
-                  f"step {step:6.2f} s, {rate:8.0f} tokens/s", flush=True)  # fmt: skip
+            planned = planned_mb(spec, patches, layout) if layout != "a" else float("nan")
+            out[layout][patches] = (peak, step, rate, planned)
+            print(f"{NAMES[layout]:<40} {patches:>6} patches: peak {peak:7.0f} MB "
+                  f"(plan {planned:5.0f}), step {step:6.2f} s, {rate:8.0f} tokens/s",
+                  flush=True)  # fmt: skip
             if peak > budget:
                 break
     return out
@@ -199,14 +230,20 @@ def report(out: dict, sizes, budget: float) -> dict:
     best = {}
     for layout, points in out.items():
         row = "".join(f"{points[s][0]:>9.0f}" if s in points else f"{'-':>9}" for s in sizes)
-        fits = [s for s, (peak, _, _) in points.items() if peak <= budget]
+        fits = [s for s, (peak, *_) in points.items() if peak <= budget]
         best[layout] = max(fits, default=0)
         print(f"{NAMES[layout]:<40}{row}   {best[layout]}")
     print(f"\nstep time (s) / LLM tokens/s at {sizes[0]} patches:")
     for layout, points in out.items():
         if sizes[0] in points:
-            _, step, rate = points[sizes[0]]
+            _, step, rate, _ = points[sizes[0]]
             print(f"  {NAMES[layout]:<40} {step:7.2f} s  {rate:8.0f} tokens/s")
+    print("\nray-disagg plan's estimate of the largest worker (MB) / measured peak over idle:")
+    for layout, points in out.items():
+        if layout != "a":
+            row = "".join(f"{points[s][3] / points[s][0]:>9.2f}" if s in points else f"{'-':>9}"
+                          for s in sizes)  # fmt: skip
+            print(f"{NAMES[layout]:<40}{row}")
     if best.get("a"):
         for k in [k for k in ("b", "c", "d") if k in best]:
             print(f"{NAMES[k]}: {best[k] / best['a']:.1f}x the patches of (a) within budget")
@@ -240,8 +277,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-patches", type=int, default=16384)
     p.add_argument("--min-patches", type=int, default=512)
-    p.add_argument("--budget-mb", type=float, default=1500.0)
+    p.add_argument("--budget-mb", type=float, default=600.0)
     p.add_argument("--png", default=None, help="write the memory plot here")
+    p.add_argument("--mmap-threshold", type=int, default=1 << 20, help="bytes; 0: defaults")
     p.add_argument("--layouts", default="abc", help="which of a, b, c, d to run")
     a = p.parse_args()
     sizes = [a.min_patches * 2**k for k in range(64) if a.min_patches * 2**k <= a.max_patches]
@@ -249,7 +287,13 @@ def main():
     n = {p: sum(t.numel() for t in spec.meta_model(p).parameters()) for p in ("vision", "text")}
     print(f"LLM {n['text'] / 1e6:.1f}M params (8k vocab), tower {n['vision'] / 1e6:.2f}M; "
           f"global batch {BATCH}, {STEPS} steps per point, 4 workers per layout")  # fmt: skip
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # every layout's workers alike: glibc serves allocations above 1 MiB with mmap, so the
+    # tiny model's 1-16 MB activations do not fragment the heap (a large model's are
+    # far above glibc's default threshold); 0 keeps glibc's and the package's defaults
+    env = {"MALLOC_MMAP_THRESHOLD_": str(a.mmap_threshold)} if a.mmap_threshold else {}
+    ray.init(
+        num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env}
+    )
     with tempfile.TemporaryDirectory() as storage:
         base = baseline_mb(storage)
         print(f"idle worker: {base:.0f} MB")

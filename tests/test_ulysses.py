@@ -142,3 +142,21 @@ def test_interleaved_microbatches_recompute_with_their_own_slices(model_type):
     for name, ref in out[0]["ref_grads"].items():
         err = float((out[0]["grads"][name] - ref).norm() / ref.norm().clamp_min(1e-12))
         assert err < 1e-5, f"{name}: relative error {err:.1e}"
+
+
+def test_host_rows_copy_only_the_rows_asked_for():
+    """A rank's slice of several samples' pixels, gathered from read-only views (as the
+    object store hands them out) in any order, equals indexing their concatenation."""
+    import numpy as np
+
+    from ray_disagg.parallel.ulysses import HostRows
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((n, 6)) for n in (4, 1, 7)]
+    for a in arrays:
+        a.setflags(write=False)
+    index = torch.tensor([11, 5, 0, 4, 6, 3])
+    got = HostRows(arrays, "cpu").take(index)
+    want = torch.from_numpy(np.concatenate(arrays).astype(np.float32))[index]
+    assert got.dtype == torch.float32 and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -45,11 +45,12 @@ class Crossing:
 
 
 def tensor_or_none(rows: list, dtype=np.int64) -> torch.Tensor | None:
-    """Concatenate per-sample arrays (skipping ``None``) into one tensor."""
-    parts = [torch.as_tensor(np.asarray(r, dtype=dtype)) for r in rows if r is not None]
+    """Concatenate per-sample arrays (skipping ``None``) into one new tensor (one copy;
+    the rows may be read-only views of a dataset in the object store)."""
+    parts = [np.asarray(r, dtype=dtype) for r in rows if r is not None]
     if not parts:
         return None
-    return torch.cat(parts) if parts[0].ndim else torch.stack(parts)
+    return torch.from_numpy(np.concatenate(parts) if parts[0].ndim else np.stack(parts))
 
 
 class ModelAdapter:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import AttentionInterface
@@ -36,6 +37,7 @@ __all__ = [
     "SeqToHeads",
     "HeadsToSeq",
     "GatherToLeader",
+    "HostRows",
     "SliceLayout",
     "TowerPlan",
     "UlyssesContext",
@@ -263,11 +265,38 @@ def _slice(plan: TowerPlan, tower, grid_cpu, n: int, rank: int):
     return layout, index, lo, hi, stand_in
 
 
+class HostRows:
+    """Host arrays (e.g. each image's ``(patches, D)`` pixels, views of a dataset) read as
+    one ``(N, D)`` sequence without concatenating them: :meth:`take` copies only the rows
+    a rank needs (touching only their pages) and moves them to ``device``.
+
+    Example:
+        >>> import numpy as np
+        >>> rows = HostRows([np.zeros((2, 3)), np.ones((3, 3))], "cpu")
+        >>> rows.take(torch.tensor([4, 0])).tolist()
+        [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    """
+
+    def __init__(self, arrays, device, dtype=np.float32):
+        self.arrays, self.device, self.dtype = list(arrays), torch.device(device), dtype
+        self.starts = np.cumsum([0] + [len(a) for a in self.arrays])
+
+    def take(self, index: torch.Tensor) -> torch.Tensor:
+        idx = index.cpu().numpy()
+        which = np.searchsorted(self.starts, idx, side="right") - 1
+        out = np.empty((len(idx), *np.shape(self.arrays[0])[1:]), self.dtype)
+        for a in np.unique(which):
+            sel = which == a
+            out[sel] = self.arrays[a][idx[sel] - self.starts[a]]
+        return torch.from_numpy(out).to(self.device)
+
+
 def sp_tower_forward(
-    tower, pixel_values: torch.Tensor, grid_thw: torch.Tensor, plan: TowerPlan, group
+    tower, pixel_values: torch.Tensor | HostRows, grid_thw: torch.Tensor, plan: TowerPlan, group
 ) -> list[torch.Tensor]:
     """The tower's forward with this rank holding only its slice of the patch sequence
-    (``tower`` prepared by :func:`enable_ulysses`; ``group``: the SP process group).
+    (``tower`` prepared by :func:`enable_ulysses`; ``group``: the SP process group;
+    ``pixel_values`` a tensor of the whole sequence or its :class:`HostRows`).
 
     Returns ``plan.outputs`` (merged embeddings first), each ``(num_tokens, D)`` in token
     order on SP rank 0 and ``(0, D)`` (still in the graph) on the other SP ranks.
@@ -287,7 +316,10 @@ def sp_tower_forward(
     )
     kwargs = plan.local_kwargs(tower, grid_cpu, index, lo, hi)
     kwargs = {k: v.to(pixel_values.device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
-    pixels = pixel_values[index.to(pixel_values.device)]
+    if isinstance(pixel_values, HostRows):
+        pixels = pixel_values.take(index)
+    else:
+        pixels = pixel_values[index.to(pixel_values.device)]
     outputs = plan.outputs(tower(pixels, grid_thw=grid_thw, ulysses=context, **kwargs))
     if stand_in:
         outputs = [o[:0] for o in outputs]

@@ -1,7 +1,8 @@
 """The messages the groups exchange in a step, typed.
 
 Per step the LLM replica sends each encoder replica it shares samples with one
-:class:`Inputs` (the encoder fields of those samples, per microbatch); per microbatch each
+:class:`Inputs` (the encoder fields of those samples, per microbatch; for map-style data,
+which every group holds, a :class:`SampleRef` per sample instead); per microbatch each
 encoder replica sends the LLM replica :class:`Crossings` (the crossing tensors ride beside
 the header on the pair's transfer tier), and the LLM replica answers with :class:`Grads`.
 Every message names its :class:`StepKey`; a receiver checks it with :func:`expect`, so a
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["StepKey", "Inputs", "Crossings", "Grads", "expect"]
+__all__ = ["StepKey", "SampleRef", "Inputs", "Crossings", "Grads", "expect"]
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,20 @@ class StepKey:
 
 
 @dataclass(frozen=True)
+class SampleRef:
+    """Sample ``index`` of the map-style dataset ``split`` (``"train"`` or
+    ``"validation"``), which the encoder group reads itself: its pixels never pass through
+    the LLM group (no copy, no transfer)."""
+
+    index: int
+    split: str = "train"
+
+
+@dataclass(frozen=True)
 class Inputs:
     """LLM replica -> encoder replica, once per step: per microbatch, the samples (their
-    ``id`` and encoder fields) that the encoder replica encodes for this LLM replica."""
+    ``id`` and encoder fields, or a :class:`SampleRef`) that the encoder replica encodes
+    for this LLM replica."""
 
     key: StepKey
     microbatches: list[list[dict]] = field(default_factory=list)

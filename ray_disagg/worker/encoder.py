@@ -2,10 +2,12 @@
 of each step's schedule (``ray_disagg.pipeline.schedule.encoder_actions``).
 
 Encoder replica ``d`` (its model-parallel rank 0) receives, from every LLM replica, the
-encoder fields of the samples it encodes in each microbatch (``BatchPlan.assign``) and
-shares them with its SP/TP peers. Each forward posts the microbatch's crossing tensors to
-the LLM replicas that hold its samples; each backward takes their gradients. Gradients
-accumulate over the microbatches; :func:`~ray_disagg.worker.step.finish_step` runs once.
+encoder fields of the samples it encodes in each microbatch (``BatchPlan.assign``; for
+map-style data only their indices, and every rank reads the fields from the dataset
+itself) and shares them with its SP/TP peers. Each forward posts the microbatch's
+crossing tensors to the LLM replicas that hold its samples; each backward takes their
+gradients. Gradients accumulate over the microbatches;
+:func:`~ray_disagg.worker.step.finish_step` runs once.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.parallel import ulysses
 from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expect
 from ray_disagg.pipeline.schedule import WAITS, Op, encoder_actions, peak_in_flight
-from ray_disagg.worker import faults_hook
+from ray_disagg.worker import faults_hook, ingest
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.part_worker import PartWorker
 from ray_disagg.worker.step import finish_step
@@ -118,8 +120,8 @@ class EncoderStep:
     """Executes one step's encoder actions (a training step, or a validation batch with
     ``grad=False``); ``counts`` are the items (images, videos, ...) it encoded."""
 
-    def __init__(self, w: PartWorker, plan, plan_step: int, key: StepKey, grad: bool):
-        self.w, self.plan, self.plan_step = w, plan, plan_step
+    def __init__(self, w: PartWorker, data, plan, plan_step: int, key: StepKey, grad: bool):
+        self.w, self.data, self.plan, self.plan_step = w, data, plan, plan_step
         self.key, self.grad = key, grad
         self.inputs, self.live, self.counts = None, {}, {}
 
@@ -140,7 +142,9 @@ class EncoderStep:
     def recv_inputs(self, _mb) -> None:
         w = self.w
         mbs = _receive_inputs(w, self.plan, self.plan_step, self.key) if w.leader else None
-        self.inputs = w.broadcast_object(mbs)
+        mbs = w.broadcast_object(mbs)  # map-style data: SampleRefs, each rank reads its own
+        keys = ("id", *w.adapter.encoder_fields(w.part))
+        self.inputs = [([self.data.resolve(s, keys) for s in ss], r) for ss, r in mbs]
 
     def forward(self, j: int) -> None:
         w = self.w
@@ -159,11 +163,11 @@ class EncoderStep:
         return [s.get("id") for samples, _ in self.inputs for s in samples]
 
 
-def _evaluate(w: PartWorker, plan, step: int) -> list[float]:
+def _evaluate(w: PartWorker, data, plan, step: int) -> list[float]:
     """Encode the validation set for the LLM group (which computes the loss)."""
     actions = encoder_actions(plan.micro_batches, trains=False)
     for v in range(plan.steps_per_epoch):
-        EncoderStep(w, plan, v, StepKey(step, v), grad=False).run(actions)
+        EncoderStep(w, data, plan, v, StepKey(step, v), grad=False).run(actions)
     return [0.0, 0.0]
 
 
@@ -178,12 +182,13 @@ def encoder_train_loop(args: LoopArgs, part: str) -> None:
     start = w.setup(model)
     limit = w.cfg.max_in_flight or 1
     actions = encoder_actions(w.cfg.micro_batches, limit, trains=not w.frozen)
+    data = ingest.Datasets({"train": args.dataset_ref, "validation": args.val_ref})
     evaluate = None
     if args.val_plan is not None:
-        evaluate = functools.partial(_evaluate, w, args.val_plan)
+        evaluate = functools.partial(_evaluate, w, data, args.val_plan)
     for step in range(start, w.cfg.max_steps):
         faults_hook.drill(part, w.group_rank, step)
-        run = EncoderStep(w, args.plan, step, StepKey(step), grad=not w.frozen)
+        run = EncoderStep(w, data, args.plan, step, StepKey(step), grad=not w.frozen)
         run.run(actions)
         stats = args.stats.new()
         if w.leader:

@@ -16,6 +16,9 @@ import numpy as np
 import ray
 import torch.distributed as dist
 
+from ray_disagg.pipeline.messages import SampleRef
+from ray_disagg.worker.session import get_session
+
 
 def is_ray_dataset(data) -> bool:
     return isinstance(data, ray.data.Dataset)
@@ -34,12 +37,39 @@ def is_stream(data) -> bool:
 
 
 class MapStyleSource:
-    def __init__(self, dataset, plan, group: str):
-        self.dataset, self.plan, self.group = dataset, plan, group
+    """A map-style dataset (``split``: ``"train"`` or ``"validation"``) read by the
+    ``BatchPlan``; every group holds it, so encoders read their own fields
+    (:meth:`refs`, :func:`resolve`)."""
+
+    def __init__(self, dataset, plan, group: str, split: str = "train"):
+        self.dataset, self.plan, self.group, self.split = dataset, plan, group, split
 
     def take(self, step: int, positions: list[int]) -> list[tuple[int, dict]]:
         indices = self.plan.global_indices(step)
         return [(indices[p], self.dataset[indices[p]]) for p in positions]
+
+    def refs(self, step: int, positions: list[int]) -> dict[int, SampleRef]:
+        """A :class:`SampleRef` per batch position: what the LLM sends the encoders."""
+        indices = self.plan.global_indices(step)
+        return {p: SampleRef(int(indices[p]), self.split) for p in positions}
+
+
+class Datasets:
+    """The map-style datasets an encoder worker resolves :class:`SampleRef` s against,
+    fetched from the object store on first use (a stream is never fetched here)."""
+
+    def __init__(self, refs: dict[str, list | None]):
+        self.refs, self.data = refs, {}
+
+    def resolve(self, sample, keys: tuple[str, ...]) -> dict:
+        """``sample`` itself, or the ``keys`` of the sample a :class:`SampleRef` names
+        (views of the dataset's arrays: nothing is copied here)."""
+        if not isinstance(sample, SampleRef):
+            return sample
+        if sample.split not in self.data:
+            self.data[sample.split] = get_session().fetch(self.refs[sample.split][0])
+        row = self.data[sample.split][sample.index]
+        return {k: row[k] for k in keys if k in row}
 
 
 class StreamSource:

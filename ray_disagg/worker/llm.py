@@ -54,17 +54,19 @@ def _plain(v):
     return v.item() if hasattr(v, "item") else v
 
 
-def _send_inputs(w: PartWorker, samples: dict, mbs, plan, key: StepKey, plan_step: int) -> None:
+def _send_inputs(w: PartWorker, samples: dict, mbs, plan, key: StepKey, plan_step: int, refs):
     """One message per encoder replica it shares samples with: per microbatch, the
-    encoder fields of those samples (so encoders can run ahead of this replica)."""
+    encoder fields of those samples, or with ``refs`` (map-style data) their
+    :class:`~ray_disagg.pipeline.messages.SampleRef` s (so encoders can run ahead)."""
     adapter, mine = w.adapter, [set(mb[w.part][w.dp_rank]) for mb in mbs]
     for part in adapter.encoder_parts:
         keys = ("id", *adapter.encoder_fields(part))
+
+        def fields(p, keys=keys):
+            return refs[p] if refs else {k: samples[p][k] for k in keys if k in samples[p]}
+
         for d in plan.peers(w.part, w.dp_rank, part, plan_step, mbs):
-            per_mb = [
-                [{k: samples[p][k] for k in keys if k in samples[p]} for p in mb[part][d] if p in m]
-                for mb, m in zip(mbs, mine)
-            ]
+            per_mb = [[fields(p) for p in mb[part][d] if p in m] for mb, m in zip(mbs, mine)]
             msg = Inputs(key=key, microbatches=per_mb)
             w.pending.append(w.channel.send_tensors(w.side_rank(part, d), {}, msg, False))
 
@@ -235,7 +237,10 @@ class LLMStep:
             self.mbs = mbs = self.plan.assign(self.plan_step, self.source.step_costs)
         if w.leader:
             self.samples = dict(zip(share, read))
-            _send_inputs(w, self.samples, mbs, self.plan, self.key, self.plan_step)
+            refs = None  # map-style: the encoders read their fields themselves
+            if isinstance(self.source, ingest.MapStyleSource):
+                refs = self.source.refs(self.plan_step, share)
+            _send_inputs(w, self.samples, mbs, self.plan, self.key, self.plan_step, refs)
         keys = self.llm.text_keys
         items = {p: {k: s[k] for k in keys if k in s} for p, s in self.samples.items()}
         self.items = w.broadcast_object(items)
@@ -347,7 +352,8 @@ def llm_train_loop(args: LoopArgs) -> None:
     llm = LLMModel(w, model, lm_head, tp_group, vocab_start)
     evaluate = None
     if args.val_plan is not None:
-        val = ingest.MapStyleSource(get_session().fetch(args.val_ref[0]), args.val_plan, w.part)
+        val_data = get_session().fetch(args.val_ref[0])
+        val = ingest.MapStyleSource(val_data, args.val_plan, w.part, split="validation")
         evaluate = functools.partial(_evaluate, llm, val, args.val_plan)
     limit = w.cfg.max_in_flight or 1
     actions = llm_actions(w.cfg.micro_batches, limit, sends_grads=bool(llm.grad_names))

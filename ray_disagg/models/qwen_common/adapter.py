@@ -27,7 +27,7 @@ from ray_disagg.models.base import (
 )
 from ray_disagg.models.packing import PackedQwenMixin
 from ray_disagg.models.qwen_common.parallelize import QwenParallelMixin
-from ray_disagg.parallel.ulysses import sp_tower_forward
+from ray_disagg.parallel.ulysses import HostRows, sp_tower_forward
 
 __all__ = ["MODALITIES", "QwenVLAdapter"]
 
@@ -202,17 +202,21 @@ class QwenVLAdapter(QwenParallelMixin, PackedQwenMixin, ModelAdapter):
         calls compute: attention, windows and positions are per image/frame), split back
         into ``<modality>_embeds`` (and ``<modality>_deepstack_<i>``)."""
         tower = module.get_submodule(self.part_modules["vision"][0])
-        pixels, grids, tokens = [], [], {}
-        for modality in MODALITIES:
-            pix, grid = self._collate_modality(samples, modality)
+        arrays, grids, tokens = [], [], {}
+        for modality, (pix_key, grid_key, _, _) in MODALITIES.items():
+            grid = tensor_or_none([self._grid(s, grid_key) for s in samples])
             if grid is not None:
-                pixels.append(pix)
+                arrays += [s[pix_key] for s in samples if s.get(pix_key) is not None]
                 grids.append(grid)
                 tokens[modality] = int(grid.prod(-1).sum()) // self.merge**2
         if not grids:
             return {}
         grid = torch.cat(grids).to(device)
-        outputs = self.tower_outputs(tower, torch.cat(pixels).to(device), grid, sp)
+        if sp is not None:  # each SP rank copies only its slice of the pixels
+            pixels = HostRows(arrays, device)
+        else:
+            pixels = tensor_or_none(arrays, np.float32).to(device)
+        outputs = self.tower_outputs(tower, pixels, grid, sp)
         full = outputs[0].shape[0] == sum(tokens.values())  # SP ranks but 0 hold no rows
         sizes = list(tokens.values()) if full else [0] * len(tokens)
         out = {}
