@@ -20,6 +20,7 @@ activation checkpointing recomputes a layer with the keywords of its own call.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -123,16 +124,18 @@ def context_attention(
     """``AttentionInterface`` function: ``query/key/value`` ``(B, H, s, d)`` (this rank's
     positions) -> ``(B, s, H, d)``. With a :class:`ContextSlice` (``context``): attends over
     the whole sequence with this rank's share of the heads (KV heads that do not split over
-    the ranks are repeated first, as grouped-query attention repeats them anyway); without
-    one, plain SDPA."""
+    the ``n`` ranks are each repeated ``n / gcd(KV, n)`` times first, which divides the
+    query heads per KV head since ``n`` divides the query heads); without one, plain
+    SDPA."""
     cp: ContextSlice | None = context
     if cp is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     b, h, s, d = query.shape
-    if key.shape[1] % len(cp.bounds):  # fewer KV heads than ranks: repeat them per query
-        key, value = (repeat_kv(t, h // key.shape[1]) for t in (key, value))
+    n, kv = len(cp.bounds), key.shape[1]
+    if kv % n:  # KV heads that do not split: repeat each the fewest times that do
+        key, value = (repeat_kv(t, n // math.gcd(kv, n)) for t in (key, value))
     q, k, v = (_to_heads(t, cp) for t in (query, key, value))
     heads = SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], is_causal=True)
     out, _ = sdpa_attention_forward(

@@ -277,18 +277,24 @@ class HostRows:
         [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
     """
 
-    def __init__(self, arrays, device, dtype=np.float32):
-        self.arrays, self.device, self.dtype = list(arrays), torch.device(device), dtype
+    def __init__(self, arrays, device, dtype=torch.float32):
+        self.arrays = [np.asarray(a) for a in arrays]  # no copy for arrays; lists too
+        self.device, self.dtype = torch.device(device), dtype
         self.starts = np.cumsum([0] + [len(a) for a in self.arrays])
 
     def take(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` (host integers) on ``device``; to a GPU from pinned memory,
+        without blocking the host (the pinned allocator keeps the buffer until copied)."""
         idx = index.cpu().numpy()
         which = np.searchsorted(self.starts, idx, side="right") - 1
-        out = np.empty((len(idx), *np.shape(self.arrays[0])[1:]), self.dtype)
+        pinned = self.device.type == "cuda"
+        shape = (len(idx), *self.arrays[0].shape[1:])
+        buf = torch.empty(shape, dtype=self.dtype, pin_memory=pinned)
+        out = buf.numpy()
         for a in np.unique(which):
             sel = which == a
             out[sel] = self.arrays[a][idx[sel] - self.starts[a]]
-        return torch.from_numpy(out).to(self.device)
+        return buf.to(self.device, non_blocking=pinned)
 
 
 def sp_tower_forward(

@@ -55,11 +55,18 @@ class MapStyleSource:
 
 
 class Datasets:
-    """The map-style datasets an encoder worker resolves :class:`SampleRef` s against,
-    fetched from the object store on first use (a stream is never fetched here)."""
+    """The datasets an encoder worker resolves :class:`SampleRef` s against (fetched from
+    the object store by :meth:`fetch_all`, or on first use)."""
 
     def __init__(self, refs: dict[str, list | None]):
         self.refs, self.data = refs, {}
+
+    def fetch_all(self) -> None:
+        """Fetch every split now (before the first step: a failure or a long transfer
+        then happens outside the step's collectives)."""
+        for split, ref in self.refs.items():
+            if ref is not None and split not in self.data:
+                self.data[split] = get_session().fetch(ref[0])
 
     def resolve(self, sample, keys: tuple[str, ...]) -> dict:
         """``sample`` itself, or the ``keys`` of the sample a :class:`SampleRef` names

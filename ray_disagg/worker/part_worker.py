@@ -54,7 +54,7 @@ class PartWorker:
         self.group = args.groups[part]
         self.fsdp = self.group.fsdp
         # None: the whole group (its default process group) without FSDP2
-        self.shard_mesh = self._shard_mesh() if self.fsdp or self.tp_mesh else None
+        self.shard_mesh = self._shard_mesh() if self.fsdp or self.tp_mesh is not None else None
         self.frozen = part in args.frozen_parts  # every parameter frozen: forward only
         self.is_llm = part == self.adapter.llm_part
         self.clock = StepClock()
