@@ -222,11 +222,7 @@ class ModuleGroup:
             raise ValueError(f"ModuleGroup(lr_multiplier={lm!r}): must be a finite float >= 0.")
         size = self.model_parallel_size
         if n % size:
-            what = (
-                f"size={size}"
-                if size == getattr(self.parallelism, "size", 1)
-                else (f"size x tp={size}")
-            )
+            what = f"size x tp={size}" if getattr(self.parallelism, "tp", 1) > 1 else f"size={size}"
             raise ValueError(
                 f"{type(self.parallelism).__name__}({what}) must divide the group's "
                 f"num_workers={n}; use a size that divides it or change num_workers."

@@ -183,7 +183,6 @@ def encoder_train_loop(args: LoopArgs, part: str) -> None:
     limit = w.cfg.max_in_flight or 1
     actions = encoder_actions(w.cfg.micro_batches, limit, trains=not w.frozen)
     data = ingest.Datasets({"train": args.dataset_ref, "validation": args.val_ref})
-    data.fetch_all()
     evaluate = None
     if args.val_plan is not None:
         evaluate = functools.partial(_evaluate, w, data, args.val_plan)

@@ -39,7 +39,7 @@ def is_stream(data) -> bool:
 class MapStyleSource:
     """A map-style dataset (``split``: ``"train"`` or ``"validation"``) read by the
     ``BatchPlan``; every group holds it, so encoders read their own fields
-    (:meth:`refs`, :func:`resolve`)."""
+    (:meth:`refs`, :meth:`Datasets.resolve`)."""
 
     def __init__(self, dataset, plan, group: str, split: str = "train"):
         self.dataset, self.plan, self.group, self.split = dataset, plan, group, split
@@ -55,26 +55,18 @@ class MapStyleSource:
 
 
 class Datasets:
-    """The datasets an encoder worker resolves :class:`SampleRef` s against (fetched from
-    the object store by :meth:`fetch_all`, or on first use)."""
+    """The datasets an encoder worker resolves :class:`SampleRef` s against, fetched from
+    the object store when built (before the first step: a failure or a long transfer then
+    happens outside the step's collectives)."""
 
     def __init__(self, refs: dict[str, list | None]):
-        self.refs, self.data = refs, {}
-
-    def fetch_all(self) -> None:
-        """Fetch every split now (before the first step: a failure or a long transfer
-        then happens outside the step's collectives)."""
-        for split, ref in self.refs.items():
-            if ref is not None and split not in self.data:
-                self.data[split] = get_session().fetch(ref[0])
+        self.data = {split: get_session().fetch(r[0]) for split, r in refs.items() if r}
 
     def resolve(self, sample, keys: tuple[str, ...]) -> dict:
         """``sample`` itself, or the ``keys`` of the sample a :class:`SampleRef` names
         (views of the dataset's arrays: nothing is copied here)."""
         if not isinstance(sample, SampleRef):
             return sample
-        if sample.split not in self.data:
-            self.data[sample.split] = get_session().fetch(self.refs[sample.split][0])
         row = self.data[sample.split][sample.index]
         return {k: row[k] for k in keys if k in row}
 

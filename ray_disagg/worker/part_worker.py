@@ -40,7 +40,6 @@ class PartWorker:
         self.channel = self.rt.wait_channel(self.cfg.collective_timeout_s)
         mesh, names = self.rt.mesh, self.rt.mesh.mesh_dim_names
         self.dp_mesh = mesh[names[0]]  # "dp", or "dp_shard" with FSDP2
-        self.mp_axis = "_".join(names[1:])  # "sp", "tp", "cp" or "cp_tp"
         self.mp_mesh = mesh[names[1]] if len(names) == 2 else mesh[names[1:]]._flatten()
         self.dp_rank, self.group_rank = self.dp_mesh.get_local_rank(), mesh.get_rank()
         self.mp_size, self.mp_rank = self.mp_mesh.size(), self.mp_mesh.get_local_rank()
@@ -50,7 +49,7 @@ class PartWorker:
         self.cp_mesh = mesh["cp"] if "cp" in names else None
         self.is_tp = self.tp_mesh is not None and self.tp_mesh.size() > 1
         self.is_cp = self.cp_mesh is not None and self.cp_mesh.size() > 1
-        self.is_sp = self.mp_axis == "sp" and self.mp_size > 1
+        self.is_sp = names[1] == "sp" and self.mp_size > 1
         self.group = args.groups[part]
         self.fsdp = self.group.fsdp
         # None: the whole group (its default process group) without FSDP2
