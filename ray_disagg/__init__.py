@@ -36,7 +36,10 @@ _EXPORTS = {
     "tiny_qwen2_5_omni_thinker_config": "ray_disagg.models",
     "tiny_qwen2_5_vl_config": "ray_disagg.models",
     "tiny_qwen2_vl_config": "ray_disagg.models",
+    "tiny_qwen3_5_config": "ray_disagg.models",
+    "tiny_qwen3_5_moe_config": "ray_disagg.models",
     "tiny_qwen3_vl_config": "ray_disagg.models",
+    "tiny_qwen3_vl_moe_config": "ray_disagg.models",
 }
 
 __version__ = "0.1.0"

@@ -20,7 +20,7 @@ from ray_disagg.freezing import frozen_parts
 from ray_disagg.launch import datasets as dsc
 from ray_disagg.launch import ray_compat as rc
 from ray_disagg.launch.backend import ModuleBackendConfig
-from ray_disagg.launch.checks import validate_layout
+from ray_disagg.launch.checks import validate_layout, validate_loop
 from ray_disagg.launch.controller import DisaggregatedController
 from ray_disagg.launch.resources import (
     PlacementGroupJanitor,
@@ -173,6 +173,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         self.loop_config = self._resolve_schedule(
             self.loop_config, placement, self._train_data, self._samples_validated
         )
+        validate_loop(adapter, self.loop_config)
         llm_p = self.groups[adapter.llm_part].parallelism
         cp_size = llm_p.size if isinstance(llm_p, ContextParallel) else 1
         costs = dsc.scan(

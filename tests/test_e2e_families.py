@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from ray_disagg import ADAPTERS, HFModelSpec, SequenceParallel, TensorParallel
+from ray_disagg import ADAPTERS, DataParallel, HFModelSpec, SequenceParallel, TensorParallel
 from ray_disagg.data.examples import synthetic_samples
 from tests.helpers import assert_matches_reference, group, run_layout
 
@@ -46,6 +46,15 @@ def sp_tp_ac(parts):  # activation checkpointing must not change the numbers
     return sp_tp(parts, ac=True)
 
 
+def sp_fsdp(parts):  # vision SP2 + text FSDP2(2)
+    def one(p):
+        if p == "vision":
+            return group(2, SequenceParallel(size=2))
+        return group(2, DataParallel(fsdp=True))
+
+    return {p: one(p) for p in parts}
+
+
 def m_to_n(parts):
     return {p: group(2) if p == "vision" else group(1) for p in parts}
 
@@ -58,6 +67,11 @@ CASES = [
     ("qwen2_5_vl", sp_tp),  # videos (second_per_grid_ts) through window-order SP
     ("qwen2_5_omni_thinker", sp_tp),  # three groups: vision SP2, audio 1, text TP2
     ("qwen2_5_omni_thinker", m_to_n),
+    # 2026: MoE with the router's auxiliary loss over the global batch; linear attention
+    ("qwen3_vl_moe", sp_tp),  # experts whole on every tp rank
+    ("qwen3_vl_moe", sp_fsdp),
+    ("qwen3_5", sp_fsdp),  # Gated DeltaNet: no TP plan, FSDP2 shards it
+    ("qwen3_5_moe", sp_fsdp),
 ]
 
 

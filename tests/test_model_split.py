@@ -9,6 +9,7 @@ import torch
 from ray_disagg import ADAPTERS, HFModelSpec, SampleError
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.models.base import lm_loss
+from ray_disagg.models.moe import router_aux_loss
 
 VISION = [
     {"images": [(1, 4, 4), (1, 8, 4)]},  # several images of different aspect ratios
@@ -36,9 +37,11 @@ def split_loss_and_grads(spec, samples):
     leaves = {k: v.detach().requires_grad_() for o in outs.values() for k, v in o.items()}
     batch = adapter.collate_llm(samples)
     llm = parts[adapter.llm_part]
-    hidden = adapter.llm_hidden(llm, batch, leaves)
+    hidden, router_logits = adapter.llm_outputs(llm, batch, leaves)
     n = float((batch["labels"][:, 1:] != -100).sum())
     loss = lm_loss(hidden, adapter.llm_modules(llm)[1], batch["labels"], n)
+    if router_logits is not None:  # MoE: HF's loss adds the router's auxiliary loss
+        loss = loss + router_aux_loss(router_logits, adapter.router, batch["attention_mask"])
     loss.backward()
     for o in outs.values():  # what each encoder group does with the received gradients
         torch.autograd.backward([o[k] for k in o], [leaves[k].grad for k in o])

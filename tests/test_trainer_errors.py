@@ -157,3 +157,27 @@ def test_fractional_gpu_refused_for_separate_placement():
     groups = {"vision": ModuleGroup(scaling_config=half), "text": ModuleGroup(scaling_config=whole)}
     with pytest.raises(ValueError, match=r"The vision group .*'GPU': 0\.5.*placement='colocated'"):
         make(groups)
+
+
+def test_2026_families_refuse_what_they_cannot_train_exactly():
+    """Qwen3.5's linear attention has no TP plan and cannot be packed; the MoE auxiliary
+    loss over the global batch needs one microbatch and unpacked rows."""
+    from ray_disagg import DataParallel, tiny_qwen3_5_config, tiny_qwen3_vl_moe_config
+
+    q35, moe = tiny_qwen3_5_config(), tiny_qwen3_vl_moe_config()
+    data35, data_moe = synthetic_samples(q35, 8), synthetic_samples(moe, 8)
+    tp2 = {"vision": g(), "text": g(2, TensorParallel(size=2))}
+    with pytest.raises(ValueError, match=r"'text' group of qwen3_5: its linear_attention.*"
+                       r"DataParallel\(fsdp=True\)"):
+        make(tp2, data=data35, cfg=q35)
+    packed = dict(LOOP, pack_sequences=True, max_seq_len=256)
+    with pytest.raises(ValueError, match=r"pack_sequences.*qwen3_5: its linear_attention"):
+        make(data=data35, loop=packed, cfg=q35)
+    with pytest.raises(ValueError, match=r"pack_sequences.*router auxiliary loss"):
+        make(data=data_moe, loop=packed, cfg=moe)
+    with pytest.raises(ValueError, match=r"micro_batches'\]=2.*micro_batches=1"):
+        make(data=data_moe, loop=dict(LOOP, micro_batches=2), cfg=moe)
+    fsdp = {"vision": g(), "text": g(2, DataParallel(fsdp=True))}
+    assert make(fsdp, data=data35, cfg=q35).plan.micro_batches == 1
+    no_aux = tiny_qwen3_vl_moe_config(output_router_logits=False)
+    assert make(data=data_moe, loop=dict(LOOP, micro_batches=2), cfg=no_aux)

@@ -10,7 +10,7 @@ from ray_disagg.config import (
     SequenceParallel,
     TensorParallel,
 )
-from ray_disagg.models import loading
+from ray_disagg.models import loading, moe
 
 
 def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
@@ -40,6 +40,13 @@ def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
             allowed = adapter.cp_parts
         if isinstance(p, TensorParallel) and part != adapter.llm_part:
             allowed = allowed if adapter.tower_tp_plan(part) is not None else ()
+        refusal = adapter.tp_refusals.get(part) if _is_tp(p) else None
+        if refusal:
+            raise ValueError(
+                f"{kind} is not supported for the {part!r} group of {adapter.model_type}: "
+                f"{refusal}. Shard it with FSDP2 instead: "
+                f"parallelism=DataParallel(fsdp=True) for {part!r}."
+            )
         if part not in allowed:
             raise ValueError(
                 f"{kind} is not supported for the {part!r} group of {adapter.model_type}; "
@@ -47,6 +54,28 @@ def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
                 f"another parallelism for {part!r}."
             )
         _check_divides(adapter.head_counts(part), p, part)
+
+
+def _is_tp(p) -> bool:
+    return isinstance(p, TensorParallel) or getattr(p, "tp", 1) > 1
+
+
+def validate_loop(adapter, cfg) -> None:
+    """The loop settings the model cannot train exactly with (packing, microbatches)."""
+    if cfg.pack_sequences and adapter.packing_refusal:
+        raise ValueError(
+            f"train_loop_config['pack_sequences']=True is not supported for "
+            f"{adapter.model_type}: {adapter.packing_refusal}. Train it unpacked "
+            "(pack_sequences=False)."
+        )
+    if cfg.pack_sequences and adapter.router is not None:
+        raise ValueError(
+            f"train_loop_config['pack_sequences']=True with {adapter.model_type}'s router "
+            "auxiliary loss (output_router_logits=True): the loss counts every real token of "
+            "the global batch, and packed rows carry no attention mask to tell them from the "
+            "padding. Use pack_sequences=False, or set text_config.output_router_logits=False."
+        )
+    moe.check_micro_batches(adapter.router, cfg.micro_batches, adapter.model_type)
 
 
 def _degrees(p) -> list[tuple[str, int, str]]:

@@ -14,7 +14,10 @@ from ray_disagg.models.qwen2_5_omni import (
 )
 from ray_disagg.models.qwen2_5_vl import Qwen2_5_VLAdapter, tiny_qwen2_5_vl_config
 from ray_disagg.models.qwen2_vl import Qwen2VLAdapter, tiny_qwen2_vl_config
+from ray_disagg.models.qwen3_5 import Qwen3_5Adapter, tiny_qwen3_5_config
+from ray_disagg.models.qwen3_5_moe import Qwen3_5MoeAdapter, tiny_qwen3_5_moe_config
 from ray_disagg.models.qwen3_vl import Qwen3VLAdapter, tiny_qwen3_vl_config
+from ray_disagg.models.qwen3_vl_moe import Qwen3VLMoeAdapter, tiny_qwen3_vl_moe_config
 
 __all__ = [
     "ADAPTERS",
@@ -27,12 +30,23 @@ __all__ = [
     "tiny_qwen2_5_omni_thinker_config",
     "tiny_qwen2_5_vl_config",
     "tiny_qwen2_vl_config",
+    "tiny_qwen3_5_config",
+    "tiny_qwen3_5_moe_config",
     "tiny_qwen3_vl_config",
+    "tiny_qwen3_vl_moe_config",
 ]
 
 ADAPTERS: dict[str, type[ModelAdapter]] = {
     a.model_type: a
-    for a in (Qwen2VLAdapter, Qwen2_5_VLAdapter, Qwen3VLAdapter, Qwen2_5OmniThinkerAdapter)
+    for a in (
+        Qwen2VLAdapter,
+        Qwen2_5_VLAdapter,
+        Qwen3VLAdapter,
+        Qwen2_5OmniThinkerAdapter,
+        Qwen3VLMoeAdapter,
+        Qwen3_5Adapter,
+        Qwen3_5MoeAdapter,
+    )
 }
 
 

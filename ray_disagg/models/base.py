@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ray_disagg.models.moe import RouterSpec, router_spec
+
 if TYPE_CHECKING:
     from ray_disagg.parallel.tensor_parallel import BlockTPPlan, LinearSplit
 
@@ -74,6 +76,8 @@ class ModelAdapter:
     sp_parts: ClassVar[tuple[str, ...]] = ()
     """Parts that support Ulysses ``SequenceParallel``."""
     tp_parts: ClassVar[tuple[str, ...]] = ("text",)
+    tp_refusals: ClassVar[dict[str, str]] = {}
+    """Part -> why it has no ``TensorParallel`` plan (named in the driver's error)."""
     cp_parts: ClassVar[tuple[str, ...]] = ()
     """Parts that support ``ContextParallel`` (the LLM, where its decoder stack takes the
     merged embeddings and positions as keywords; :mod:`ray_disagg.parallel.context_parallel`)."""
@@ -219,6 +223,21 @@ class ModelAdapter:
         ``context`` (a :class:`~ray_disagg.parallel.context_parallel.ContextSlice`, for
         ``cp_parts``) those of this rank's slice of ``T``."""
         raise NotImplementedError
+
+    def llm_outputs(self, module: nn.Module, batch: dict, received: dict, context=None):
+        """``(hidden states, router logits)``: :meth:`llm_hidden` and, for a
+        mixture-of-experts LLM whose auxiliary loss is on (:attr:`router`), HF's
+        per-layer router logits (``None`` otherwise)."""
+        return self.llm_hidden(module, batch, received, context), None
+
+    @property
+    def router(self) -> RouterSpec | None:
+        """The LLM router's auxiliary-loss settings (:mod:`ray_disagg.models.moe`), or
+        ``None``: a dense LLM, or ``output_router_logits`` off as by HF's default."""
+        return router_spec(getattr(self.config, "text_config", self.config))
+
+    packing_refusal: ClassVar[str | None] = None
+    """Why ``pack_sequences`` cannot be exact for this family (``None``: it can)."""
 
     def collate_llm(self, items: Sequence[dict]) -> dict[str, Any]:
         raise NotImplementedError

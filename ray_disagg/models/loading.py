@@ -85,6 +85,32 @@ class InitSource:
             self._owner, self._tensors = owner, self._init_module(owner)
         return self._tensors[leaf]
 
+    def _initializer(self, owner: str) -> nn.Module:
+        """The innermost HF model holding ``owner``: its ``_init_weights`` reads its own
+        config (HF initializes each sub-model with its own, e.g. ``text_config``)."""
+        from transformers import PreTrainedModel
+
+        path = owner.split(".")
+        for n in range(len(path) - 1, 0, -1):
+            mod = self.model.get_submodule(".".join(path[:n]))
+            if isinstance(mod, PreTrainedModel):
+                return mod
+        return self.model
+
+    def _parent_with(self, owner: str, alone: nn.Module) -> nn.Module | None:
+        """A shallow copy of ``owner``'s parent block holding ``alone`` in its place (its
+        other children stay on ``meta``, where an init is a no-op); ``None`` at a model
+        or list boundary. HF initializes some tensors from the parent's ``_init_weights``."""
+        from transformers import PreTrainedModel
+
+        head, _, leaf = owner.rpartition(".")
+        parent = self.model.get_submodule(head) if head else None
+        if parent is None or isinstance(parent, PreTrainedModel | nn.ModuleList):
+            return None
+        copy_ = copy.copy(parent)
+        copy_._modules = {**parent._modules, leaf: alone}
+        return copy_
+
     def _init_module(self, owner: str) -> dict[str, torch.Tensor]:
         mod = self.model.get_submodule(owner)
         alone = copy.copy(mod)  # same class and attributes, its own tensors on the CPU
@@ -100,7 +126,11 @@ class InitSource:
             torch.manual_seed(_name_seed(self.seed, owner))
             if hasattr(alone, "reset_parameters") and alone._parameters:
                 alone.reset_parameters()
-            self.model._init_weights(alone)
+            init = self._initializer(owner)._init_weights
+            init(alone)
+            parent = self._parent_with(owner, alone)
+            if parent is not None:  # e.g. an MoE block initializes its router's weight
+                init(parent)
         return {k: v for k, v in {**alone._parameters, **alone._buffers}.items() if v is not None}
 
 

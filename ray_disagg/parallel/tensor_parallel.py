@@ -102,6 +102,14 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def _has(module: torch.nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def parallelize_text(
     part, lm, lm_head, tp_mesh, layer_plan: dict[str, str], per_head_norms=()
 ) -> tuple[dist.ProcessGroup, int]:
@@ -112,8 +120,9 @@ def parallelize_text(
     (per-head norms of q and k) see only this rank's heads: their gradients are
     partial sums (see :func:`all_reduce_partial_grads`). Returns the tp group and the
     first vocab row of this rank's logits (for :class:`VocabParallelCrossEntropy`)."""
-    for layer in lm.layers:
-        parallelize_module(layer, tp_mesh, {n: _STYLES[s]() for n, s in layer_plan.items()})
+    for layer in lm.layers:  # a layer may lack entries (an MoE layer has no dense MLP)
+        plan = {n: _STYLES[s]() for n, s in layer_plan.items() if _has(layer, n)}
+        parallelize_module(layer, tp_mesh, plan)
     mark_partial_grads(lm, per_head_norms)
     # vocab-parallel embedding: row shards of the table, partial lookups summed
     parallelize_module(

@@ -351,7 +351,7 @@ def load_recipe(source, overrides=(), *, for_training: bool = False) -> Recipe:
 def _check_layout(r: Recipe, check_weights: bool) -> None:
     """The driver-side checks of ``DisaggregatedTrainer.__init__`` that need no data."""
     from ray_disagg.freezing import frozen_parts
-    from ray_disagg.launch.checks import validate_layout
+    from ray_disagg.launch.checks import validate_layout, validate_loop
     from ray_disagg.launch.resources import colocation_for
     from ray_disagg.trainer import DisaggregatedTrainer as T
     from ray_disagg.transport import TIERS
@@ -366,6 +366,8 @@ def _check_layout(r: Recipe, check_weights: bool) -> None:
     with at("groups"):
         validate_layout(r.model.adapter, r.groups)
         frozen_parts(r.model, r.groups)
+    with at("loop"):
+        validate_loop(r.model.adapter, r.loop)
     if check_weights:
         with at("model.pretrained_path"):
             r.model.check_weights()

@@ -19,6 +19,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from ray_disagg.models import moe
 from ray_disagg.models.base import lm_loss, loss_index
 from ray_disagg.parallel import context_parallel as cp
 from ray_disagg.parallel import tensor_parallel as tp
@@ -33,10 +34,12 @@ from ray_disagg.worker.step import finish_step
 
 
 def _loss(adapter, lm_head, batch, received, n_labels, tp_group, vocab_start, chunk, ctx, model):
-    """The microbatch's loss; with a context slice ``ctx``, this rank's share of it."""
-    hidden = adapter.llm_hidden(model, batch, received, context=ctx)
+    """The microbatch's loss; with a context slice ``ctx``, this rank's share of it. An
+    MoE LLM adds this rank's share of the router's auxiliary loss (``batch["router"]``:
+    the group of ranks holding different tokens, see :mod:`ray_disagg.models.moe`)."""
+    hidden, router_logits = adapter.llm_outputs(model, batch, received, context=ctx)
     labels = batch["labels"] if ctx is None else batch["loss_targets"]
-    return lm_loss(
+    loss = lm_loss(
         hidden,
         lm_head,
         labels,
@@ -48,6 +51,12 @@ def _loss(adapter, lm_head, batch, received, n_labels, tp_group, vocab_start, ch
         shifted=ctx is not None,
         min_chunks=batch["loss_chunks"],
     )
+    if router_logits is None or "router" not in batch:
+        return loss
+    aux = moe.router_aux_loss(
+        router_logits, adapter.router, batch["attention_mask"], batch["router"]
+    )
+    return loss + aux
 
 
 def _plain(v):
@@ -190,9 +199,11 @@ class LLMModel:
             for c in w.adapter.crossings(part)
         }
 
-    def loss(self, items, mb, received, n_labels):
+    def loss(self, items, mb, received, n_labels, grad: bool):
         w = self.w
         batch = _collate(w, [items[p] for p in mb[w.part][w.dp_rank]])
+        if grad and w.adapter.router is not None:  # validation reports the token loss
+            batch["router"] = w.dp_mesh.get_group() if w.dp_mesh.size() > 1 else None
         ctx = batch.pop("context", None)
         chunk = w.cfg.loss_chunk_tokens
         loss_args = (batch, received, n_labels, self.tp_group, self.vocab_start, chunk, ctx)
@@ -269,7 +280,7 @@ class LLMStep:
             shared = _share(w, received)
             names = self.llm.grad_names if self.grad else ()
             received = {n: v.requires_grad_(n in names) for n, v in shared.items()}
-            loss = self.llm.loss(self.items, mb, received, self.n_labels)
+            loss = self.llm.loss(self.items, mb, received, self.n_labels, self.grad)
         sends = self.grad and w.leader and self.llm.grad_names  # kept for SEND_GRADS
         self.received[j] = (received, routes) if sends else None
         if loss.requires_grad:  # not: a frozen LLM with nothing trainable upstream

@@ -29,7 +29,7 @@ from ray_disagg.models.packing import PackedQwenMixin
 from ray_disagg.models.qwen_common.parallelize import QwenParallelMixin
 from ray_disagg.parallel.ulysses import HostRows, sp_tower_forward
 
-__all__ = ["MODALITIES", "QwenVLAdapter"]
+__all__ = ["MODALITIES", "QwenVLAdapter", "RoutedLLMMixin"]
 
 # modality -> (pixel key, grid key, token-id config attribute, mm_token_type id)
 MODALITIES = {
@@ -273,13 +273,16 @@ class QwenVLAdapter(QwenParallelMixin, PackedQwenMixin, ModelAdapter):
         return {k: v for k, v in mm.items() if v is not None} or None
 
     def llm_hidden(self, module, batch, received, context=None):
-        extra = {} if context is None else {"context": context}
-        out = module.model(
+        return self._llm_forward(module, batch, received, context).last_hidden_state
+
+    def _llm_forward(self, module, batch, received, context, **extra):
+        if context is not None:
+            extra["context"] = context
+        return module.model(
             **self.llm_inputs(module.model, batch),
             mm_encoder_outputs=self.mm_encoder_outputs(received),
             **extra,
         )
-        return out.last_hidden_state
 
     def reference_inputs(self, samples: Sequence[dict]):
         batch = self.collate_llm(samples)
@@ -289,3 +292,14 @@ class QwenVLAdapter(QwenParallelMixin, PackedQwenMixin, ModelAdapter):
             if grid is not None:
                 kwargs[MODALITIES[modality][0]] = pixels
         return kwargs
+
+
+class RoutedLLMMixin:
+    """The MoE Qwen families: the LLM also returns its router logits when the auxiliary
+    loss is on (:attr:`~ray_disagg.models.base.ModelAdapter.router`)."""
+
+    def llm_outputs(self, module, batch, received, context=None):
+        if self.router is None:
+            return self.llm_hidden(module, batch, received, context), None
+        out = self._llm_forward(module, batch, received, context, output_router_logits=True)
+        return out.last_hidden_state, out.router_logits

@@ -1,0 +1,44 @@
+"""Qwen3.5: natively multimodal; a Qwen3-VL-style tower without DeepStack and a decoder
+that interleaves Gated DeltaNet linear-attention layers (``layer_types``) with gated full
+attention (partial rotary mrope). The LLM trains data parallel or with FSDP2: the linear
+layers have no TP plan, and their recurrent state would cross packed samples (the torch
+fallbacks ignore ``cu_seqlens``), so packing is refused."""
+
+from __future__ import annotations
+
+from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+from ray_disagg.models.qwen3_5.flavors import tiny_qwen3_5_config
+from ray_disagg.models.qwen3_5.parallelize import (
+    LINEAR_ATTENTION,
+    PER_HEAD_NORMS,
+    TOWER_MLP,
+    TOWER_PLAN,
+)
+from ray_disagg.models.qwen3_vl.adapter import Qwen3VLAdapter
+from ray_disagg.models.qwen_common.adapter import QwenVLAdapter
+
+__all__ = ["PACKING_REFUSAL", "Qwen3_5Adapter"]
+
+PACKING_REFUSAL = (
+    "its linear_attention layers (Gated DeltaNet) carry a recurrent state along each row, "
+    "and transformers' torch kernels ignore the packed samples' boundaries (cu_seqlens), "
+    "so one sample's state would leak into the next"
+)
+
+
+class Qwen3_5Adapter(Qwen3VLAdapter):
+    """Qwen3-VL's samples (each video frame its own placeholder run), no DeepStack."""
+
+    model_type = "qwen3_5"
+    config_class = Qwen3_5Config
+    hf_class = Qwen3_5ForConditionalGeneration
+    tower_plan = TOWER_PLAN
+    tower_mlp = TOWER_MLP
+    per_head_norms = PER_HEAD_NORMS
+    tp_parts = ("vision",)
+    tp_refusals = {"text": LINEAR_ATTENTION}
+    packing_refusal = PACKING_REFUSAL
+    tiny_config = staticmethod(tiny_qwen3_5_config)
+    deepstack_levels = 0
+    encoder_output = QwenVLAdapter.encoder_output
