@@ -26,6 +26,7 @@ _EXPORTS = {
     "SampleError": "ray_disagg.pipeline.assignment",
     "SequenceParallel": "ray_disagg.config",
     "ContextParallel": "ray_disagg.config",
+    "ExpertParallel": "ray_disagg.config",
     "TensorParallel": "ray_disagg.config",
     "TrainLoopConfig": "ray_disagg.loop_config",
     "export_hf": "ray_disagg.export",

@@ -18,6 +18,8 @@ __all__ = [
     "DataParallel",
     "SequenceParallel",
     "TensorParallel",
+    "ContextParallel",
+    "ExpertParallel",
     "ModuleGroup",
     "TrainLoopConfig",
     "Parallelism",
@@ -142,8 +144,41 @@ class ContextParallel:
         _check_sharding(self)
 
 
-Parallelism = Literal["none"] | DataParallel | SequenceParallel | TensorParallel | ContextParallel
-_KINDS = (DataParallel, SequenceParallel, TensorParallel, ContextParallel)
+@dataclass(kw_only=True, frozen=True)
+class ExpertParallel:
+    """Expert parallelism for a mixture-of-experts LLM, composed with data parallel: every
+    worker is a data-parallel replica of the dense weights with its own samples, and each
+    group of ``size`` consecutive workers splits the routed experts (``num_experts / size``
+    each); tokens reach their experts and come back by all-to-all, routed exactly as HF
+    routes them. ``size`` must divide the group's ``num_workers`` and ``num_experts``.
+
+    Example:
+        >>> ExpertParallel(size=2, fsdp=True)
+        ExpertParallel(size=2, fsdp=True)
+    """
+
+    size: int
+    """Workers that split the experts of every MoE layer."""
+
+    fsdp: bool = False
+    """Also shard the dense weights (attention, embeddings, router, shared experts) with
+    FSDP2 over every worker of the group; the experts stay sharded over ``size``."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"ExpertParallel(size={self.size!r}): size must be an int >= 1.")
+        _check_sharding(self)
+
+
+Parallelism = (
+    Literal["none"]
+    | DataParallel
+    | SequenceParallel
+    | TensorParallel
+    | ContextParallel
+    | ExpertParallel
+)
+_KINDS = (DataParallel, SequenceParallel, TensorParallel, ContextParallel, ExpertParallel)
 
 
 def _normalize_parallelism(p: Any):
@@ -153,7 +188,8 @@ def _normalize_parallelism(p: Any):
         return p
     raise ValueError(
         f"parallelism={p!r} is not understood. Use 'none', DataParallel(), "
-        "SequenceParallel(size=N), TensorParallel(size=N) or ContextParallel(size=N)."
+        "SequenceParallel(size=N), TensorParallel(size=N), ContextParallel(size=N) or "
+        "ExpertParallel(size=N)."
     )
 
 
@@ -173,8 +209,8 @@ class ModuleGroup:
 
     parallelism: Parallelism = "none"
     """How the group's workers split the module: ``"none"`` (data parallel replicas),
-    :class:`DataParallel`, :class:`SequenceParallel`, :class:`TensorParallel` or
-    :class:`ContextParallel`."""
+    :class:`DataParallel`, :class:`SequenceParallel`, :class:`TensorParallel`,
+    :class:`ContextParallel` or :class:`ExpertParallel` (the MoE LLM)."""
 
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward to save memory."""
@@ -220,6 +256,11 @@ class ModuleGroup:
             raise ValueError(f"ModuleGroup(lr_multiplier={lm!r}): must be a finite float >= 0.")
         if lm < 0:
             raise ValueError(f"ModuleGroup(lr_multiplier={lm!r}): must be a finite float >= 0.")
+        if isinstance(self.parallelism, ExpertParallel) and n % self.parallelism.size:
+            raise ValueError(
+                f"ExpertParallel(size={self.parallelism.size}) must divide the group's "
+                f"num_workers={n}; use a size that divides it or change num_workers."
+            )
         size = self.model_parallel_size
         if n % size:
             what = f"size x tp={size}" if getattr(self.parallelism, "tp", 1) > 1 else f"size={size}"
@@ -234,7 +275,10 @@ class ModuleGroup:
 
     @property
     def model_parallel_size(self) -> int:
-        """Workers of one replica: the SP, TP or CP x TP degree (1 for data parallel)."""
+        """Workers of one replica: the SP, TP or CP x TP degree (1 for data parallel and
+        expert parallel, whose workers each read their own samples)."""
+        if isinstance(self.parallelism, ExpertParallel):
+            return 1
         return getattr(self.parallelism, "size", 1) * getattr(self.parallelism, "tp", 1)
 
     @property

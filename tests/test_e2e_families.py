@@ -8,7 +8,14 @@ import os
 
 import pytest
 
-from ray_disagg import ADAPTERS, DataParallel, HFModelSpec, SequenceParallel, TensorParallel
+from ray_disagg import (
+    ADAPTERS,
+    DataParallel,
+    ExpertParallel,
+    HFModelSpec,
+    SequenceParallel,
+    TensorParallel,
+)
 from ray_disagg.data.examples import synthetic_samples
 from tests.helpers import assert_matches_reference, group, run_layout
 
@@ -55,6 +62,19 @@ def sp_fsdp(parts):  # vision SP2 + text FSDP2(2)
     return {p: one(p) for p in parts}
 
 
+def ep2(parts, fsdp: bool = False):  # vision SP2 + text expert parallel 2
+    def one(p):
+        if p == "vision":
+            return group(2, SequenceParallel(size=2))
+        return group(2, ExpertParallel(size=2, fsdp=fsdp))
+
+    return {p: one(p) for p in parts}
+
+
+def ep2_fsdp(parts):  # experts over ep, dense weights FSDP2 over dp
+    return ep2(parts, fsdp=True)
+
+
 def m_to_n(parts):
     return {p: group(2) if p == "vision" else group(1) for p in parts}
 
@@ -72,6 +92,9 @@ CASES = [
     ("qwen3_vl_moe", sp_fsdp),
     ("qwen3_5", sp_fsdp),  # Gated DeltaNet: no TP plan, FSDP2 shards it
     ("qwen3_5_moe", sp_fsdp),
+    ("qwen3_vl_moe", ep2),
+    ("qwen3_vl_moe", ep2_fsdp),
+    ("qwen3_5_moe", ep2_fsdp),
 ]
 
 

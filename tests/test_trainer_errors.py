@@ -167,8 +167,11 @@ def test_2026_families_refuse_what_they_cannot_train_exactly():
     q35, moe = tiny_qwen3_5_config(), tiny_qwen3_vl_moe_config()
     data35, data_moe = synthetic_samples(q35, 8), synthetic_samples(moe, 8)
     tp2 = {"vision": g(), "text": g(2, TensorParallel(size=2))}
-    with pytest.raises(ValueError, match=r"'text' group of qwen3_5: its linear_attention.*"
-                       r"DataParallel\(fsdp=True\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'text' group of qwen3_5: its linear_attention.*"
+        r"DataParallel\(fsdp=True\)",
+    ):
         make(tp2, data=data35, cfg=q35)
     packed = dict(LOOP, pack_sequences=True, max_seq_len=256)
     with pytest.raises(ValueError, match=r"pack_sequences.*qwen3_5: its linear_attention"):
@@ -181,3 +184,18 @@ def test_2026_families_refuse_what_they_cannot_train_exactly():
     assert make(fsdp, data=data35, cfg=q35).plan.micro_batches == 1
     no_aux = tiny_qwen3_vl_moe_config(output_router_logits=False)
     assert make(data=data_moe, loop=dict(LOOP, micro_batches=2), cfg=no_aux)
+
+
+def test_expert_parallel_degree_must_divide_the_experts():
+    from ray_disagg import ExpertParallel, tiny_qwen3_vl_moe_config
+
+    moe = tiny_qwen3_vl_moe_config(num_experts=6)
+    data = synthetic_samples(moe, 8)
+    ep4 = {"vision": g(), "text": g(4, ExpertParallel(size=4))}
+    with pytest.raises(ValueError, match=r"ExpertParallel\(size=4\).*num_experts=6"):
+        make(ep4, data=data, cfg=moe, loop=dict(LOOP, global_batch_size=8))
+    dense = {"vision": g(), "text": g(2, ExpertParallel(size=2))}
+    with pytest.raises(ValueError, match=r"qwen2_5_vl has no experts"):
+        make(dense)
+    with pytest.raises(ValueError, match=r"ExpertParallel\(size=2\) must divide.*num_workers=3"):
+        g(3, ExpertParallel(size=2))

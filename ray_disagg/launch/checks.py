@@ -6,6 +6,7 @@ from __future__ import annotations
 from ray_disagg.config import (
     ContextParallel,
     DataParallel,
+    ExpertParallel,
     ModuleGroup,
     SequenceParallel,
     TensorParallel,
@@ -28,6 +29,9 @@ def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
         p = group.parallelism
         kind = type(p).__name__
         if isinstance(p, DataParallel):
+            continue
+        if isinstance(p, ExpertParallel):
+            _check_experts(adapter, part, p)
             continue
         if isinstance(p, TensorParallel) and p.fsdp and part != adapter.llm_part:
             raise ValueError(
@@ -54,6 +58,22 @@ def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
                 f"another parallelism for {part!r}."
             )
         _check_divides(adapter.head_counts(part), p, part)
+
+
+def _check_experts(adapter, part: str, p: ExpertParallel) -> None:
+    text = getattr(adapter.config, "text_config", adapter.config)
+    n = getattr(text, "num_experts", None)
+    if part != adapter.llm_part or not n:
+        raise ValueError(
+            f"ExpertParallel is for the LLM group of a mixture-of-experts model; the "
+            f"{part!r} group of {adapter.model_type} has no experts. Use 'none' (data "
+            "parallel) or DataParallel(fsdp=True)."
+        )
+    if n % p.size:
+        raise ValueError(
+            f"ExpertParallel(size={p.size}) in the {part} group does not divide "
+            f"num_experts={n}; choose a size that divides {n}."
+        )
 
 
 def _is_tp(p) -> bool:

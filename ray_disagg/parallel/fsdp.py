@@ -51,20 +51,23 @@ def apply_fsdp(
     bf16: bool,
     extra_units: list[nn.Module] = (),
     reshard_after_forward: bool = True,
+    ignored: set[nn.Parameter] | None = None,
 ) -> None:
     """Shard ``runner.model`` in place (on ``meta`` or materialized) over the 1-D ``mesh``:
     every transformer block and each of ``extra_units`` (modules called through their own
     ``forward``, e.g. a large embedding) as a unit, the rest as the root unit; ``bf16``:
-    all-gather bf16 parameters and reduce fp32 gradients."""
+    all-gather bf16 parameters and reduce fp32 gradients. ``ignored``: parameters another
+    parallelism shards and reduces (expert-parallel experts), left as they are."""
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else None,
         reduce_dtype=torch.float32 if bf16 else None,
     )
+    kw = {"reshard_after_forward": reshard_after_forward, "ignored_params": ignored or None}
     units = []
     for block in [*transformer_blocks(runner.model), *extra_units]:
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=mp, **kw)
         units.append(block)
-    fully_shard(runner, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(runner, mesh=mesh, mp_policy=mp, **kw)
     for unit in [*units, runner]:
         unit.set_gradient_divide_factor(1.0)  # SUM, see module docstring
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)

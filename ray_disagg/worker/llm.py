@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ray_disagg.models import moe
 from ray_disagg.models.base import lm_loss, loss_index
 from ray_disagg.parallel import context_parallel as cp
+from ray_disagg.parallel import expert_parallel as ep
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.pipeline.assignment import count_label_tokens
 from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expect
@@ -355,6 +356,8 @@ def llm_train_loop(args: LoopArgs) -> None:
         tp_group, vocab_start = tp.parallelize_text(model, decoder, lm_head, w.tp_mesh, plan, norms)
     if w.is_cp:
         cp.enable_context_parallel(decoder)
+    if w.expert_mesh is not None:
+        ep.parallelize_experts(decoder, w.expert_mesh["ep"])
     start = w.setup(model)
     data = get_session().fetch(args.dataset_ref[0])
     source = ingest.make_source(

@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ray_disagg.config import ExpertParallel
 from ray_disagg.freezing import apply_freeze
 from ray_disagg.models import loading
+from ray_disagg.parallel import expert_parallel as ep
 from ray_disagg.parallel import fsdp
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.worker import checkpoint
@@ -54,6 +56,7 @@ class PartWorker:
         self.fsdp = self.group.fsdp
         # None: the whole group (its default process group) without FSDP2
         self.shard_mesh = self._shard_mesh() if self.fsdp or self.tp_mesh is not None else None
+        self.expert_mesh = self._expert_mesh()  # ("ep_replica", "ep"), or None
         self.frozen = part in args.frozen_parts  # every parameter frozen: forward only
         self.is_llm = part == self.adapter.llm_part
         self.clock = StepClock()
@@ -86,7 +89,9 @@ class PartWorker:
         self.model = model
         self.runner = fsdp.PartRunner(model)
         if self.fsdp:  # over the ranks that hold the same tp shard (FSDP2 x TP)
-            fsdp.apply_fsdp(self.runner, self.shard_mesh, self.cfg.bf16, self._own_units(model))
+            experts = set(ep.expert_parameters(model))
+            units = self._own_units(model)
+            fsdp.apply_fsdp(self.runner, self.shard_mesh, self.cfg.bf16, units, ignored=experts)
         log = log_line if self.group_rank == 0 else None
         self.args.spec.materialize(model, self.device, self.part, log=log)
         if self.is_tp:
@@ -118,6 +123,17 @@ class PartWorker:
         if names[-1] != "tp":
             return _flat_mesh(mesh, self.device)
         return self.dp_mesh if len(names) == 2 else mesh[names[:2]]._flatten()
+
+    def _expert_mesh(self):
+        """With :class:`~ray_disagg.config.ExpertParallel`: the group's ranks as
+        ``("ep_replica", "ep")``, consecutive ranks splitting the experts."""
+        p = self.group.parallelism
+        if not isinstance(p, ExpertParallel):
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (self.rt.mesh.size() // p.size, p.size)
+        return init_device_mesh(self.device.type, shape, mesh_dim_names=("ep_replica", "ep"))
 
     def _own_units(self, model) -> list[torch.nn.Module]:
         """FSDP2 units besides the blocks: the LLM's input embedding and ``lm_head`` (large

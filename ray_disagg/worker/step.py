@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ray_disagg.lr_schedule import lr_at
+from ray_disagg.parallel import expert_parallel as ep
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.parallel.data_parallel import all_reduce_gradients
 from ray_disagg.worker import memory, metrics
@@ -79,10 +80,15 @@ def reduce_grads(w) -> None:
     over ``dp``, whose replicas differ in samples only; cp x tp: over ``dp x cp``; dp, sp
     and cp: over the whole group, whose sp / cp ranks hold partial sums of the replicated
     weights); FSDP2 reduce-scattered them in backward already. TP: the partial sums of the
-    replicated norms over ``tp``."""
+    replicated norms over ``tp``. Expert-parallel experts: over the ranks holding the
+    same experts (``ep_replica``)."""
+    ids = {id(p) for p in ep.expert_parameters(w.model)}
+    experts = [p for p in w.params if id(p) in ids]
     if not w.fsdp:
         reduce = dist.group.WORLD if w.shard_mesh is None else w.shard_mesh.get_group()
-        all_reduce_gradients(w.params, reduce)
+        all_reduce_gradients([p for p in w.params if id(p) not in ids], reduce)
+    if experts:  # expert parallel: over the ranks holding the same experts
+        all_reduce_gradients(experts, w.expert_mesh["ep_replica"].get_group())
     if w.is_tp:
         tp.all_reduce_partial_grads(w.params, w.tp_mesh.get_group())
 

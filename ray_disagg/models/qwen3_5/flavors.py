@@ -61,8 +61,9 @@ def tiny_vision(out_hidden: int) -> dict:
     )
 
 
-TOKEN_IDS = dict(image_token_id=100, video_token_id=101, vision_start_token_id=102,
-                 vision_end_token_id=103)
+TOKEN_IDS = dict(
+    image_token_id=100, video_token_id=101, vision_start_token_id=102, vision_end_token_id=103
+)
 
 
 def tiny_qwen3_5_config(**overrides: Any) -> Qwen3_5Config:

@@ -45,6 +45,4 @@ def tiny_qwen3_vl_moe_config(
         text.pop(key, None)
     vision = {k: v for k, v in base["vision_config"].items() if k != "model_type"}
     keep = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    return Qwen3VLMoeConfig(
-        text_config=text, vision_config=vision, **{k: base[k] for k in keep}
-    )
+    return Qwen3VLMoeConfig(text_config=text, vision_config=vision, **{k: base[k] for k in keep})
