@@ -5,6 +5,7 @@ validated, and pretrained weights load from a local directory."""
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 
 from ray_disagg import ADAPTERS, HFModelSpec, SampleError
 from ray_disagg.data.examples import synthetic_samples
@@ -110,11 +111,29 @@ def test_unsupported_model_type_lists_the_supported_ones():
         HFModelSpec(config=LlamaConfig())
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def _hub_layout(path) -> None:
+    """Rewrite a Qwen3-VL-MoE save in the Hub's layout: experts ``(E, H, 2I)`` / ``(E, I, H)``."""
+    from safetensors.torch import load_file, save_file
+
+    for f in path.glob("*.safetensors"):
+        state = load_file(f)
+        for k in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            state[k] = state[k].transpose(1, 2).contiguous()
+        save_file(state, f, metadata={"format": "pt"})
+
+
+# qwen3_5_moe: save_pretrained writes the Hub's per-expert tensors (merged when loading);
+# qwen3_vl_moe: the Hub's transposed experts (transposed back when loading)
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "qwen3_5_moe", "qwen3_vl_moe"])
 def test_parts_load_a_local_save_pretrained_directory(tmp_path, model_type):
     cfg = ADAPTERS[model_type].tiny_config()
     original = HFModelSpec(config=cfg, seed=5).build_full()
     original.save_pretrained(tmp_path)
+    if model_type == "qwen3_vl_moe":
+        _hub_layout(tmp_path)
+    names = [k for f in tmp_path.glob("*.safetensors") for k in safe_open(f, "pt").keys()]
+    if model_type == "qwen3_5_moe":
+        assert any(".experts.0.gate_proj.weight" in k for k in names), names[:5]
     spec = HFModelSpec(pretrained_path=tmp_path)
     loaded = {}
     for part in spec.adapter.parts:

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ray_disagg.models import hf_param_name
+from ray_disagg.models.conversions import Converted, unsupported_operation
 
 __all__ = [
     "InitSource",
@@ -163,16 +164,21 @@ class SafetensorsSource:
         transforms = get_model_conversion_mapping(model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
-        meta_sd = dict.fromkeys(model.state_dict(), True)
-        self.where: dict[str, tuple[str, str]] = {}
-        self.converted: set[str] = set()
+        self.model_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        meta_sd = dict.fromkeys(self.model_shapes, True)
+        self.where: dict[str, tuple[str, str]] = {}  # model name -> (file, checkpoint key)
+        self.converted: dict[str, Converted] = {}  # built by a transformers conversion
+        by_pattern = {p: c for c in converters for p in c.source_patterns}
         for ck_key, fname in weight_map.items():
-            key, conv = rename_source_key(
+            key, pattern = rename_source_key(
                 ck_key, renamings, converters, model.base_model_prefix, meta_sd
             )
-            if conv is not None:
-                self.converted.add(key)
-            self.where[key] = (fname, ck_key)
+            if pattern is None:
+                self.where[key] = (fname, ck_key)
+                continue
+            conv = self.converted.setdefault(key, Converted(by_pattern[pattern]))
+            conv.add(pattern, ck_key)
+            self.where[ck_key] = (fname, ck_key)
 
     def _file(self, fname: str):
         if fname not in self._files:
@@ -183,7 +189,7 @@ class SafetensorsSource:
         """From the files' headers only: ``ValueError`` naming the first of the model's
         tensors (name -> shape) that the directory lacks, holds with another shape, or
         holds in a non-float dtype."""
-        missing = [n for n in shapes if n not in self.where]
+        missing = [n for n in shapes if n not in self.where and n not in self.converted]
         if missing:
             raise ValueError(
                 f"The weights in {self.index_name} have no tensor for {missing[0]!r}"
@@ -191,39 +197,61 @@ class SafetensorsSource:
                 "directory does not hold this model (check its config.json and index)."
             )
         for name, shape in shapes.items():
-            fname, ck_key = self.where[name]
-            sl = self._file(fname).get_slice(ck_key)
-            dtype = sl.get_dtype()
-            if dtype not in ("F32", "BF16", "F16"):
+            conv = self.converted.get(name)
+            for ck_key in [name] if conv is None else conv.keys():
+                self._check_dtype(ck_key)
+            got = self.shape(name)
+            if got != tuple(shape):
+                what = name if conv is None else f"{name} (converted from {conv.keys()[0]}...)"
                 raise ValueError(
-                    f"{ck_key!r} in {os.path.join(self.path, fname)} has dtype {dtype}; only "
-                    "float32/bfloat16/float16 weights are supported (no quantized models)."
+                    f"{what!r} in {self.index_name} has shape {got} but the model's {name} is "
+                    f"{tuple(shape)}; the config.json does not match the weights."
                 )
-            if tuple(sl.get_shape()) != tuple(shape):
-                raise ValueError(
-                    f"{ck_key!r} in {os.path.join(self.path, fname)} has shape "
-                    f"{tuple(sl.get_shape())} but the model's {name} is {tuple(shape)}; the "
-                    "config.json does not match the weights."
-                )
-        converted = sorted(set(shapes) & self.converted)
-        if converted:
+
+    def _check_dtype(self, key: str) -> None:
+        fname, ck_key = self.where[key]
+        dtype = self._file(fname).get_slice(ck_key).get_dtype()
+        if dtype not in ("F32", "BF16", "F16"):
             raise ValueError(
-                f"{converted[0]!r} in {self.index_name} needs a transformers weight conversion "
-                "(fused/merged tensors), which sharded loading does not do; re-save the model "
-                "with save_pretrained from transformers >= 5 first."
+                f"{ck_key!r} in {os.path.join(self.path, fname)} has dtype {dtype}; only "
+                "float32/bfloat16/float16 weights are supported (no quantized models)."
             )
 
+    def _converted_shape(self, name: str, conv: Converted) -> tuple[int, ...]:
+        op = unsupported_operation(conv.converter)
+        if op is not None:
+            raise ValueError(
+                f"{name!r} in {self.index_name} needs transformers' {op} weight conversion, "
+                "which sharded loading does not do; re-save the model with save_pretrained "
+                "from transformers >= 5 first."
+            )
+        meta = {k: torch.empty(self._raw_shape(k), device="meta") for k in conv.keys()}
+        return tuple(conv.build(meta.__getitem__, self.model_shapes[name]).shape)
+
     def get(self, name: str) -> torch.Tensor:
-        fname, ck_key = self.where[name]
+        conv = self.converted.get(name)
+        if conv is not None:  # e.g. per-expert tensors stacked
+            return conv.build(self._raw, self.model_shapes[name])
+        return self._raw(name)
+
+    def _raw(self, key: str) -> torch.Tensor:
+        fname, ck_key = self.where[key]
         return self._file(fname).get_tensor(ck_key)  # dtype and shape: see check()
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        fname, ck_key = self.where[name]
+    def _raw_shape(self, key: str) -> tuple[int, ...]:
+        fname, ck_key = self.where[key]
         return tuple(self._file(fname).get_slice(ck_key).get_shape())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.converted:
+            return self._converted_shape(name, self.converted[name])
+        return self._raw_shape(name)
 
     def read(self, name: str, region: tuple[slice, ...]) -> torch.Tensor:
         """Only the block ``region`` of ``name`` (``get_slice``: the other bytes of the
         file are never read), on the host."""
+        if name in self.converted:  # built whole, then cut
+            return self.get(name)[region]
         fname, ck_key = self.where[name]
         return self._file(fname).get_slice(ck_key)[region]
 

@@ -15,7 +15,7 @@ def tiny_qwen3_vl_moe_config(
     *,
     num_experts: int = 4,
     top_k: int = 2,
-    moe_intermediate_size: int = 32,
+    moe_intermediate_size: int = 24,
     mlp_only_layers: tuple[int, ...] = (1,),
     output_router_logits: bool = True,
     router_aux_loss_coef: float = 0.01,
