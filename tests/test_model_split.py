@@ -131,7 +131,7 @@ def test_parts_load_a_local_save_pretrained_directory(tmp_path, model_type):
     original.save_pretrained(tmp_path)
     if model_type == "qwen3_vl_moe":
         _hub_layout(tmp_path)
-    names = [k for f in tmp_path.glob("*.safetensors") for k in safe_open(f, "pt").keys()]
+    names = [k for f in tmp_path.glob("*.safetensors") for k in safe_open(f, "pt").keys()]  # noqa: SIM118
     if model_type == "qwen3_5_moe":
         assert any(".experts.0.gate_proj.weight" in k for k in names), names[:5]
     spec = HFModelSpec(pretrained_path=tmp_path)

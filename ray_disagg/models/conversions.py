@@ -40,7 +40,7 @@ class Converted:
             index = int(re.search(rx, ck_key).group(1))
         self.sources[pattern][index] = ck_key
 
-    def keys(self) -> list[str]:
+    def source_keys(self) -> list[str]:
         return [k for p in self.sources.values() for _, k in sorted(p.items())]
 
     def build(self, load: Callable[[str], torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:

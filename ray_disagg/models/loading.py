@@ -198,11 +198,13 @@ class SafetensorsSource:
             )
         for name, shape in shapes.items():
             conv = self.converted.get(name)
-            for ck_key in [name] if conv is None else conv.keys():
+            for ck_key in [name] if conv is None else conv.source_keys():
                 self._check_dtype(ck_key)
             got = self.shape(name)
             if got != tuple(shape):
-                what = name if conv is None else f"{name} (converted from {conv.keys()[0]}...)"
+                what = (
+                    name if conv is None else f"{name} (converted from {conv.source_keys()[0]}...)"
+                )
                 raise ValueError(
                     f"{what!r} in {self.index_name} has shape {got} but the model's {name} is "
                     f"{tuple(shape)}; the config.json does not match the weights."
@@ -225,7 +227,7 @@ class SafetensorsSource:
                 "which sharded loading does not do; re-save the model with save_pretrained "
                 "from transformers >= 5 first."
             )
-        meta = {k: torch.empty(self._raw_shape(k), device="meta") for k in conv.keys()}
+        meta = {k: torch.empty(self._raw_shape(k), device="meta") for k in conv.source_keys()}
         return tuple(conv.build(meta.__getitem__, self.model_shapes[name]).shape)
 
     def get(self, name: str) -> torch.Tensor:
