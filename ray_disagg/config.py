@@ -150,15 +150,22 @@ class ExpertParallel:
     worker is a data-parallel replica of the dense weights with its own samples, and each
     group of ``size`` consecutive workers splits the routed experts (``num_experts / size``
     each); tokens reach their experts and come back by all-to-all, routed exactly as HF
-    routes them. ``size`` must divide the group's ``num_workers`` and ``num_experts``.
+    routes them. With ``tp > 1`` the attention (and any dense MLP) is Megatron
+    tensor-parallel inside each replica of ``tp`` workers (mesh axes ``("dp", "tp")``),
+    and the experts are split over ``size`` replicas. ``size x tp`` must divide the
+    group's ``num_workers``, and ``size`` the ``num_experts``.
 
     Example:
-        >>> ExpertParallel(size=2, fsdp=True)
-        ExpertParallel(size=2, fsdp=True)
+        >>> ExpertParallel(size=2, tp=2)
+        ExpertParallel(size=2, tp=2, fsdp=False)
     """
 
     size: int
-    """Workers that split the experts of every MoE layer."""
+    """Data-parallel replicas that split the experts of every MoE layer."""
+
+    tp: int = 1
+    """Tensor-parallel degree of the attention inside each replica (as
+    :class:`TensorParallel`); the experts stay whole on every tp rank of a replica."""
 
     fsdp: bool = False
     """Also shard the dense weights (attention, embeddings, router, shared experts) with
@@ -167,6 +174,8 @@ class ExpertParallel:
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or self.size < 1:
             raise ValueError(f"ExpertParallel(size={self.size!r}): size must be an int >= 1.")
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"ExpertParallel(tp={self.tp!r}): tp must be an int >= 1.")
         _check_sharding(self)
 
 
@@ -256,10 +265,12 @@ class ModuleGroup:
             raise ValueError(f"ModuleGroup(lr_multiplier={lm!r}): must be a finite float >= 0.")
         if lm < 0:
             raise ValueError(f"ModuleGroup(lr_multiplier={lm!r}): must be a finite float >= 0.")
-        if isinstance(self.parallelism, ExpertParallel) and n % self.parallelism.size:
+        p = self.parallelism
+        if isinstance(p, ExpertParallel) and n % (p.size * p.tp):
+            what = f"size x tp={p.size * p.tp}" if p.tp > 1 else f"size={p.size}"
             raise ValueError(
-                f"ExpertParallel(size={self.parallelism.size}) must divide the group's "
-                f"num_workers={n}; use a size that divides it or change num_workers."
+                f"ExpertParallel({what}) must divide the group's num_workers={n}; use a "
+                "size that divides it or change num_workers."
             )
         size = self.model_parallel_size
         if n % size:
@@ -275,10 +286,10 @@ class ModuleGroup:
 
     @property
     def model_parallel_size(self) -> int:
-        """Workers of one replica: the SP, TP or CP x TP degree (1 for data parallel and
-        expert parallel, whose workers each read their own samples)."""
+        """Workers of one replica: the SP, TP or CP x TP degree (1 for data parallel; the
+        tp degree for expert parallel, whose ``size`` replicas read their own samples)."""
         if isinstance(self.parallelism, ExpertParallel):
-            return 1
+            return self.parallelism.tp
         return getattr(self.parallelism, "size", 1) * getattr(self.parallelism, "tp", 1)
 
     @property

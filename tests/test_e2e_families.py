@@ -75,6 +75,13 @@ def ep2_fsdp(parts):  # experts over ep, dense weights FSDP2 over dp
     return ep2(parts, fsdp=True)
 
 
+def ep2_tp2(parts):  # vision 1 + text: 2 replicas split the experts, attention TP2
+    return {
+        p: group(1) if p == "vision" else group(4, ExpertParallel(size=2, tp=2), 0.25)
+        for p in parts
+    }
+
+
 def m_to_n(parts):
     return {p: group(2) if p == "vision" else group(1) for p in parts}
 
@@ -95,6 +102,7 @@ CASES = [
     ("qwen3_vl_moe", ep2),
     ("qwen3_vl_moe", ep2_fsdp),
     ("qwen3_5_moe", ep2_fsdp),
+    ("qwen3_vl_moe", ep2_tp2),
 ]
 
 
@@ -110,6 +118,9 @@ def test_family_layout_matches_hf(tmp_path, model_type, layout):
     assert_matches_reference(result, spec, data, dict(LOOP, checkpoint_every=1))
     for part in spec.adapter.parts:  # metrics are named by the group
         assert f"{part}_compute_s" in result.metrics and f"{part}_grad_norm" in result.metrics
+    if spec.adapter.router is not None:  # MoE: how evenly the experts got the tokens
+        top, mean = result.metrics["text_expert_load_max"], result.metrics["text_expert_load_mean"]
+        assert 1.0 <= mean <= top <= cfg.text_config.num_experts
     assert sorted(os.listdir(result.checkpoint.path)) == sorted(
         [*spec.adapter.parts, "config.json"]
     )

@@ -32,7 +32,8 @@ def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
             continue
         if isinstance(p, ExpertParallel):
             _check_experts(adapter, part, p)
-            continue
+            if p.tp == 1:
+                continue
         if isinstance(p, TensorParallel) and p.fsdp and part != adapter.llm_part:
             raise ValueError(
                 f"TensorParallel(fsdp=True) is supported for the LLM group "
@@ -102,6 +103,8 @@ def _degrees(p) -> list[tuple[str, int, str]]:
     """``(setting, degree, sizes)`` of a layout: its degree must divide the sizes named
     ``"all"``, ``"heads"`` (every head count) or ``"query heads"`` (context parallelism
     repeats KV heads that do not split, as grouped-query attention does anyway)."""
+    if isinstance(p, ExpertParallel):
+        return [(f"tp={p.tp}", p.tp, "all")]
     if isinstance(p, ContextParallel):
         cp = [(f"size x tp={p.size * p.tp}" if p.tp > 1 else f"size={p.size}", p.size * p.tp)]
         return [(*cp[0], "query heads")] + ([(f"tp={p.tp}", p.tp, "all")] if p.tp > 1 else [])

@@ -18,7 +18,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["RouterSpec", "check_micro_batches", "router_aux_loss", "router_spec", "routing_sums"]
+__all__ = [
+    "ExpertLoad",
+    "RouterSpec",
+    "check_micro_batches",
+    "router_aux_loss",
+    "router_spec",
+    "routing_sums",
+]
 
 
 @dataclass(frozen=True)
@@ -84,3 +91,60 @@ def router_aux_loss(router_logits, spec: RouterSpec, mask=None, group=None) -> t
         dist.all_reduce(shared, group=group)
     counts, rows = shared[:-1], shared[-1]
     return spec.coef * spec.num_experts * (counts * probs).sum() / rows**2
+
+
+def _is_router(module) -> bool:
+    """HF's top-k routers (``...TopKRouter``: ``weight`` ``(E, H)``, ``top_k``)."""
+    return hasattr(module, "top_k") and hasattr(module, "num_experts") and hasattr(module, "weight")
+
+
+class ExpertLoad:
+    """How evenly each MoE layer's routers spread the tokens over the experts in a step:
+    forward hooks on the routers count every token's top-k choices (on the device)
+    while :attr:`active`, so recomputation (activation checkpointing) is not counted.
+
+    Example:
+        >>> import torch
+        >>> from ray_disagg import HFModelSpec, tiny_qwen3_vl_moe_config
+        >>> text = HFModelSpec(config=tiny_qwen3_vl_moe_config()).build_part("text")
+        >>> load = ExpertLoad(text.model.language_model)
+        >>> load.active = True
+        >>> _ = text.model.language_model(input_ids=torch.tensor([[1, 2, 3, 4]]))
+        >>> sorted(load.take())
+        ['expert_load_max', 'expert_load_mean']
+    """
+
+    def __init__(self, decoder):
+        self.routers = [m for m in decoder.modules() if _is_router(m)]
+        self.num_experts = self.routers[0].num_experts if self.routers else 0
+        self.counts: torch.Tensor | None = None
+        self.active = False
+        for i, router in enumerate(self.routers):
+            router.register_forward_hook(self._hook(i))
+
+    def _hook(self, layer: int):
+        def count(module, _args, out):
+            if not self.active:
+                return
+            if self.counts is None:
+                self.counts = self._zeros(out[2].device)
+            chosen = out[2].reshape(-1)
+            self.counts[layer] += torch.bincount(chosen, minlength=module.num_experts).float()
+
+        return count
+
+    def _zeros(self, device) -> torch.Tensor:
+        return torch.zeros((len(self.routers), self.num_experts), device=device)
+
+    def take(self, group=None, device=None) -> dict[str, float]:
+        """``expert_load_max`` / ``_mean``: over the MoE layers, the most loaded expert's
+        tokens over the mean expert's (1.0: perfectly even), counted over the ranks of
+        ``group`` (collective: every rank calls it once a step); resets the counts."""
+        counts, self.counts = self.counts, None
+        if counts is None:  # no forward this step: the same shape for the all-reduce
+            counts = self._zeros(device)
+        if group is not None:
+            dist.all_reduce(counts, group=group)
+        per_layer = counts.max(1).values / counts.mean(1).clamp_min(1e-12)
+        top, mean = torch.stack([per_layer.max(), per_layer.mean()]).tolist()
+        return {"expert_load_max": top, "expert_load_mean": mean}

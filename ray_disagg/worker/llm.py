@@ -192,6 +192,8 @@ class LLMModel:
     def __init__(self, w: PartWorker, model, lm_head, tp_group, vocab_start):
         self.w, self.model, self.lm_head = w, model, lm_head
         self.tp_group, self.vocab_start = tp_group, vocab_start
+        load = moe.ExpertLoad(w.adapter.llm_modules(model)[0])  # hooks on MoE routers only
+        self.load = load if load.routers else None
         self.text_keys = ("id", "input_ids", "labels", *w.adapter.llm_fields())
         self.grad_names = {  # crossings whose encoder has something to train
             c.name
@@ -208,8 +210,23 @@ class LLMModel:
         ctx = batch.pop("context", None)
         chunk = w.cfg.loss_chunk_tokens
         loss_args = (batch, received, n_labels, self.tp_group, self.vocab_start, chunk, ctx)
-        with torch.autocast(w.device.type, torch.bfloat16, enabled=w.cfg.bf16):
-            return w.runner(functools.partial(_loss, w.adapter, self.lm_head, *loss_args))
+        if self.load is not None:  # count this forward's routing (not recomputations)
+            self.load.active = grad
+        try:
+            with torch.autocast(w.device.type, torch.bfloat16, enabled=w.cfg.bf16):
+                return w.runner(functools.partial(_loss, w.adapter, self.lm_head, *loss_args))
+        finally:
+            if self.load is not None:
+                self.load.active = False
+
+    def expert_load(self) -> dict[str, float]:
+        """The step's ``<part>_expert_load_max`` / ``_mean`` over the global batch (MoE;
+        collective over the data-parallel ranks)."""
+        if self.load is None:
+            return {}
+        w = self.w
+        load = self.load.take(w.dp_mesh.get_group() if w.dp_mesh.size() > 1 else None, w.device)
+        return {f"{w.part}_{k}": v for k, v in load.items()}
 
 
 class LLMStep:
@@ -377,4 +394,5 @@ def llm_train_loop(args: LoopArgs) -> None:
         run.run(actions)
         ids, extra = _sample_ids(w, run)
         extra.update(_data_position(w, source, step))
+        extra.update(llm.expert_load())
         finish_step(w, step, _stats(w, run), sample_ids=ids, evaluate=evaluate, extra=extra)

@@ -125,15 +125,17 @@ class PartWorker:
         return self.dp_mesh if len(names) == 2 else mesh[names[:2]]._flatten()
 
     def _expert_mesh(self):
-        """With :class:`~ray_disagg.config.ExpertParallel`: the group's ranks as
-        ``("ep_replica", "ep")``, consecutive ranks splitting the experts."""
+        """With :class:`~ray_disagg.config.ExpertParallel`: the group's ``(dp, tp)`` ranks
+        as ``("ep_replica", "ep", "tp")``: ``ep`` consecutive replicas split the experts
+        (each tp rank with its peers of the same tp index)."""
         p = self.group.parallelism
         if not isinstance(p, ExpertParallel):
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
-        shape = (self.rt.mesh.size() // p.size, p.size)
-        return init_device_mesh(self.device.type, shape, mesh_dim_names=("ep_replica", "ep"))
+        shape = (self.rt.mesh.size() // (p.size * p.tp), p.size, p.tp)
+        names = ("ep_replica", "ep", "tp")
+        return init_device_mesh(self.device.type, shape, mesh_dim_names=names)
 
     def _own_units(self, model) -> list[torch.nn.Module]:
         """FSDP2 units besides the blocks: the LLM's input embedding and ``lm_head`` (large
