@@ -51,7 +51,7 @@ def cli_error(capsys, *argv) -> str:
 
 
 def test_bundled_recipes_ship_and_console_script_exists():
-    assert {"digits_cpu", BIG} <= set(bundled_recipes())
+    assert {"digits_cpu", BIG, "qwen3_vl_30b_a3b_8gpu"} <= set(bundled_recipes())
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert project["project"]["scripts"]["ray-disagg"] == "ray_disagg.recipes.cli:main"
@@ -95,6 +95,28 @@ def test_plan_32b_offline(no_ray, capsys):
     assert mem["vision"].num_params == 688_841_984  # SP replicates the tower
     assert mem["text"].optimizer == 2 * mem["text"].params  # fp32 AdamW
     assert per_gpu(r, mem)["bundle"] == pytest.approx(gib * GiB, rel=1e-3)
+
+
+MOE = "qwen3_vl_30b_a3b_8gpu"
+
+
+def test_plan_moe_counts_expert_shards(no_ray, capsys):
+    """The bundled Qwen3-VL-30B-A3B recipe: experts over ExpertParallel(8), the dense
+    weights over FSDP2(8); plan accepts it offline and it fits 80 GB GPUs."""
+    text = main(["plan", MOE])
+    assert "qwen3_vl_moe" in text and "text 30.53B" in text
+    assert re.search(r'ExpertParallel\(size=8, fsdp=True\)\s+\("dp_shard", "tp"\) = \(8, 1\)', text)
+    gib = float(re.search(r"per GPU \(colocated bundle = vision \+ text\): ([\d.]+) GiB", text)[1])
+    assert 40 < gib < 80
+    r = load_recipe(MOE)
+    total = sum(p.numel() for p in r.model.meta_model("text").parameters())
+    mem = estimate(r)
+    assert mem["text"].num_params == pytest.approx(total / 8, rel=1e-6)  # all of it / 8
+    ep2 = estimate(load_recipe(MOE, ["groups.text.parallelism.size=2"]))
+    experts = sum(
+        p.numel() for n, p in r.model.meta_model("text").named_parameters() if ".experts." in n
+    )
+    assert ep2["text"].num_params == pytest.approx(experts / 2 + (total - experts) / 8)
 
 
 def test_plan_overrides_change_the_estimate(no_ray):

@@ -8,6 +8,8 @@ also under ``bf16`` autocast; 2 for ``bfloat16``):
   ``TensorParallel`` divides the tensors its plan shards by its size (decoder q/k/v/o and
   MLP, the vocab-parallel embedding and lm_head; a tower's qkv/proj/MLP); norms and
   row-wise biases stay whole. FSDP2 divides every tensor by the shard degree.
+  ``ExpertParallel(size)`` divides the routed experts by ``size`` (and FSDP2 leaves
+  them to it).
 - gradients: the trainable parameters (``trainable: false`` and ``freeze`` prefixes have
   none), sharded the same way, x P.
 - optimizer: AdamW's two states of the trainable parameters, 2 x P, sharded the same way
@@ -18,7 +20,9 @@ also under ``bf16`` autocast; 2 for ``bfloat16``):
   - LLM: ``T`` tokens per microbatch (``ceil(global_batch_size / (dp x micro_batches))``
     samples x ``seq_len``; packed: whole rows of ``max_seq_len``) times, per layer,
     ``4h + (2 q + 2 kv + 4 i) / tp`` elements (the norms' inputs and outputs are whole;
-    q, k, v, the attention output and the MLP's gate, up, act and product are TP-sharded),
+    q, k, v, the attention output and the MLP's gate, up, act and product are TP-sharded;
+    an MoE block: ``4 (k i_e + i_shared) + 3 k h``, its chosen experts and the
+    dispatched rows),
     x layers; with activation checkpointing ``layers x h`` plus one layer's full set;
     plus ``2h`` (final norm) and the logits, ``(V / tp) x (a + 8)`` bytes per token (the
     logits, their fp32 copy and the saved fp32 log-softmax).
@@ -110,6 +114,10 @@ def _tp_sharded(adapter, part: str, name: str) -> bool:
     return style == "colwise" or (style == "rowwise" and kind == "weight")
 
 
+def _is_ep(group) -> bool:
+    return type(group.parallelism).__name__ == "ExpertParallel"
+
+
 def image_patches(vision_config, image_size) -> tuple[int, int]:
     """``(patches, h_patches x w_patches)`` of one image of ``image_size = [H, W]`` px."""
     p, m = vision_config.patch_size, vision_config.spatial_merge_size
@@ -118,9 +126,25 @@ def image_patches(vision_config, image_size) -> tuple[int, int]:
     return h * w, (h, w)
 
 
+def _mlp_width(t, tp: int) -> float:
+    """Per token and layer, the MLP's activation width: ``4 i / tp`` for a dense one (gate,
+    up, act, product, TP-sharded); for an MoE block the ``top_k`` chosen experts' (whole
+    on every tp rank) plus a shared expert, and the dispatched rows (sent, received,
+    returned: ``3 k h``)."""
+    k = getattr(t, "num_experts_per_tok", None)
+    if not getattr(t, "num_experts", None) or not k:
+        return 4 * t.intermediate_size / tp
+    shared = getattr(t, "shared_expert_intermediate_size", 0) or 0
+    return 4 * (k * t.moe_intermediate_size + shared) + 3 * k * t.hidden_size
+
+
+def _expert_sharded(name: str) -> bool:
+    return re.search(r"\.mlp\.experts\.(gate_up_proj|down_proj)$", name) is not None
+
+
 def _llm_activations(cfg, r, group, sched, a: int) -> float:
     t = cfg.text_config
-    h, layers, i, vocab = t.hidden_size, t.num_hidden_layers, t.intermediate_size, t.vocab_size
+    h, layers, vocab = t.hidden_size, t.num_hidden_layers, t.vocab_size
     head_dim = getattr(t, "head_dim", None) or h // t.num_attention_heads
     q, kv = t.num_attention_heads * head_dim, t.num_key_value_heads * head_dim
     tp = _degree(group, "tp")
@@ -129,7 +153,7 @@ def _llm_activations(cfg, r, group, sched, a: int) -> float:
     if r.loop.pack_sequences:
         tokens = math.ceil(tokens / r.loop.max_seq_len) * r.loop.max_seq_len
     cp = _degree(group, "cp")
-    layer = 4 * h + (2 * q + 2 * kv + 4 * i) / tp
+    layer = 4 * h + (2 * q + 2 * kv) / tp + _mlp_width(t, tp)
     kept = layers * h + layer if group.activation_checkpointing else layers * layer
     # the decoder sees 1/cp of the tokens; logits exist for a chunk of them at a time
     logit_rows = min(tokens / cp, r.loop.loss_chunk_tokens or math.inf)
@@ -179,8 +203,12 @@ def estimate(r) -> dict[str, WorkerMemory]:
         fsdp = group.num_workers // tp if group.fsdp else 1
         zero1 = group.num_workers if getattr(group.parallelism, "zero1", False) else 1
         local = trainable = 0.0
+        ep = getattr(group.parallelism, "size", 1) if _is_ep(group) else 1
         for name, p in params.items():
-            n = p.numel() / (tp if tp > 1 and _tp_sharded(adapter, part, name) else 1) / fsdp
+            if ep > 1 and _expert_sharded(name):  # over ep only (FSDP2 leaves experts)
+                n = p.numel() / ep
+            else:
+                n = p.numel() / (tp if tp > 1 and _tp_sharded(adapter, part, name) else 1) / fsdp
             local += n
             trainable += 0 if is_frozen(name, group) else n
         if part == adapter.llm_part:

@@ -19,7 +19,8 @@ Schema (``model``, ``data.train``, ``groups`` and ``train_loop_config`` are requ
                trainable: true, freeze: [], lr_multiplier: 1.0}
       text: {num_workers: 2, parallelism: {type: tensor, size: 2}}
       # parallelism: none | {type: data, zero1, fsdp} | {type: sequence, size, zero1, fsdp}
-      #              | {type: tensor, size, fsdp} | {type: context, size, fsdp}
+      #              | {type: tensor, size, fsdp} | {type: context, size, tp, fsdp}
+      #              | {type: expert, size, tp, fsdp}  (an MoE LLM's experts over size)
     placement: separate          # separate | colocated
     transfer: auto               # auto | gloo | shm | nccl | cuda_ipc
     wait_for_resources: false    # true on an autoscaling cluster
@@ -52,6 +53,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray_disagg import models
 from ray_disagg.config import (
     ContextParallel,
+    ExpertParallel,
     DataParallel,
     ModuleGroup,
     SequenceParallel,
@@ -112,6 +114,7 @@ PARALLELISM = {  # type -> (class, allowed keys)
     "sequence": (SequenceParallel, ("size", "zero1", "fsdp")),
     "tensor": (TensorParallel, ("size", "fsdp")),
     "context": (ContextParallel, ("size", "tp", "fsdp")),
+    "expert": (ExpertParallel, ("size", "tp", "fsdp")),
 }
 RUN = {"name": None, "storage_path": None, "max_failures": 0, "checkpoint": None}
 CHECKPOINT = {"num_to_keep": None, "score_attribute": None, "order": "max"}
