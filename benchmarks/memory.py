@@ -27,7 +27,12 @@ steps with text FSDP2 over 2 workers + vision 1. ``--tiny`` shrinks everything (
 LLM) for a quick check; its ratios are dominated by allocator noise.
 
     python benchmarks/memory.py [--tiny] [--skip-big] [--steps 3] [--cache DIR]
-        [--layouts 1,tp2,fsdp2,fsdp2xtp2]
+        [--layouts 1,tp2,fsdp2,fsdp2xtp2,ep2]
+
+The ``ep2`` row trains a Qwen3-VL-MoE of the same scale (~324M LLM parameters, 8 experts
+of which each token takes 2, 226M of them in experts) with its experts split over 2
+workers (``ExpertParallel(size=2)``; the dense weights whole on both): ``(b)`` divides
+only the experts by 2.
 
 e.g. ``--layouts fsdp2 --steps 10 --skip-big`` for the FSDP2 case's growth only.
 """
@@ -52,11 +57,13 @@ from ray.train.torch import TorchTrainer  # noqa: E402
 from ray_disagg import (  # noqa: E402
     DataParallel,
     DisaggregatedTrainer,
+    ExpertParallel,
     HFModelSpec,
     ModuleGroup,
     TensorParallel,
     load_metrics,
     tiny_qwen2_5_vl_config,
+    tiny_qwen3_vl_moe_config,
 )
 from ray_disagg.data.examples import synthetic_samples  # noqa: E402
 
@@ -69,11 +76,18 @@ SIZES = {  # text / vision parameters, counted on the meta device
     "big": (32000, 2048, 16, 16, 4, 6144, 256, 4),  # 902.9M / 5.8M
     "tiny": (4096, 256, 4, 4, 2, 512, 64, 2),  # 4.5M / 0.2M
 }
-LAYOUTS = {  # key: name, text workers, text parallelism, (tp, fsdp) degrees of a text shard
-    "1": ("vision 1 + text 1", 1, "none", 1, 1),
-    "tp2": ("vision 1 + text TP2", 2, TensorParallel(size=2), 2, 1),
-    "fsdp2": ("vision 1 + text FSDP2 (2)", 2, DataParallel(fsdp=True), 1, 2),
-    "fsdp2xtp2": ("vision 1 + text FSDP2xTP2 (4)", 4, TensorParallel(size=2, fsdp=True), 2, 2),
+LAYOUTS = {  # key: name, text workers, text parallelism, (tp, fsdp, ep) of a text shard
+    "1": ("vision 1 + text 1", 1, "none", 1, 1, 1),
+    "tp2": ("vision 1 + text TP2", 2, TensorParallel(size=2), 2, 1, 1),
+    "fsdp2": ("vision 1 + text FSDP2 (2)", 2, DataParallel(fsdp=True), 1, 2, 1),
+    "fsdp2xtp2": ("vision 1 + text FSDP2xTP2 (4)", 4, TensorParallel(size=2, fsdp=True), 2, 2, 1),
+    # the MoE model (Qwen3-VL-MoE, MOE_SIZES): experts split over 2, dense weights whole
+    "ep2": ("vision 1 + MoE text EP2", 2, ExpertParallel(size=2), 1, 1, 2),
+}
+# LLM: vocab, hidden, layers, heads, KV heads, experts, top-k, expert width; vision as SIZES
+MOE_SIZES = {
+    "300m": (32000, 1024, 12, 16, 4, 8, 2, 768, 256, 4),  # 323.6M (experts 226.5M) / 8.4M
+    "tiny": (4096, 256, 4, 4, 2, 4, 2, 128, 64, 2),
 }
 GROWTH_FROM = 3  # first step of the growth check (the steps before allocate AdamW state)
 
@@ -93,10 +107,27 @@ def make_config(size: str):
     return cfg
 
 
+def make_moe_config(size: str):
+    vocab, hidden, layers, heads, kv, experts, k, width, v_hidden, v_depth = MOE_SIZES[size]
+    return tiny_qwen3_vl_moe_config(
+        vocab_size=vocab,
+        text_hidden=hidden,
+        text_layers=layers,
+        text_heads=heads,
+        text_kv_heads=kv,
+        vision_hidden=v_hidden,
+        vision_depth=v_depth,
+        num_experts=experts,
+        top_k=k,
+        moe_intermediate_size=width,
+        mlp_only_layers=(),
+    )
+
+
 def saved_model(cfg, size: str, cache: str) -> str:
     """A bf16 ``save_pretrained`` directory of the model (random init, seed 0), made once."""
     digest = hashlib.sha1(cfg.to_json_string().encode()).hexdigest()[:8]  # a changed config
-    path = os.path.join(cache, f"qwen2_5_vl_{size}_{digest}_bf16")  # gets its own directory
+    path = os.path.join(cache, f"{cfg.model_type}_{size}_{digest}_bf16")  # gets its own directory
     if not os.path.isfile(os.path.join(path, "config.json")):
         print(f"saving {path} (once)")
         os.makedirs(cache, exist_ok=True)
@@ -107,10 +138,11 @@ def saved_model(cfg, size: str, cache: str) -> str:
     return path
 
 
-def shard_params(spec, part: str, tp: int = 1, fsdp: int = 1) -> float:
-    """Parameters of one rank's shard of ``part`` (see the module docstring)."""
+def shard_params(spec, part: str, tp: int = 1, fsdp: int = 1, ep: int = 1) -> float:
+    """Parameters of one rank's shard of ``part`` (see the module docstring; expert
+    parallelism divides the routed experts by ``ep``)."""
     return sum(
-        p.numel() / (fsdp * (1 if "norm" in name else tp))
+        p.numel() / (ep if ".experts." in name else fsdp * (1 if "norm" in name else tp))
         for name, p in spec.meta_model(part).named_parameters()
     )
 
@@ -214,6 +246,13 @@ def main():
     data = synthetic_samples(cfg, 2 * args.steps, grids=[(1, 8, 8)])
     loop = {"max_steps": args.steps, "global_batch_size": 2, "shuffle": False}
     total = {part: shard_params(spec, part) for part in ("vision", "text")}
+    moe = None  # (spec, data) of the MoE model, saved when an MoE layout runs
+    if any(LAYOUTS[k][5] > 1 for k in args.layouts.split(",")):
+        moe_cfg = make_moe_config(size)
+        moe_spec = HFModelSpec(pretrained_path=saved_model(moe_cfg, size, args.cache))
+        moe = moe_spec, synthetic_samples(moe_cfg, 2 * args.steps, grids=[(1, 8, 8)])
+        n_moe = shard_params(moe_spec, "text")
+        print(f"MoE Qwen3-VL-MoE ({size}): LLM {n_moe / 1e6:.1f}M params, EP rows train it")
     tokens = sum(len(s["input_ids"]) for s in data[:2])
     print(
         f"\nQwen2.5-VL ({size}): LLM {total['text'] / 1e6:.1f}M params, vision tower "
@@ -234,10 +273,11 @@ def main():
         )
         base = float(result.metrics["peak_mb"])
         runs = []
-        for name, n_text, parallelism, tp, fsdp in layouts:
+        for name, n_text, parallelism, tp, fsdp, ep in layouts:
             text = group(n_text, parallelism)
-            peaks, steps, procs = run_layout(spec, data, loop, text, storage, name)
-            b = {"vision": total["vision"], "text": shard_params(spec, "text", tp, fsdp)}
+            s, d = (spec, data) if ep == 1 else moe
+            peaks, steps, procs = run_layout(s, d, loop, text, storage, name)
+            b = {"vision": shard_params(s, "vision"), "text": shard_params(s, "text", tp, fsdp, ep)}
             b = {g: n * BYTES_PER_PARAM / MB for g, n in b.items()}
             runs.append((name, peaks, b, procs, steps))
         big = None if args.skip_big else run_big(args, storage)
