@@ -7,6 +7,7 @@ SP layout of the tower, a TP layout of the LLM and an M:N layout."""
 import os
 
 import pytest
+import torch
 
 from ray_disagg import (
     ADAPTERS,
@@ -15,9 +16,10 @@ from ray_disagg import (
     HFModelSpec,
     SequenceParallel,
     TensorParallel,
+    export_hf,
 )
 from ray_disagg.data.examples import synthetic_samples
-from tests.helpers import assert_matches_reference, group, run_layout
+from tests.helpers import assert_matches_reference, checkpoint_state, group, run_layout
 
 LOOP = {"max_steps": 3, "global_batch_size": 4, "lr": 1e-3, "eps": 1e-6, "seed": 3}
 VISION = [
@@ -124,3 +126,16 @@ def test_family_layout_matches_hf(tmp_path, model_type, layout):
     assert sorted(os.listdir(result.checkpoint.path)) == sorted(
         [*spec.adapter.parts, "config.json"]
     )
+    if any(isinstance(g.parallelism, ExpertParallel) for g in groups.values()):
+        _assert_export_round_trips(result, spec, tmp_path)
+
+
+def _assert_export_round_trips(result, spec, tmp_path):
+    """Expert shards come back whole: ``export_hf`` writes the HF layout that the family's
+    ``from_pretrained`` (with its own weight conversions) loads unchanged."""
+    out = export_hf(result.checkpoint, tmp_path / "hf")
+    loaded = spec.adapter.hf_class.from_pretrained(out).state_dict()
+    state = checkpoint_state(result.checkpoint)
+    assert set(loaded) == set(state)
+    for key, value in state.items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)
