@@ -49,3 +49,25 @@ def test_the_loops_read_no_device_value_on_the_host():
         for fn, call in _calls(ROOT / "worker" / name):
             if call.func.attr in ("item", "tolist") and fn != "_plain":  # CPU sample ids
                 raise AssertionError(f"{name}:{fn} {ast.unparse(call)} syncs with the device")
+
+
+# Host reads outside the loops, each one documented where it is: expert parallelism's
+# split sizes (all_to_all_single takes host ints), the step's expert-load metric (after
+# the step's gradients).
+HOST_READS = {
+    ("parallel/expert_parallel.py", "_forward"),
+    ("models/moe.py", "take"),
+}
+
+
+def test_model_and_parallel_code_reads_the_device_only_where_documented():
+    found = set()
+    for sub in ("parallel", "models"):
+        for path in sorted((ROOT / sub).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for fn, call in _calls(path):
+                if call.func.attr == "tolist" and (rel, fn) in HOST_READS:
+                    found.add((rel, fn))
+                elif call.func.attr == "bincount":  # reads its max on the host
+                    raise AssertionError(f"{rel}:{fn} {ast.unparse(call)} syncs with the device")
+    assert found == HOST_READS

@@ -134,6 +134,15 @@ def test_parts_load_a_local_save_pretrained_directory(tmp_path, model_type):
     names = [k for f in tmp_path.glob("*.safetensors") for k in safe_open(f, "pt").keys()]  # noqa: SIM118
     if model_type == "qwen3_5_moe":
         assert any(".experts.0.gate_proj.weight" in k for k in names), names[:5]
+    if model_type in ("qwen3_5_moe", "qwen3_vl_moe"):  # an expert shard reads its experts only
+        from ray_disagg.models.loading import SafetensorsSource
+
+        source = SafetensorsSource(
+            str(tmp_path), HFModelSpec(pretrained_path=tmp_path).meta_model()
+        )
+        key = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+        region = (slice(2, 4), slice(8, 40), slice(None))
+        torch.testing.assert_close(source.read(key, region), original.state_dict()[key][region])
     spec = HFModelSpec(pretrained_path=tmp_path)
     loaded = {}
     for part in spec.adapter.parts:

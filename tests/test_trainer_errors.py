@@ -199,3 +199,10 @@ def test_expert_parallel_degree_must_divide_the_experts():
         make(dense)
     with pytest.raises(ValueError, match=r"ExpertParallel\(size=2\) must divide.*num_workers=3"):
         g(3, ExpertParallel(size=2))
+    frozen = ModuleGroup(
+        scaling_config=ScalingConfig(num_workers=2),
+        parallelism=ExpertParallel(size=2),
+        freeze=["model.language_model.layers.0"],
+    )
+    with pytest.raises(ValueError, match=r"needs the whole group trainable.*layers.0"):
+        make({"vision": g(), "text": frozen}, data=synthetic_samples(moe, 8), cfg=moe)

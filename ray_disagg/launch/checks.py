@@ -31,7 +31,7 @@ def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
         if isinstance(p, DataParallel):
             continue
         if isinstance(p, ExpertParallel):
-            _check_experts(adapter, part, p)
+            _check_experts(adapter, part, p, group)
             if p.tp == 1:
                 continue
         if isinstance(p, TensorParallel) and p.fsdp and part != adapter.llm_part:
@@ -61,7 +61,7 @@ def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
         _check_divides(adapter.head_counts(part), p, part)
 
 
-def _check_experts(adapter, part: str, p: ExpertParallel) -> None:
+def _check_experts(adapter, part: str, p: ExpertParallel, group: ModuleGroup) -> None:
     text = getattr(adapter.config, "text_config", adapter.config)
     n = getattr(text, "num_experts", None)
     if part != adapter.llm_part or not n:
@@ -74,6 +74,14 @@ def _check_experts(adapter, part: str, p: ExpertParallel) -> None:
         raise ValueError(
             f"ExpertParallel(size={p.size}) in the {part} group does not divide "
             f"num_experts={n}; choose a size that divides {n}."
+        )
+    if not group.trainable or group.freeze:
+        # how deep backward goes would depend on whether a replica's samples have images,
+        # so the expert all-to-alls of backward would run on some ranks only
+        raise ValueError(
+            f"ExpertParallel in the {part} group needs the whole group trainable (no "
+            f"trainable=False, no freeze prefixes: got freeze={list(group.freeze)}); freeze "
+            "the LLM with DataParallel or TensorParallel instead."
         )
 
 

@@ -47,6 +47,40 @@ class Converted:
         """The model tensor of ``shape`` from ``load(ck_key)`` (a ``meta`` tensor when
         ``load`` gives ``meta`` tensors: the shape check reads only headers)."""
         pieces = [[load(k) for _, k in sorted(p.items())] for p in self.sources.values()]
+        return self._apply(pieces, shape)
+
+    def build_region(self, load, load_rows, shape: tuple[int, ...], region) -> torch.Tensor:
+        """``build(load, shape)[region]``, reading only the experts (dim 0) in ``region``
+        where the conversion keeps experts on dim 0: the per-expert tensors of those
+        experts (``load``), or those rows of a stacked one (``load_rows(key, lo, hi)``)."""
+        if not self._keeps_experts():
+            return self.build(load, shape)[region]
+        lo, hi, _ = region[0].indices(shape[0])
+        pieces = []
+        for pattern in self.sources.values():
+            if len(pattern) > 1 or "MergeModulelist" in self._ops():
+                pieces.append([load(k) for i, k in sorted(pattern.items()) if lo <= i < hi])
+            else:
+                pieces.append([load_rows(pattern[0], lo, hi)])
+        out = self._apply(pieces, (hi - lo, *shape[1:]))
+        return out[(slice(None), *region[1:])]
+
+    def _ops(self) -> list[str]:
+        return [type(op).__name__ for op in self.converter.operations]
+
+    def _keeps_experts(self) -> bool:
+        """Every operation leaves dim 0 as the expert index."""
+        for op in self.converter.operations:
+            name = type(op).__name__
+            if name == "MergeModulelist" and op.dim != 0:
+                return False
+            if name == "Concatenate" and op.dim == 0:
+                return False
+            if name == "Transpose" and 0 in (op.dim0, op.dim1):
+                return False
+        return True
+
+    def _apply(self, pieces: list[list[torch.Tensor]], shape) -> torch.Tensor:
         for op in self.converter.operations:
             name = type(op).__name__
             if name == "MergeModulelist":

@@ -240,6 +240,10 @@ class SafetensorsSource:
         fname, ck_key = self.where[key]
         return self._file(fname).get_tensor(ck_key)  # dtype and shape: see check()
 
+    def _raw_rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        fname, ck_key = self.where[key]
+        return self._file(fname).get_slice(ck_key)[lo:hi]
+
     def _raw_shape(self, key: str) -> tuple[int, ...]:
         fname, ck_key = self.where[key]
         return tuple(self._file(fname).get_slice(ck_key).get_shape())
@@ -252,8 +256,9 @@ class SafetensorsSource:
     def read(self, name: str, region: tuple[slice, ...]) -> torch.Tensor:
         """Only the block ``region`` of ``name`` (``get_slice``: the other bytes of the
         file are never read), on the host."""
-        if name in self.converted:  # built whole, then cut
-            return self.get(name)[region]
+        conv = self.converted.get(name)
+        if conv is not None:  # only the experts in the region
+            return conv.build_region(self._raw, self._raw_rows, self.model_shapes[name], region)
         fname, ck_key = self.where[name]
         return self._file(fname).get_slice(ck_key)[region]
 

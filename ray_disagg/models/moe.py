@@ -128,8 +128,8 @@ class ExpertLoad:
                 return
             if self.counts is None:
                 self.counts = self._zeros(out[2].device)
-            chosen = out[2].reshape(-1)
-            self.counts[layer] += torch.bincount(chosen, minlength=module.num_experts).float()
+            chosen = out[2].reshape(-1)  # scatter_add_: bincount would sync (its max)
+            self.counts[layer].scatter_add_(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
 
         return count
 

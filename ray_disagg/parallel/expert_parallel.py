@@ -12,8 +12,12 @@ same all-to-alls (in reverse), so an expert's gradient holds every ep rank's tok
 ranks holding the same experts (``dp / ep`` of them) then sum theirs
 (:func:`expert_parameters`, reduced by the step).
 
-The split sizes of the token all-to-all are read on the host (one small device-to-host
-copy per MoE layer and direction, as in every dropless EP implementation)."""
+The split sizes of the token all-to-all are read on the host: one small device-to-host
+copy per MoE layer (and again when activation checkpointing recomputes the layer), as in
+every dropless EP implementation; ``all_to_all_single`` takes its splits as host ints.
+It is the step's only host sync before the loss; the cross-group transfers it follows are
+already waited on by then. Under autocast the tokens cross in the autocast dtype (the
+experts' linears would cast them anyway), half the bytes of fp32."""
 
 from __future__ import annotations
 
@@ -116,14 +120,19 @@ def _forward(m, hidden_states, top_k_index, top_k_weights):
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     token = order // k
-    counts = torch.bincount(flat, minlength=n_experts)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync (its max)
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group)  # [source, local expert]
     both = torch.cat([counts.view(ep, -1).sum(1), recv_counts]).tolist()  # the host read
     send, per_block = both[:ep], both[ep:]
     n_local = n_experts // ep
     recv = [sum(per_block[s * n_local : (s + 1) * n_local]) for s in range(ep)]
-    x = AllToAll.apply(hidden_states[token], recv, send, group)
+    rows = hidden_states[token]
+    device = rows.device.type
+    if torch.is_autocast_enabled(device):  # the experts' linears cast to it anyway
+        rows = rows.to(torch.get_autocast_dtype(device))
+    x = AllToAll.apply(rows, recv, send, group)
     y = torch.cat(_run_experts(m, list(x.split(per_block)), ep))
     back = AllToAll.apply(y, send, recv, group)
     weights = top_k_weights.reshape(-1)[order, None]

@@ -53,8 +53,8 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray_disagg import models
 from ray_disagg.config import (
     ContextParallel,
-    ExpertParallel,
     DataParallel,
+    ExpertParallel,
     ModuleGroup,
     SequenceParallel,
     TensorParallel,

@@ -48,7 +48,17 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg, zero1: bool):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kwargs)
+    if _mixed_kinds(params):  # foreach kernels reject plain tensors next to DTensors
+        kwargs["foreach"] = False
     return torch.optim.AdamW(params, **kwargs)
+
+
+def _mixed_kinds(params) -> bool:
+    """Plain tensors next to DTensors (TP's replicated norms, expert-parallel experts
+    next to data-parallel weights): CUDA's default foreach AdamW refuses the mix."""
+    from torch.distributed.tensor import DTensor
+
+    return len({isinstance(p, DTensor) for p in params}) > 1
 
 
 def set_lr(optimizer, cfg, step: int, multiplier: float) -> float:
