@@ -75,11 +75,17 @@ def assert_params_close(state: dict, ref_state: dict, rtol: float = 1e-5) -> Non
 
     (Element- or tensor-wise relative error is not meaningful for tensors whose gradient is
     ~0, such as attention key biases: AdamW turns fp32 noise in such a gradient into steps
-    of up to +-lr, and a zero-initialised bias is made of nothing but those steps.)"""
+    of up to +-lr, and a zero-initialised bias is made of nothing but those steps.)
+    A separate attention key bias (``k_proj.bias``, e.g. SigLIP's) has a gradient that is
+    exactly zero but for rounding, since softmax ignores it: it is only checked to have
+    moved by at most 0.01 (a few AdamW steps of at most ``lr``) from the reference."""
     assert set(state) == set(ref_state)
     diff_sq = ref_sq = 0.0
     for key, ref in ref_state.items():
         got = state[key].to(ref.dtype)
+        if key.endswith("k_proj.bias"):
+            assert float((got - ref).abs().max()) <= 0.01, key
+            continue
         d, r = float((got - ref).double().pow(2).sum()), float(ref.double().pow(2).sum())
         diff_sq, ref_sq = diff_sq + d, ref_sq + r
         err = (d / max(r, 1e-24)) ** 0.5

@@ -84,6 +84,14 @@ def ep2_tp2(parts):  # vision 1 + text: 2 replicas split the experts, attention 
     }
 
 
+def dp_tp(parts):  # towers without SP (fixed-size tiles): vision 2 + text TP2
+    return {p: group(2) if p == "vision" else group(2, TensorParallel(size=2)) for p in parts}
+
+
+def dp_fsdp(parts):  # vision 2 + text FSDP2(2)
+    return {p: group(2) if p == "vision" else group(2, DataParallel(fsdp=True)) for p in parts}
+
+
 def m_to_n(parts):
     return {p: group(2) if p == "vision" else group(1) for p in parts}
 
@@ -105,6 +113,13 @@ CASES = [
     ("qwen3_vl_moe", ep2_fsdp),
     ("qwen3_5_moe", ep2_fsdp),
     ("qwen3_vl_moe", ep2_tp2),
+    # beyond Qwen: tower + projector, 1-D rope, tied embeddings (vocab-parallel under TP)
+    ("gemma3", dp_tp),  # image blocks bidirectional in the sliding-window mask
+    ("gemma3", dp_fsdp),
+    ("internvl", dp_tp),  # tiles, pixel shuffle
+    ("internvl", dp_fsdp),
+    ("llava_onevision", dp_tp),  # any-resolution crops, image_newline in the vision part
+    ("llava_onevision", dp_fsdp),
 ]
 
 

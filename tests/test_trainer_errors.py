@@ -206,3 +206,20 @@ def test_expert_parallel_degree_must_divide_the_experts():
     )
     with pytest.raises(ValueError, match=r"needs the whole group trainable.*layers.0"):
         make({"vision": g(), "text": frozen}, data=synthetic_samples(moe, 8), cfg=moe)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "internvl", "llava_onevision"])
+def test_tile_towers_refuse_sequence_parallel_and_suggest_data_parallel(model_type):
+    from ray_disagg import ADAPTERS
+
+    cfg = ADAPTERS[model_type].tiny_config()
+    data = synthetic_samples(cfg, 8)
+    sp = {"vision": g(2, SequenceParallel(size=2)), "text": g()}
+    with pytest.raises(
+        ValueError,
+        match=rf"SequenceParallel is not supported for the 'vision' group of {model_type}: "
+        r"its tower attends within fixed-size tiles.*parallelism='none'",
+    ):
+        make(sp, data=data, cfg=cfg)
+    tp = {"vision": g(2), "text": g(2, TensorParallel(size=2))}  # tied embeddings too
+    assert make(tp, data=data, cfg=cfg).plan is not None

@@ -88,7 +88,8 @@ def synthetic_samples(config, n: int, *, seed: int = 0, grids: list | None = Non
     ``grids`` cycles per sample; each entry is ``None`` (a text-only sample), a ``(t, h, w)``
     tuple (one image) or a dict of modality lists, e.g. ``{"images": [(1, 4, 4), (1, 4,
     8)], "videos": [(2, 4, 4)], "audios": [40]}`` (audio: mel frames, for families with an
-    audio encoder). Labels are on the caption and ``<eos>`` only."""
+    audio encoder; media the family does not take, e.g. videos for Gemma 3, are left
+    out). Labels are on the caption and ``<eos>`` only."""
     from ray_disagg.models import get_adapter
 
     adapter = get_adapter(config)
@@ -98,6 +99,7 @@ def synthetic_samples(config, n: int, *, seed: int = 0, grids: list | None = Non
     for i in range(n):
         spec = grids[i % len(grids)]
         spec = {} if spec is None else spec if isinstance(spec, dict) else {"images": [spec]}
+        spec = {k: v for k, v in spec.items() if k in adapter.media}
         fields, prefix = adapter.synthetic_inputs(spec, rng)
         words = ["a", "digit", NUMBER_WORDS[int(rng.integers(10))]]
         prefix = [BOS, *prefix]

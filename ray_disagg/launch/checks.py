@@ -11,20 +11,10 @@ from ray_disagg.config import (
     SequenceParallel,
     TensorParallel,
 )
-from ray_disagg.models import loading, moe
+from ray_disagg.models import moe
 
 
 def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
-    llm = groups[adapter.llm_part].parallelism
-    if (isinstance(llm, TensorParallel) and llm.size > 1) or getattr(llm, "tp", 1) > 1:
-        tied = loading.tied_parameters(loading.meta_model(adapter))
-        if tied:
-            raise ValueError(
-                f"This {adapter.model_type} model ties {sorted(tied)} to the input "
-                "embedding (tie_word_embeddings), which tensor parallelism does not support "
-                "yet; "
-                f"use DataParallel(fsdp=True) for the {adapter.llm_part!r} group."
-            )
     for part, group in groups.items():
         p = group.parallelism
         kind = type(p).__name__
@@ -51,6 +41,13 @@ def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
                 f"{kind} is not supported for the {part!r} group of {adapter.model_type}: "
                 f"{refusal}. Shard it with FSDP2 instead: "
                 f"parallelism=DataParallel(fsdp=True) for {part!r}."
+            )
+        if isinstance(p, SequenceParallel) and part in adapter.sp_refusals:
+            raise ValueError(
+                f"SequenceParallel is not supported for the {part!r} group of "
+                f"{adapter.model_type}: {adapter.sp_refusals[part]}. Scale it with data "
+                f"parallelism instead: parallelism='none' (or DataParallel(fsdp=True)) and "
+                f"more workers for {part!r}."
             )
         if part not in allowed:
             raise ValueError(

@@ -8,6 +8,9 @@ below.
 from __future__ import annotations
 
 from ray_disagg.models.base import IGNORE_INDEX, Crossing, ModelAdapter, SampleError
+from ray_disagg.models.gemma3 import Gemma3Adapter, tiny_gemma3_config
+from ray_disagg.models.internvl import InternVLAdapter, tiny_internvl_config
+from ray_disagg.models.llava_onevision import LlavaOnevisionAdapter, tiny_llava_onevision_config
 from ray_disagg.models.qwen2_5_omni import (
     Qwen2_5OmniThinkerAdapter,
     tiny_qwen2_5_omni_thinker_config,
@@ -27,6 +30,9 @@ __all__ = [
     "SampleError",
     "get_adapter",
     "hf_param_name",
+    "tiny_gemma3_config",
+    "tiny_internvl_config",
+    "tiny_llava_onevision_config",
     "tiny_qwen2_5_omni_thinker_config",
     "tiny_qwen2_5_vl_config",
     "tiny_qwen2_vl_config",
@@ -46,6 +52,9 @@ ADAPTERS: dict[str, type[ModelAdapter]] = {
         Qwen3VLMoeAdapter,
         Qwen3_5Adapter,
         Qwen3_5MoeAdapter,
+        Gemma3Adapter,
+        InternVLAdapter,
+        LlavaOnevisionAdapter,
     )
 }
 

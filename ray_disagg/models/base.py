@@ -70,11 +70,15 @@ class ModelAdapter:
     hf_class: ClassVar[type]
     """The HF ``...ForConditionalGeneration`` class (the single-process reference)."""
     encoder_parts: ClassVar[tuple[str, ...]] = ("vision",)
+    media: ClassVar[tuple[str, ...]] = ("images", "videos")
+    """Kinds of media the family's samples carry (keys of a ``synthetic_inputs`` spec)."""
     llm_part: ClassVar[str] = "text"
     part_modules: ClassVar[dict[str, tuple[str, ...]]]
     """Part name -> dotted paths (in ``hf_class``) of the submodules the part holds."""
     sp_parts: ClassVar[tuple[str, ...]] = ()
     """Parts that support Ulysses ``SequenceParallel``."""
+    sp_refusals: ClassVar[dict[str, str]] = {}
+    """Part -> why it has no Ulysses plan (named in the driver's error)."""
     tp_parts: ClassVar[tuple[str, ...]] = ("text",)
     tp_refusals: ClassVar[dict[str, str]] = {}
     """Part -> why it has no ``TensorParallel`` plan (named in the driver's error)."""
@@ -111,9 +115,26 @@ class ModelAdapter:
                 setattr(model.get_submodule(owner) if owner else model, attr, None)
         return model
 
+    def _members(self, module: nn.Module, part: str) -> list[tuple[str, Any]]:
+        """``(path, submodule or parameter)`` of each of ``part_modules[part]``."""
+        out = []
+        for path in self.part_modules[part]:
+            owner, _, attr = path.rpartition(".")
+            out.append((path, getattr(module.get_submodule(owner) if owner else module, attr)))
+        return out
+
     def part_roots(self, module: nn.Module, part: str) -> list[nn.Module]:
         """The part's HF submodules (activation checkpointing is enabled on them)."""
-        return [module.get_submodule(p) for p in self.part_modules[part]]
+        return [m for _, m in self._members(module, part) if isinstance(m, nn.Module)]
+
+    def part_parameters(self, module: nn.Module, part: str):
+        """``(HF name, parameter)`` of the part's submodules and parameters (a part may
+        hold a bare parameter, e.g. LLaVA-OneVision's ``image_newline``)."""
+        for path, member in self._members(module, part):
+            if isinstance(member, nn.Module):
+                yield from member.named_parameters(prefix=path)
+            else:
+                yield path, member
 
     # ---- samples ----------------------------------------------------------------------
 

@@ -351,6 +351,19 @@ def _read(source, name: str, region, hf_name) -> torch.Tensor:
     return source.read(name, region)
 
 
+def _ties(module: nn.Module) -> list[tuple[str, str, str]]:
+    """``(owner module, attribute, first name)`` of every parameter that is the same
+    tensor as an earlier one (tied embeddings)."""
+    first, out = {}, []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            owner, _, attr = name.rpartition(".")
+            out.append((owner, attr, first[id(p)]))
+        else:
+            first[id(p)] = name
+    return out
+
+
 @torch.no_grad()
 def materialize(
     module: nn.Module, device, params, buffers: InitSource, progress=None, hf_name=hf_param_name
@@ -359,7 +372,12 @@ def materialize(
     parameters from ``params``, the buffers from ``buffers``, one tensor at a time.
     ``progress(done, total)`` is called after each parameter; ``hf_name`` as in
     :func:`part_tensor`."""
-    module.to_empty(device=device)
+    ties = _ties(module)
+    module.to_empty(device=device)  # gives each module its own tensor: tied ones untie
+    for owner, attr, source in ties:
+        tensor = module.get_parameter(source)
+        if not isinstance(tensor, DTensor):  # FSDP2 / TP keep theirs tied themselves
+            setattr(module.get_submodule(owner), attr, tensor)
     named = list(module.named_parameters())
     for i, (name, p) in enumerate(named):
         try:

@@ -31,7 +31,14 @@ import torch
 
 from ray_disagg.models.base import IGNORE_INDEX, sample_name
 
-__all__ = ["PACKED_KEY", "PackedQwenMixin", "check_fits", "is_packed", "pack_rows"]
+__all__ = [
+    "PACKED_KEY",
+    "PackedQwenMixin",
+    "PackedTextMixin",
+    "check_fits",
+    "is_packed",
+    "pack_rows",
+]
 
 PACKED_KEY = "packed_segments"
 """Batch key of the per-item ``(row, start, length, rope_inputs)`` of a packed batch."""
@@ -79,25 +86,22 @@ def is_packed(batch: dict) -> bool:
     return PACKED_KEY in batch
 
 
-class PackedQwenMixin:
-    """``collate_llm_packed`` and the packed ``position_ids`` of the Qwen mrope families.
+class PackedTextMixin:
+    """``collate_llm_packed`` and the packed ``position_ids`` of 1-D rope families.
 
     The adapter provides ``collate_llm``, ``llm_kwargs``, ``labels`` and
     ``config.text_config.pad_token_id``; its ``llm_hidden`` calls ``...Model.forward`` with
     :meth:`llm_inputs`.
     """
 
-    rope_grid_keys: tuple[str, ...] = ("image_grid_thw", "video_grid_thw")
-    """Sample keys whose presence makes a sample's mrope positions differ from ``0..n-1``."""
-
     def needs_rope(self, item: dict) -> bool:
-        """Whether packing needs ``get_rope_index`` for ``item`` (else ``0..n-1``)."""
-        return any(item.get(k) is not None for k in self.rope_grid_keys)
+        """Whether packing needs the model's own rope index for ``item`` (else ``0..n-1``)."""
+        return False
 
-    def rope_index(self, inner, rope_inputs: dict) -> torch.Tensor:
-        """``(3, n)`` mrope positions of one sample from HF's ``inner.get_rope_index`` on
-        its own unpadded ``collate_llm`` batch ``rope_inputs``."""
-        return inner.get_rope_index(**self.llm_kwargs(rope_inputs))[0][:, 0]
+    def extra_llm_kwargs(self, input_ids: torch.Tensor) -> dict[str, Any]:
+        """Inputs ``...Model.forward`` takes besides ids, mask and positions, computed
+        from the (padded or packed) ``input_ids``."""
+        return {}
 
     def llm_inputs(self, inner, batch: dict) -> dict[str, Any]:
         """``...Model.forward`` arguments: ``llm_kwargs`` of a padded batch,
@@ -134,6 +138,43 @@ class PackedQwenMixin:
         return {"input_ids": ids, "labels": labels, PACKED_KEY: segments}
 
     def packed_position_ids(self, inner, batch: dict) -> torch.Tensor:
+        """``(B, T)`` position ids of a packed batch: ``0..n-1`` per sample (from which the
+        mask keeps the samples apart), 0 on padding."""
+        ids = batch["input_ids"]
+        pos = torch.zeros(ids.shape, dtype=torch.long)
+        for row, start, n, _ in batch[PACKED_KEY]:
+            pos[row, start : start + n] = torch.arange(n)
+        return pos.to(ids.device)
+
+    def packed_llm_kwargs(self, inner, batch: dict) -> dict[str, Any]:
+        """The ``...Model.forward`` arguments of a packed batch (no ``attention_mask``: the
+        mask comes from the restarting positions)."""
+        ids = batch["input_ids"]
+        return {
+            "input_ids": ids,
+            "position_ids": self.packed_position_ids(inner, batch),
+            "use_cache": False,
+            **self.extra_llm_kwargs(ids),
+        }
+
+
+class PackedQwenMixin(PackedTextMixin):
+    """:class:`PackedTextMixin` with the Qwen families' mrope positions (per sample from the
+    model's own ``get_rope_index``)."""
+
+    rope_grid_keys: tuple[str, ...] = ("image_grid_thw", "video_grid_thw")
+    """Sample keys whose presence makes a sample's mrope positions differ from ``0..n-1``."""
+
+    def needs_rope(self, item: dict) -> bool:
+        """Whether packing needs ``get_rope_index`` for ``item`` (else ``0..n-1``)."""
+        return any(item.get(k) is not None for k in self.rope_grid_keys)
+
+    def rope_index(self, inner, rope_inputs: dict) -> torch.Tensor:
+        """``(3, n)`` mrope positions of one sample from HF's ``inner.get_rope_index`` on
+        its own unpadded ``collate_llm`` batch ``rope_inputs``."""
+        return inner.get_rope_index(**self.llm_kwargs(rope_inputs))[0][:, 0]
+
+    def packed_position_ids(self, inner, batch: dict) -> torch.Tensor:
         """``(4, B, T)`` position ids of a packed batch: text positions (mask) + mrope."""
         ids = batch["input_ids"]
         pos = torch.zeros((4, *ids.shape), dtype=torch.long)
@@ -145,12 +186,3 @@ class PackedQwenMixin:
                 rope = {k: v.cpu() if torch.is_tensor(v) else v for k, v in rope.items()}
                 pos[1:, row, start : start + n] = self.rope_index(inner, rope)
         return pos.to(ids.device)
-
-    def packed_llm_kwargs(self, inner, batch: dict) -> dict[str, Any]:
-        """The ``...Model.forward`` arguments of a packed batch (no ``attention_mask``: the
-        mask comes from the restarting text positions)."""
-        return {
-            "input_ids": batch["input_ids"],
-            "position_ids": self.packed_position_ids(inner, batch),
-            "use_cache": False,
-        }

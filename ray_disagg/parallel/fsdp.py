@@ -3,11 +3,11 @@ with tensor parallelism (a 2-D ``("dp_shard", "tp")`` mesh: ``fully_shard`` over
 ``dp_shard`` axis of DTensor-TP parameters) or Ulysses SP (sharded over all ``dp x sp``
 ranks: SP ranks hold replicated weights whose gradients are partial sums).
 
-Every ``.layers`` / ``.blocks`` element of the part is its own FSDP unit (all-gathered
-just before its forward, resharded after); the rest of the part (embeddings, merger,
-norms, ``lm_head``) is one root unit around :class:`PartRunner`, through which the loops
-call the part, because the loops call the part's HF submodules (a tower, a decoder, an
-``lm_head``, ...) rather than the part's own ``forward``.
+Every ``.layers`` / ``.blocks`` / ``.layer`` (InternViT) element of the part is its own
+FSDP unit (all-gathered just before its forward, resharded after); the rest of the part
+(embeddings, merger, norms, ``lm_head``) is one root unit around :class:`PartRunner`,
+through which the loops call the part, because the loops call the part's HF submodules (a
+tower, a decoder, an ``lm_head``, ...) rather than the part's own ``forward``.
 
 Gradients are reduce-scattered as SUMs (the loss is already normalised by the global
 label-token count), in ``reduce_dtype``.
@@ -35,12 +35,16 @@ class PartRunner(nn.Module):
         return fn(self.model)
 
 
+_BLOCK_LISTS = ("layers", "blocks", "layer")
+
+
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:
-    """The elements of every ``ModuleList`` named ``layers`` or ``blocks`` in ``module``."""
+    """The elements of every ``ModuleList`` named ``layers``, ``blocks`` or ``layer`` in
+    ``module``."""
     return [
         block
         for name, child in module.named_modules()
-        if isinstance(child, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "blocks")
+        if isinstance(child, nn.ModuleList) and name.rsplit(".", 1)[-1] in _BLOCK_LISTS
         for block in child
     ]
 

@@ -118,8 +118,12 @@ def parallelize_text(
     ``"rowwise"``, from the family adapter), ``lm.embed_tokens`` vocab-parallel and the
     ``lm_head`` module vocab-sharded. Parameters of the modules named in ``per_head_norms``
     (per-head norms of q and k) see only this rank's heads: their gradients are
-    partial sums (see :func:`all_reduce_partial_grads`). Returns the tp group and the
-    first vocab row of this rank's logits (for :class:`VocabParallelCrossEntropy`)."""
+    partial sums (see :func:`all_reduce_partial_grads`). Tied embeddings
+    (``tie_word_embeddings``) stay one parameter: the embedding's rows and the head's
+    output rows are the same vocabulary slice (both ``Shard(0)``), so the head takes the
+    embedding's shard and both gradients add into it. Returns the tp group and the first
+    vocab row of this rank's logits (for :class:`VocabParallelCrossEntropy`)."""
+    tied = lm_head.weight is lm.embed_tokens.weight
     for layer in lm.layers:  # a layer may lack entries (an MoE layer has no dense MLP)
         plan = {n: _STYLES[s]() for n, s in layer_plan.items() if _has(layer, n)}
         parallelize_module(layer, tp_mesh, plan)
@@ -135,6 +139,8 @@ def parallelize_text(
     parallelize_module(
         part, tp_mesh, {head_name: ColwiseParallel(output_layouts=Shard(-1), use_local_output=True)}
     )
+    if tied:
+        lm_head.weight = lm.embed_tokens.weight
     vocab_start = tp_mesh.get_local_rank() * (lm_head.weight.shape[0] // tp_mesh.size())
     return tp_mesh.get_group(), vocab_start
 

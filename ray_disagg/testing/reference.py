@@ -23,15 +23,14 @@ def _param_groups(spec: HFModelSpec, model, groups) -> list[dict]:
     """AdamW parameter groups by module group (for per-group LR multipliers), frozen
     parameters left out (``requires_grad=False``)."""
     adapter, out = spec.adapter, []
-    for part, paths in adapter.part_modules.items():
+    for part in adapter.part_modules:
         group = (groups or {}).get(part)
         params = []
-        for path in paths:
-            for name, p in model.get_submodule(path).named_parameters(prefix=path):
-                if group is not None and is_frozen(name, group):
-                    p.requires_grad_(False)
-                elif p.requires_grad and all(p is not q for q in params):
-                    params.append(p)
+        for name, p in adapter.part_parameters(model, part):
+            if group is not None and is_frozen(name, group):
+                p.requires_grad_(False)
+            elif p.requires_grad and all(p is not q for q in params):
+                params.append(p)
         mult = group.lr_multiplier if group is not None else 1.0
         if params:
             out.append({"params": params, "mult": mult})

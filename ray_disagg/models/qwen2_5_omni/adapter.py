@@ -35,6 +35,7 @@ class Qwen2_5OmniThinkerAdapter(OmniParallelMixin, QwenVLAdapter):
     config_class = Qwen2_5OmniThinkerConfig
     hf_class = Qwen2_5OmniThinkerForConditionalGeneration
     encoder_parts = ("vision", "audio")
+    media = ("images", "videos", "audios")
     part_modules = {
         "vision": ("model.visual",),
         "audio": ("model.audio_tower",),

@@ -1,0 +1,76 @@
+"""Gemma 3: a SigLIP tower on fixed-size images (each pan-and-scan crop is an image of its
+own), a projector that average-pools the patches to ``mm_tokens_per_image`` rows, and a
+decoder whose attention is bidirectional within each image's block of tokens (causal
+elsewhere; the sliding-window layers keep their window). The LLM part of a padded batch
+gets ``token_type_ids`` (1 on image tokens), from which HF builds that mask. A packed
+batch gets the two masks themselves (:func:`packed_masks`): HF's sliding-window mask looks
+the image blocks up at the packed samples' restarting positions instead of their places
+in the row. Embeddings and ``lm_head`` are tied."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+from ray_disagg.models.gemma3.flavors import tiny_gemma3_config
+from ray_disagg.models.llava_common import LlavaAdapter
+from ray_disagg.models.packing import PACKED_KEY
+
+__all__ = ["Gemma3Adapter", "packed_masks"]
+
+
+def packed_masks(batch: dict, image_token_id: int, window: int) -> dict[str, torch.Tensor]:
+    """Gemma 3's ``full_attention`` / ``sliding_attention`` masks ``(B, 1, T, T)`` (True:
+    attend) of a packed batch, as HF builds them for each sample alone: causal or within
+    the same image block, inside the sample, and for the sliding layers less than
+    ``window`` tokens back."""
+    ids = batch["input_ids"]
+    sample = torch.full(ids.shape, -1, dtype=torch.long)
+    for i, (row, start, n, _) in enumerate(batch[PACKED_KEY]):
+        sample[row, start : start + n] = i
+    sample = sample.to(ids.device)
+    block = get_block_sequence_ids_for_mask((ids == image_token_id).long(), ids.device)
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    causal = pos[None, :] <= pos[:, None]
+    same_block = (block[:, :, None] == block[:, None, :]) & (block[:, :, None] >= 0)
+    full = (sample[:, :, None] == sample[:, None, :]) & (causal | same_block)
+    near = pos[None, :] > pos[:, None] - window
+    return {"full_attention": full[:, None], "sliding_attention": (full & near)[:, None]}
+
+
+class Gemma3Adapter(LlavaAdapter):
+    model_type = "gemma3"
+    config_class = Gemma3Config
+    hf_class = Gemma3ForConditionalGeneration
+    per_head_norms = ("q_norm", "k_norm")
+    tiny_config = staticmethod(tiny_gemma3_config)
+
+    @property
+    def tokens_per_tile(self):
+        return self.config.mm_tokens_per_image
+
+    def counter_names(self, part):
+        return ("images",)
+
+    def item_counts(self, part, samples):  # each tile is an image (or pan-and-scan crop)
+        return {"images": sum(self.tiles(s) for s in samples)}
+
+    def run_tokens(self, tiles):
+        return [self.config.boi_token_id], [self.config.eoi_token_id]
+
+    def extra_llm_kwargs(self, input_ids):
+        return {"token_type_ids": (input_ids == self.image_token_id).long()}
+
+    def packed_llm_kwargs(self, inner, batch):
+        kwargs = super().packed_llm_kwargs(inner, batch)
+        del kwargs["token_type_ids"]
+        window = self.config.text_config.sliding_window
+        masks = packed_masks(batch, self.image_token_id, window)
+        if inner.config.text_config._attn_implementation == "eager":  # additive float
+            low = torch.finfo(inner.dtype).min
+            masks = {
+                k: torch.zeros(m.shape, dtype=inner.dtype, device=m.device).masked_fill(~m, low)
+                for k, m in masks.items()
+            }
+        return {**kwargs, "attention_mask": masks}

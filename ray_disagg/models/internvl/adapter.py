@@ -1,0 +1,37 @@
+"""InternVL (2.5 / 3 / 3.5 in transformers' ``internvl``): an InternViT tower on fixed-size
+tiles (an image is split into up to ``max_patches`` tiles plus a thumbnail; all of an
+image's tiles share one placeholder run), the CLS row dropped and a pixel shuffle that
+folds 2x2 patches into one row before the MLP projector (both in HF's own
+``get_image_features``, run by the vision part), and a Qwen2/Qwen3 decoder with 1-D rope.
+Embeddings and ``lm_head`` are tied by default."""
+
+from __future__ import annotations
+
+from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+from ray_disagg.models.internvl.flavors import tiny_internvl_config
+from ray_disagg.models.llava_common import LlavaAdapter
+
+__all__ = ["InternVLAdapter"]
+
+
+class InternVLAdapter(LlavaAdapter):
+    model_type = "internvl"
+    config_class = InternVLConfig
+    hf_class = InternVLForConditionalGeneration
+    tiles_per_image_run = True
+    per_head_norms = ("q_norm", "k_norm")  # InternVL3.5's Qwen3 decoders (none in Qwen2)
+    tiny_config = staticmethod(tiny_internvl_config)
+
+    @property
+    def tokens_per_tile(self):
+        return self.config.image_seq_length
+
+    def image_features(self, inner, pixels):
+        c = self.config
+        return inner.get_image_features(
+            pixel_values=pixels,
+            vision_feature_layer=c.vision_feature_layer,
+            vision_feature_select_strategy=c.vision_feature_select_strategy,
+            return_dict=True,
+        ).pooler_output

@@ -1,0 +1,211 @@
+"""What the LLaVA-shaped families share (Gemma 3, InternVL, LLaVA-OneVision): a ``vision``
+part holding the tower (SigLIP, InternViT) and the multimodal projector, whose image rows
+cross to the ``text`` part (``model.language_model`` + ``lm_head``) as ``image_embeds``;
+HF's ``...Model.forward`` scatters them at the image placeholder tokens of
+``inputs_embeds`` (``mm_encoder_outputs``), with 1-D rope.
+
+The projector stays with the tower: it maps the tower's width to the LLM's and, for
+InternVL and Gemma 3, first reduces the rows (pixel shuffle, average pooling), so what
+crosses is the smallest tensor of the forward.
+
+Images arrive as fixed-size tiles: a sample's ``pixel_values`` is ``(tiles, C, S, S)``
+(Gemma 3: one tile per image or pan-and-scan crop; InternVL: the processor's tiles of every
+image, thumbnails included) and each tile gives ``tokens_per_tile`` rows. A family package
+subclasses :class:`LlavaAdapter` and sets its classes, the token ids of an image's
+placeholder run and, where it differs, the tower call and the LLM's extra inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from ray_disagg.models.base import (
+    IGNORE_INDEX,
+    Crossing,
+    ModelAdapter,
+    SampleError,
+    tensor_or_none,
+)
+from ray_disagg.models.llava_common.parallelize import LlavaParallelMixin
+from ray_disagg.models.packing import PackedTextMixin
+
+__all__ = ["LlavaAdapter"]
+
+
+def _pair(size) -> tuple[int, int]:
+    """``(h, w)`` of a config's ``image_size`` / ``patch_size`` (an int or a pair)."""
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
+class LlavaAdapter(LlavaParallelMixin, PackedTextMixin, ModelAdapter):
+    """Shared logic of the LLaVA-shaped families (see module docstring)."""
+
+    encoder_parts = ("vision",)
+    part_modules = {
+        "vision": ("model.vision_tower", "model.multi_modal_projector"),
+        "text": ("model.language_model", "lm_head"),
+    }
+    media: ClassVar[tuple[str, ...]] = ("images",)
+    tiles_per_image_run: ClassVar[bool] = False
+    """Whether one placeholder run holds all of an image's tiles (InternVL) rather than
+    one run per tile (Gemma 3's crops are separate images)."""
+
+    # ---- the family's numbers -----------------------------------------------------------
+
+    @property
+    def image_token_id(self) -> int:
+        return self.config.image_token_id
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """Rows (and placeholder tokens) one tile gives."""
+        raise NotImplementedError
+
+    @property
+    def tile_shape(self) -> tuple[int, int, int]:
+        """``(C, S, S)`` of one tile."""
+        v = self.config.vision_config
+        return (v.num_channels, *_pair(v.image_size))
+
+    def run_tokens(self, tiles: int) -> tuple[list[int], list[int]]:
+        """The tokens before and after the ``tiles * tokens_per_tile`` image tokens of one
+        placeholder run (begin/end-of-image markers)."""
+        return [], []
+
+    def placeholder_ids(self):
+        return (self.image_token_id,)
+
+    def placeholder_tokens(self, tiles: int) -> list[int]:
+        before, after = self.run_tokens(tiles)
+        return [*before, *[self.image_token_id] * (tiles * self.tokens_per_tile), *after]
+
+    # ---- samples ----------------------------------------------------------------------
+
+    def tiles(self, sample: dict) -> int:
+        pixels = sample.get("pixel_values")
+        return 0 if pixels is None else int(np.shape(pixels)[0])
+
+    def synthetic_inputs(self, spec: dict, rng) -> tuple[dict, list[int]]:
+        """Random tiles for ``spec`` (``{"images": [grid...]}``; an image of grid
+        ``(t, h, w)`` becomes ``max(1, h * w // 16)`` tiles, so specs written for the Qwen
+        families give images of different tile counts) and their placeholder tokens."""
+        unknown = set(spec) - set(self.media)
+        if unknown:
+            raise ValueError(f"{self.model_type} samples have no {sorted(unknown)}.")
+        counts = [max(1, int(np.prod(g[1:])) // 16) for g in spec.get("images") or []]
+        if not counts:
+            return {}, []
+        pixels = rng.standard_normal((sum(counts), *self.tile_shape)).astype(np.float32)
+        tokens = []
+        for n in counts:
+            runs = [n] if self.tiles_per_image_run else [1] * n
+            for tiles in runs:
+                tokens += self.placeholder_tokens(tiles)
+        return {"pixel_values": pixels}, tokens
+
+    def stand_in_spec(self, part):
+        return {"images": [(1, 4, 4)]}
+
+    def validate_modalities(self, sample, ids, name):
+        pixels = sample.get("pixel_values")
+        if pixels is not None:
+            shape = tuple(np.shape(pixels))
+            if len(shape) != 4 or shape[1:] != self.tile_shape:
+                raise SampleError(
+                    f"{name}: pixel_values has shape {shape} but {self.model_type} takes "
+                    f"(tiles, {', '.join(map(str, self.tile_shape))}): fixed-size tiles as "
+                    "its image processor makes them."
+                )
+        n_tokens = int((ids == self.image_token_id).sum())
+        n_rows = self.tiles(sample) * self.tokens_per_tile
+        if n_tokens != n_rows:
+            raise SampleError(
+                f"{name}: {n_tokens} image tokens (id {self.image_token_id}) in input_ids but "
+                f"its {self.tiles(sample)} image tile(s) give {n_rows} embeddings "
+                f"({self.tokens_per_tile} per tile); expand each image placeholder as the "
+                f"{self.model_type} processor does."
+            )
+
+    def crossings(self, part):
+        return (Crossing("image_embeds", self.config.text_config.hidden_size),)
+
+    def crossing_rows(self, part, sample):
+        return {"image_embeds": self.tiles(sample) * self.tokens_per_tile}
+
+    def encoder_fields(self, part):
+        return ("pixel_values",)
+
+    def llm_fields(self):
+        return ()
+
+    def encoder_cost(self, part, sample):
+        """Per tile of ``n`` tower patches: ``n + n**2 / 1024`` (attention is per tile)."""
+        _, h, w = self.tile_shape
+        ph, pw = _pair(self.config.vision_config.patch_size)
+        n = float((h // ph) * (w // pw))
+        return self.tiles(sample) * (n + n * n / 1024.0)
+
+    def counter_names(self, part):
+        return ("tiles",)
+
+    def item_counts(self, part, samples):
+        """Counted from the encoder's own fields (it never sees ``input_ids``)."""
+        return {"tiles": sum(self.tiles(s) for s in samples)}
+
+    # ---- compute ----------------------------------------------------------------------
+
+    def image_features(self, inner, pixels: torch.Tensor) -> torch.Tensor:
+        """``(tiles, tokens_per_tile, width)`` from HF's own ``get_image_features``."""
+        return inner.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
+
+    def encode(self, module, part, samples, device, sp=None):
+        arrays = [s["pixel_values"] for s in samples if s.get("pixel_values") is not None]
+        if not arrays:
+            return {}
+        inner = module.model
+        dtype = next(inner.vision_tower.parameters()).dtype
+        pixels = tensor_or_none(arrays, np.float32).to(device, dtype)
+        return {"image_embeds": self.image_features(inner, pixels).flatten(0, 1)}
+
+    def collate_llm(self, items):
+        pad = self.config.text_config.pad_token_id or 0
+        length = max(len(it["input_ids"]) for it in items)
+        ids = torch.full((len(items), length), pad, dtype=torch.long)
+        labels = torch.full((len(items), length), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(items), length), dtype=torch.long)
+        for row, it in enumerate(items):
+            n = len(it["input_ids"])
+            # np.array copies: arrays from Ray's object store are read-only
+            ids[row, :n] = torch.from_numpy(np.array(it["input_ids"], dtype=np.int64))
+            labels[row, :n] = torch.from_numpy(np.array(self.labels(it)))
+            mask[row, :n] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    def llm_kwargs(self, batch: dict) -> dict[str, Any]:
+        ids = batch["input_ids"]
+        return {"input_ids": ids, "attention_mask": batch["attention_mask"]} | (
+            self.extra_llm_kwargs(ids)
+        )
+
+    def encoder_output(self, rows: torch.Tensor):
+        """HF's ``mm_encoder_outputs["image"]`` for the received rows."""
+        return BaseModelOutputWithPooling(pooler_output=rows)
+
+    def llm_hidden(self, module, batch, received, context=None):
+        emb = received.get("image_embeds")
+        mm = None if emb is None else {"image": self.encoder_output(emb)}
+        out = module.model(**self.llm_inputs(module.model, batch), mm_encoder_outputs=mm)
+        return out.last_hidden_state
+
+    def reference_inputs(self, samples: Sequence[dict]):
+        batch = self.collate_llm(samples)
+        kwargs = {**batch, **self.extra_llm_kwargs(batch["input_ids"])}
+        pixels = tensor_or_none([s.get("pixel_values") for s in samples], np.float32)
+        if pixels is not None:
+            kwargs["pixel_values"] = pixels
+        return kwargs

@@ -1,0 +1,160 @@
+"""LLaVA-OneVision: a SigLIP tower on fixed-size tiles with any-resolution crops. An image
+alone in its sample is cut into the crops of its best grid pinpoint plus a base tile; in
+a sample with several images each image is one tile (HF's ``batch_num_images``). The
+vision part runs HF's own ``get_image_features`` (projector, crops unpadded to the image's
+aspect ratio, ``image_newline`` rows appended; ``image_newline`` is a vision-part
+parameter), so an image's rows depend on its ``image_sizes``: they are counted on the host
+with HF's own ``pack_image_features`` on a one-channel stand-in. Samples carry
+``pixel_values`` ``(tiles, C, S, S)`` (every image's tiles in order) and ``image_sizes``
+``(images, 2)``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+from transformers.models.llava_onevision.modeling_llava_onevision import (
+    LlavaOnevisionModel,
+    image_size_to_num_patches,
+)
+
+from ray_disagg.models.base import SampleError, tensor_or_none
+from ray_disagg.models.llava_common import LlavaAdapter
+from ray_disagg.models.llava_onevision.flavors import tiny_llava_onevision_config
+
+__all__ = ["LlavaOnevisionAdapter"]
+
+
+class LlavaOnevisionAdapter(LlavaAdapter):
+    model_type = "llava_onevision"
+    config_class = LlavaOnevisionConfig
+    hf_class = LlavaOnevisionForConditionalGeneration
+    part_modules = {
+        "vision": ("model.vision_tower", "model.multi_modal_projector", "model.image_newline"),
+        "text": ("model.language_model", "lm_head"),
+    }
+    tiles_per_image_run = True
+    tiny_config = staticmethod(tiny_llava_onevision_config)
+
+    @property
+    def _side(self) -> int:
+        v = self.config.vision_config
+        return v.image_size // v.patch_size
+
+    def _sizes(self, sample: dict) -> np.ndarray | None:
+        sizes = sample.get("image_sizes")
+        return None if sizes is None else np.asarray(sizes, dtype=np.int64).reshape(-1, 2)
+
+    def image_tiles(self, size, alone: bool) -> int:
+        """Tiles of one image of ``size`` (h, w): crops + base when ``alone`` in its sample."""
+        if not alone:
+            return 1
+        c = self.config
+        pinpoints = c.image_grid_pinpoints
+        return image_size_to_num_patches(
+            list(map(int, size)), pinpoints, c.vision_config.image_size
+        )
+
+    def image_rows(self, size, alone: bool) -> int:
+        """Rows HF's ``pack_image_features`` gives one image (newline rows included)."""
+        tiles = self.image_tiles(size, alone)
+        stand_in = torch.zeros(tiles, self._side**2, 1)
+        packer = SimpleNamespace(config=self.config)
+        _, lens = LlavaOnevisionModel.pack_image_features(
+            packer,
+            [stand_in],
+            torch.as_tensor([list(map(int, size))]),
+            image_newline=torch.zeros(1),
+            vision_aspect_ratio=self.config.vision_aspect_ratio,
+        )
+        return int(lens[0])
+
+    def tiles(self, sample):
+        sizes = self._sizes(sample)
+        if sizes is None:
+            return 0
+        return sum(self.image_tiles(s, len(sizes) == 1) for s in sizes)
+
+    def counter_names(self, part):
+        return ("images", "tiles")
+
+    def item_counts(self, part, samples):
+        sizes = [self._sizes(s) for s in samples]
+        images = sum(0 if z is None else len(z) for z in sizes)
+        return {"images": images, "tiles": sum(self.tiles(s) for s in samples)}
+
+    def crossing_rows(self, part, sample):
+        sizes = self._sizes(sample)
+        rows = 0 if sizes is None else sum(self.image_rows(s, len(sizes) == 1) for s in sizes)
+        return {"image_embeds": rows}
+
+    def synthetic_inputs(self, spec, rng):
+        """An image of grid ``(t, h, w)`` in ``spec`` is ``4h x 4w`` pixels."""
+        unknown = set(spec) - set(self.media)
+        if unknown:
+            raise ValueError(f"{self.model_type} samples have no {sorted(unknown)}.")
+        grids = spec.get("images") or []
+        if not grids:
+            return {}, []
+        sizes = np.asarray([(4 * g[1], 4 * g[2]) for g in grids], dtype=np.int64)
+        fields = {"image_sizes": sizes}
+        n_tiles = self.tiles(fields)
+        fields["pixel_values"] = rng.standard_normal((n_tiles, *self.tile_shape)).astype(np.float32)
+        tokens = []
+        for s in sizes:
+            tokens += [self.image_token_id] * self.image_rows(s, len(sizes) == 1)
+        return fields, tokens
+
+    def validate_modalities(self, sample, ids, name):
+        pixels, sizes = sample.get("pixel_values"), self._sizes(sample)
+        if (pixels is None) != (sizes is None):
+            raise SampleError(f"{name}: give both 'pixel_values' and 'image_sizes' or neither.")
+        if pixels is not None:
+            shape = tuple(np.shape(pixels))
+            want = (self.tiles(sample), *self.tile_shape)
+            if shape != want:
+                raise SampleError(
+                    f"{name}: pixel_values has shape {shape} but its image_sizes "
+                    f"{sizes.tolist()} need {want} (the tiles of every image in order; an "
+                    "image alone in its sample has its any-resolution crops and a base tile)."
+                )
+        n_tokens = int((ids == self.image_token_id).sum())
+        n_rows = self.crossing_rows("vision", sample)["image_embeds"]
+        if n_tokens != n_rows:
+            raise SampleError(
+                f"{name}: {n_tokens} image tokens (id {self.image_token_id}) in input_ids but "
+                f"its images give {n_rows} embeddings; expand each image placeholder as the "
+                "LLaVA-OneVision processor does."
+            )
+
+    def encoder_fields(self, part):
+        return ("pixel_values", "image_sizes")
+
+    def _pixel_inputs(self, samples) -> dict | None:
+        with_images = [s for s in samples if s.get("pixel_values") is not None]
+        if not with_images:
+            return None
+        return {
+            "pixel_values": tensor_or_none([s["pixel_values"] for s in with_images], np.float32),
+            "image_sizes": tensor_or_none([self._sizes(s) for s in with_images]),
+            "batch_num_images": torch.as_tensor([len(self._sizes(s)) for s in with_images]),
+        }
+
+    def encode(self, module, part, samples, device, sp=None):
+        inputs = self._pixel_inputs(samples)
+        if inputs is None:
+            return {}
+        inner = module.model
+        dtype = next(inner.vision_tower.parameters()).dtype
+        inputs["pixel_values"] = inputs["pixel_values"].to(device, dtype)
+        out = inner.get_image_features(**inputs, return_dict=True)
+        return {"image_embeds": torch.cat(out.pooler_output)}
+
+    def encoder_output(self, rows):
+        return super().encoder_output((rows,))
+
+    def reference_inputs(self, samples):
+        batch = self.collate_llm(samples)
+        return {**batch, **(self._pixel_inputs(samples) or {})}
