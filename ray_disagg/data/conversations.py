@@ -25,7 +25,8 @@ are decoded with PyAV and cut into patches as the family's video processor does
 video (Qwen2-VL, Qwen2.5-VL, Qwen2.5-Omni). Audio (``<audio>`` with ``"audio"`` /
 ``"audios"``, or ``{"type": "audio", "audio": path}``; Qwen2.5-Omni) is decoded with PyAV
 and turned into log-mel features by the family's feature extractor, one ``<|AUDIO|>`` per
-audio-tower output (:mod:`ray_disagg.data.audio`).
+audio-tower output (:mod:`ray_disagg.data.audio`). Gemma 3, InternVL and LLaVA-OneVision
+images: :mod:`ray_disagg.data.tiles`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_disagg.data.tiles import TILE_FAMILIES, tile_sample
 from ray_disagg.models.base import IGNORE_INDEX
 
 __all__ = ["ConversationProcessor", "read_records", "to_messages"]
@@ -339,6 +341,8 @@ class ConversationProcessor:
         self._check(media, rid)
         if self.labels != "all" and not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"record {rid!r}: no assistant turn to take a loss on")
+        if self.config.model_type in TILE_FAMILIES:  # text-level expansion
+            return tile_sample(self, record, messages, media)
         done = self._media(media, rid)
         try:
             text, spans = self.render(messages)

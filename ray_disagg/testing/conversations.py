@@ -18,6 +18,7 @@ __all__ = [
     "WORDS",
     "build_model_dir",
     "build_omni_model_dir",
+    "build_tile_model_dir",
 ]
 
 # Qwen2-VL's chat template (as its tokenizer_config / chat_template.json ship it).
@@ -50,6 +51,7 @@ QWEN2_5_OMNI_TEMPLATE = (
 )
 WORDS = ["[UNK]", "system", "user", "assistant", "You", "are", "a", "helpful", "assistant."]
 WORDS += ["which", "digit", "is", "this?", "seven.", "and", "now?", "two.", "be", "brief."]
+WORDS += ["model"]
 SPECIAL = {
     "<|image_pad|>": 100,
     "<|video_pad|>": 101,
@@ -71,11 +73,15 @@ OMNI_SPECIAL = {  # the tiny Omni thinker config's ids
 }
 
 
-def _tokenizer(path, special: dict, template: str) -> None:
+def _tokenizer(path, special: dict, template: str, named: dict | None = None) -> None:
+    """``named``: special tokens the family's processor reads as tokenizer attributes
+    (e.g. Gemma 3's ``boi_token``)."""
     vocab = {w: i for i, w in enumerate(WORDS)} | special
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", extra_special_tokens=named or {}
+    )
     fast.add_special_tokens({"additional_special_tokens": list(special)})
     fast.chat_template = template
     fast.save_pretrained(path)
@@ -102,4 +108,63 @@ def build_model_dir(path, max_pixels: int = 32 * 32):
     Qwen2VLImageProcessorPil(
         patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=16 * 16, max_pixels=max_pixels
     ).save_pretrained(path)
+    return path
+
+
+def _chat_template(turn: str, end: str, image: str, assistant: str = "assistant") -> str:
+    """A chat template in the families' shape: ``turn`` + role + newline, the content
+    (``image`` per image part), ``end`` + newline per message."""
+    role = f"('{assistant}' if message['role'] == 'assistant' else message['role'])"
+    return (
+        f"{{% for message in messages %}}{turn}{{{{ {role} }}}}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+        "{% for item in message['content'] %}{% if item['type'] == 'image' %}"
+        f"{image}{{% elif item['type'] == 'text' %}}{{{{ item['text'] }}}}{{% endif %}}"
+        f"{{% endfor %}}{{% endif %}}{end}\n{{% endfor %}}"
+        f"{{% if add_generation_prompt %}}{turn}{assistant}\n{{% endif %}}"
+    )
+
+
+# per LLaVA-shaped family: its special tokens (the tiny config's ids), chat template,
+# the special tokens its processor reads by name, and its PIL image processor's settings
+TILE_FAMILIES = {
+    "gemma3": (
+        {"<image_soft_token>": 100, "<start_of_image>": 101, "<end_of_image>": 102}
+        | {"<start_of_turn>": 103, "<end_of_turn>": 104},
+        _chat_template("<start_of_turn>", "<end_of_turn>", "<start_of_image>", "model"),
+        {
+            "image_token": "<image_soft_token>",
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+        },
+        ("gemma3", {}),
+    ),
+    "internvl": (
+        {"<IMG_CONTEXT>": 100, "<img>": 101, "</img>": 102, "<|im_start|>": 104}
+        | {"<|im_end|>": 105},
+        _chat_template("<|im_start|>", "<|im_end|>", "<IMG_CONTEXT>\n"),
+        {"start_image_token": "<img>", "end_image_token": "</img>"},
+        ("got_ocr2", {"crop_to_patches": True, "max_patches": 4}),
+    ),
+    "llava_onevision": (
+        {"<image>": 100, "<video>": 101, "<|im_start|>": 104, "<|im_end|>": 105},
+        _chat_template("<|im_start|>", "<|im_end|>", "<image>\n"),
+        {},
+        ("llava_onevision", {"image_grid_pinpoints": [[16, 16], [16, 32], [32, 16], [32, 32]]}),
+    ),
+}
+
+
+def build_tile_model_dir(path, model_type: str):
+    """A local model directory for the tiny Gemma 3 / InternVL / LLaVA-OneVision: a
+    trained-here tokenizer with a template of the family's shape and the family's PIL
+    image processor on 16x16 tiles."""
+    import importlib
+
+    special, template, named, (module, settings) = TILE_FAMILIES[model_type]
+    _tokenizer(path, special, template, named)
+    mod = importlib.import_module(f"transformers.models.{module}.image_processing_pil_{module}")
+    name = {"gemma3": "Gemma3", "got_ocr2": "GotOcr2", "llava_onevision": "LlavaOnevision"}
+    cls = getattr(mod, f"{name[module]}ImageProcessorPil")
+    cls(size={"height": 16, "width": 16}, **settings).save_pretrained(path)
     return path
