@@ -30,7 +30,7 @@ class StepStats:
     - ``<group>_{sq,time,wait,peak,inflight,bwd}``: squared grad norm, compute and wait
       seconds, peak memory (MB), most microbatches alive at once, backward passes run, of
       each group, from its rank 0;
-    - counters (``images``, ``videos``, ``audios``): the encoder groups' DP leaders.
+    - counters (``images``, ``videos``, ``audios``, ``tiles``): the encoder groups' DP leaders.
     """
 
     def __init__(self, groups: list[str], counters: list[str]):

@@ -148,6 +148,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             return {}
         inner = module.model
         dtype = next(inner.vision_tower.parameters()).dtype
+        # image_sizes / batch_num_images stay on the CPU: HF reads them on the host
         inputs["pixel_values"] = inputs["pixel_values"].to(device, dtype)
         out = inner.get_image_features(**inputs, return_dict=True)
         return {"image_embeds": torch.cat(out.pooler_output)}
