@@ -158,3 +158,13 @@ def test_parts_load_a_local_save_pretrained_directory(tmp_path, model_type):
     assert set(loaded) == set(expected)
     for key, value in expected.items():
         torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_llava_onevision_refuses_a_feature_strategy_that_breaks_its_grid():
+    from ray_disagg import tiny_llava_onevision_config
+    from ray_disagg.models.llava_onevision import LlavaOnevisionAdapter
+
+    config = tiny_llava_onevision_config()
+    config.vision_feature_select_strategy = "default"
+    with pytest.raises(ValueError, match="vision_feature_select_strategy='default'"):
+        LlavaOnevisionAdapter(config)

@@ -32,6 +32,7 @@ import torch
 from ray_disagg.models.base import IGNORE_INDEX, sample_name
 
 __all__ = [
+    "host_to_device",
     "PACKED_KEY",
     "PackedQwenMixin",
     "PackedTextMixin",
@@ -79,6 +80,14 @@ def check_fits(sample: dict, index: int | None, max_seq_len: int) -> None:
             f"train_loop_config['max_seq_len']: max_seq_len={max_seq_len}. Raise max_seq_len "
             "or shorten (or drop) the sample."
         )
+
+
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` (built on the host) on ``device``; to a GPU through pinned memory without
+    blocking the host (the copy is ordered on the current stream before its consumers)."""
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def is_packed(batch: dict) -> bool:
@@ -144,7 +153,7 @@ class PackedTextMixin:
         pos = torch.zeros(ids.shape, dtype=torch.long)
         for row, start, n, _ in batch[PACKED_KEY]:
             pos[row, start : start + n] = torch.arange(n)
-        return pos.to(ids.device)
+        return host_to_device(pos, ids.device)
 
     def packed_llm_kwargs(self, inner, batch: dict) -> dict[str, Any]:
         """The ``...Model.forward`` arguments of a packed batch (no ``attention_mask``: the
@@ -185,4 +194,4 @@ class PackedQwenMixin(PackedTextMixin):
             else:
                 rope = {k: v.cpu() if torch.is_tensor(v) else v for k, v in rope.items()}
                 pos[1:, row, start : start + n] = self.rope_index(inner, rope)
-        return pos.to(ids.device)
+        return host_to_device(pos, ids.device)

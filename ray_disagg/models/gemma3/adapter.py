@@ -15,7 +15,7 @@ from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_fo
 
 from ray_disagg.models.gemma3.flavors import tiny_gemma3_config
 from ray_disagg.models.llava_common import LlavaAdapter
-from ray_disagg.models.packing import PACKED_KEY
+from ray_disagg.models.packing import PACKED_KEY, host_to_device
 
 __all__ = ["Gemma3Adapter", "packed_masks"]
 
@@ -29,14 +29,16 @@ def packed_masks(batch: dict, image_token_id: int, window: int) -> dict[str, tor
     sample = torch.full(ids.shape, -1, dtype=torch.long)
     for i, (row, start, n, _) in enumerate(batch[PACKED_KEY]):
         sample[row, start : start + n] = i
-    sample = sample.to(ids.device)
+    sample = host_to_device(sample, ids.device)
     block = get_block_sequence_ids_for_mask((ids == image_token_id).long(), ids.device)
     pos = torch.arange(ids.shape[1], device=ids.device)
-    causal = pos[None, :] <= pos[:, None]
-    same_block = (block[:, :, None] == block[:, None, :]) & (block[:, :, None] >= 0)
-    full = (sample[:, :, None] == sample[:, None, :]) & (causal | same_block)
-    near = pos[None, :] > pos[:, None] - window
-    return {"full_attention": full[:, None], "sliding_attention": (full & near)[:, None]}
+    # built in place: one (B, T, T) mask per kind, few temporaries at long T
+    full = block[:, :, None] == block[:, None, :]
+    full &= (block >= 0)[:, :, None]
+    full |= (pos[None, :] <= pos[:, None])[None]
+    full &= sample[:, :, None] == sample[:, None, :]
+    sliding = full & (pos[None, :] > pos[:, None] - window)[None]
+    return {"full_attention": full[:, None], "sliding_attention": sliding[:, None]}
 
 
 class Gemma3Adapter(LlavaAdapter):

@@ -38,6 +38,16 @@ class LlavaOnevisionAdapter(LlavaAdapter):
     tiles_per_image_run = True
     tiny_config = staticmethod(tiny_llava_onevision_config)
 
+    def __init__(self, config):
+        super().__init__(config)
+        strategy = config.vision_feature_select_strategy
+        if strategy != "full":
+            raise ValueError(
+                f"llava_onevision: vision_feature_select_strategy={strategy!r} is not "
+                "supported (its crops would lose a patch and no longer form a grid); the "
+                "released LLaVA-OneVision checkpoints use 'full'."
+            )
+
     @property
     def _side(self) -> int:
         v = self.config.vision_config
