@@ -321,7 +321,19 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             frozen_parts=self.frozen_parts,
             val_ref=None if self._val_data is None else [put(self._val_data)],
             val_plan=self.val_plan,
+            group_recovery=bool(self.restartable_groups()),
+            recovery_timeout_s=self.start_timeout_s + self.loop_config.collective_timeout_s,
         )
+
+    def restartable_groups(self) -> frozenset[str]:
+        """The groups a worker failure restarts alone (the others keep their workers and
+        continue from the latest checkpoint in place): the encoder group of a model with
+        one encoder, on map-style data. Otherwise (and for any LLM failure) every group
+        restarts, as Ray Train does."""
+        encoders = self.adapter.encoder_parts
+        if len(encoders) != 1 or is_stream(self._train_data):
+            return frozenset()
+        return frozenset(encoders)
 
     def group_loops(self, args: LoopArgs) -> dict[str, tuple]:
         """Per group, the LLM group first: ``(train loop, backend config)``. (The union's
@@ -377,6 +389,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
                 transfers=Transfers(self._transfer_pairs(), self.transfer),
                 colocation=self.colocation,
                 janitor=janitor,
+                restartable=self.restartable_groups(),
                 train_run_context=ctx,
                 **controller_init_kwargs,
             )

@@ -81,10 +81,11 @@ def test_colocated_1_1_matches_single_process(colocated_1_1, setup):
     assert colocated_1_1.metrics["transfer_tier"] == "shm"
 
 
-def test_killed_colocated_worker_restarts_both_groups_over_the_gloo_tier(
+def test_killed_colocated_worker_restarts_its_group_alone_over_the_gloo_tier(
     colocated_1_1, setup, tmp_path
 ):
-    """Also the gloo tier (forced): it trains bit-identically to shared memory."""
+    """The vision group restarts alone into the shared bundles; the text group keeps its
+    worker. Also the gloo tier (forced): it trains bit-identically to shared memory."""
     spec, data = setup
     marker = tmp_path / "killed"
     groups = vt(group(1), group(1))
@@ -106,4 +107,5 @@ def test_killed_colocated_worker_restarts_both_groups_over_the_gloo_tier(
     assert losses(result) == losses(colocated_1_1)  # bit-identical on CPU
     got, ref = checkpoint_state(result.checkpoint), checkpoint_state(colocated_1_1.checkpoint)
     assert all(torch.equal(got[k], ref[k]) for k in ref)
-    assert_paired_in_one_placement_group(result.metrics, 1)  # the new placement group
+    assert_paired_in_one_placement_group(result.metrics, 1)  # in the shared bundles
+    assert result.metrics["vision_restarts"] == 1 and result.metrics["text_restarts"] == 0

@@ -97,9 +97,11 @@ def test_sequential_accumulation_balanced_equals_contiguous(setup, tmp_path):
 def test_killed_mid_pipelined_step_restarts_with_identical_losses(pipelined_1_1, setup, tmp_path):
     spec, data = setup
     marker = tmp_path / "killed"
-    with fault_drill(group="vision", step=1, micro_batch=2, marker=marker):
+    with fault_drill(group="vision", step=2, micro_batch=2, marker=marker):
         result = run_layout(spec, data, LOOP, vt(group(1), group(1)), tmp_path, "kill", failures=1)
-    assert marker.exists()  # the vision worker died at microbatch 2 of step 2
+    assert marker.exists()  # the vision worker died at microbatch 2 of step 3
+    # only the vision group restarted: the text group kept its workers and reloaded a checkpoint
+    assert result.metrics["vision_restarts"] == 1 and result.metrics["text_restarts"] == 0
     assert [int(s) for s in result.metrics_dataframe.sort_values("step")["step"]] == [1, 2, 3]
     assert losses(result) == losses(pipelined_1_1)  # bit-identical on CPU
     got, ref = checkpoint_state(result.checkpoint), checkpoint_state(pipelined_1_1.checkpoint)

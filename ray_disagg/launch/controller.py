@@ -3,7 +3,10 @@
 It is an asyncio actor started exactly like Ray Train's controller (no CPU, pinned to the
 driver node). Only worker-group creation differs: instead of one ``WorkerGroup`` it starts
 a :class:`ModuleWorkerGroups`. Failure handling (``FailureConfig``), checkpoint
-bookkeeping (``CheckpointConfig``), callbacks, abort and the ``Result`` are Ray Train's.
+bookkeeping (``CheckpointConfig``), callbacks, abort and the ``Result`` are Ray Train's,
+with one addition: a failure confined to a group in ``restartable`` restarts that group
+alone (:mod:`ray_disagg.launch.group_restart`), counted against ``max_failures`` like a
+full restart.
 """
 
 from __future__ import annotations
@@ -11,7 +14,12 @@ from __future__ import annotations
 import logging
 import time
 
-from ray_disagg.launch.ray_compat import TrainController, WorkerGroupStartupTimeoutError
+from ray_disagg.launch.group_restart import restart_group
+from ray_disagg.launch.ray_compat import (
+    FailureDecision,
+    TrainController,
+    WorkerGroupStartupTimeoutError,
+)
 from ray_disagg.launch.worker_groups import (
     Colocation,
     GroupLaunch,
@@ -33,9 +41,11 @@ class DisaggregatedController(TrainController):
         transfers: Transfers,
         colocation: Colocation | None = None,
         janitor=None,
+        restartable: frozenset[str] = frozenset(),
         **kwargs,
     ):
         self._launches = launches
+        self._restartable = restartable
         self._transfers, self._colocation = transfers, colocation
         self._side_timeout_s = side_timeout_s
         self._start_timeout_s = start_timeout_s
@@ -72,3 +82,46 @@ class DisaggregatedController(TrainController):
             )
             raise
         self._waiting_since = None
+
+    async def _poll_workers(self):
+        status = await super()._poll_workers()
+        if status.errors and isinstance(self._worker_group, ModuleWorkerGroups):
+            return self._maybe_restart_group(status)
+        return status
+
+    def _maybe_restart_group(self, status):
+        """Restart the one failed group alone when it may be, else return ``status`` (Ray
+        Train then restarts every group, or raises)."""
+        groups = self._worker_group
+        failed = groups.failed_groups(status)
+        if len(failed) != 1 or not failed <= self._restartable:
+            return status
+        (name,) = failed
+        latest = self._checkpoint_manager.latest_checkpoint_result
+        if latest is None:
+            logger.warning("The %s group failed before any checkpoint: every group restarts.", name)
+            return status
+        error = status.get_worker_group_error()
+        if self._failure_policy.make_decision(training_failed_error=error) != FailureDecision.RETRY:
+            self._uncount()  # the controller decides (and counts) it again
+            return status
+        logger.warning("The %s group failed: restarting it alone.\n%s", name, error)
+        try:
+            took = restart_group(groups, name, latest.checkpoint)
+        except Exception:
+            logger.warning("Restarting the %s group alone failed; every group restarts.",
+                           name, exc_info=True)  # fmt: skip
+            self._uncount()
+            return status
+        logger.warning(
+            "Restarted the %s group alone in %.1fs (restart %d); the other groups kept their "
+            "workers and continue from %s.", name, took, groups.restarts[name],
+            latest.checkpoint.path,
+        )  # fmt: skip
+        return groups.poll_status(timeout=self._health_check_interval_s)
+
+    def _uncount(self) -> None:
+        """Take back one counted failure (it is counted again by the full restart)."""
+        policy = self._failure_policy
+        if getattr(policy, "_worker_group_failures", 0) > 0:
+            policy._worker_group_failures -= 1

@@ -93,6 +93,19 @@ class Transfers:
 
 
 @dataclass(frozen=True)
+class Relaunch:
+    """What restarting one group needs, kept from the attempt's start."""
+
+    launches: dict
+    train_run_context: object
+    run_attempt_id: str
+    shared: list
+    janitor: object
+    side_timeout_s: float
+    transfers: Transfers
+
+
+@dataclass(frozen=True)
 class ModulePollStatus(WorkerGroupPollStatus):
     """Poll status whose error text names the module group and its rank."""
 
@@ -117,12 +130,17 @@ class ModuleWorkerGroups:
         self._shared_pg = shared_pg
         self._union_callbacks = union_callbacks
         self._latest_poll_status = None
-        self._labels = {}
+        self._labels, self._owners = {}, {}
         idx = 0
         for name, wg in groups.items():
             for r in range(len(wg.get_workers())):
                 self._labels[idx] = f"{name} group rank {r}"
+                self._owners[idx] = name
                 idx += 1
+        self.relaunch: Relaunch | None = None
+        self.generation = 0  # channel rebuilds (group restarts) in this attempt
+        self.restarts = dict.fromkeys(groups, 0)
+        self._store_at: tuple[str, int] | None = None
 
     @classmethod
     def create(
@@ -157,6 +175,10 @@ class ModuleWorkerGroups:
                 launches, train_run_context, run_attempt_id, shared, shared_pg, janitor
             )
             groups = cls(started, union, shared_pg)
+            groups.relaunch = Relaunch(
+                launches, train_run_context, run_attempt_id, shared, janitor, side_timeout_s,
+                transfers,
+            )  # fmt: skip
             if shared_pg is not None:
                 groups._check_pairing()
             groups._connect_channel(run_attempt_id, side_timeout_s, transfers)
@@ -248,9 +270,17 @@ class ModuleWorkerGroups:
         if len({tuple(b) for b in bundles.values()}) != 1:
             raise RuntimeError(f"colocated groups' ranks are not paired by bundle: {bundles}")
 
-    def _connect_channel(self, run_attempt_id: str, timeout_s: float, transfers) -> None:
-        host = next(iter(self._groups.values())).get_workers()[0]
-        addr, port = ray.get(host.execute_async(runtime.host_channel_store, timeout_s))
+    def _connect_channel(
+        self, run_attempt_id: str, timeout_s: float, transfers, resume=None, rejoin=()
+    ) -> None:
+        """Every worker joins the side channel (its store hosted by the first group's
+        rank 0: the LLM group, which a group restart never replaces). After a restart
+        (``generation > 0``) the workers of the groups in ``rejoin`` continue from
+        ``resume``."""
+        if self._store_at is None:
+            host = next(iter(self._groups.values())).get_workers()[0]
+            self._store_at = ray.get(host.execute_async(runtime.host_channel_store, timeout_s))
+        addr, port = self._store_at
         sizes = {name: len(wg.get_workers()) for name, wg in self._groups.items()}
         offsets = group_offsets(sizes)
         workers = [w for wg in self._groups.values() for w in wg.get_workers()]
@@ -265,26 +295,62 @@ class ModuleWorkerGroups:
                 for (ga, ra), (gb, rb) in transfers.pairs
             },
         )
+        prefix = f"side/{run_attempt_id}" + (f"/g{self.generation}" if self.generation else "")
         spec = ChannelSpec(
-            addr, port, offsets, sizes, timeout_s, f"side/{run_attempt_id}", locations, tiers
-        )
+            addr, port, offsets, sizes, timeout_s, prefix, locations, tiers,
+            generation=self.generation, restarts=dict(self.restarts),
+        )  # fmt: skip
         refs = [
-            w.execute_async(runtime.join_channel, spec, name, w.distributed_context.world_rank)
+            w.execute_async(
+                runtime.join_channel,
+                spec,
+                name,
+                w.distributed_context.world_rank,
+                resume if name in rejoin else None,
+            )
             for name, wg in self._groups.items()
             for w in wg.get_workers()
         ]
         ray.get(refs, timeout=timeout_s)
+
+    # ---- restarting one group (ray_disagg.launch.group_restart) ----------------------
+
+    def failed_groups(self, status: WorkerGroupPollStatus) -> set[str]:
+        """The groups with a failed worker in ``status``."""
+        return {self._owners[i] for i in status.errors}
+
+    @property
+    def shared_placement_group(self):
+        """Colocated placement: the placement group every group schedules into."""
+        return self._shared_pg
+
+    def group_workers(self, name: str):
+        return self._groups[name]
+
+    def replace_group(self, name: str, wg: WorkerGroup | None) -> None:
+        """``wg`` (the same size) takes the place of group ``name`` (``None``: stopped)."""
+        self._groups[name] = wg
+
+    def reset_reports(self) -> None:
+        """Forget reports not yet consolidated (the survivors continue from a checkpoint)."""
+        for cb in self._union_callbacks:
+            if isinstance(cb, ReportCallbackHandler):
+                cb.after_worker_group_start(self)
 
     # ---- what TrainController calls -------------------------------------------------
 
     def __len__(self) -> int:
         return len(self._labels)
 
+    def _live(self) -> list[WorkerGroup]:
+        """The groups (a failed group restart may leave one stopped: ``None``)."""
+        return [wg for wg in self._groups.values() if wg is not None]
+
     def has_started(self) -> bool:
-        return all(wg.has_started() for wg in self._groups.values())
+        return all(wg.has_started() for wg in self._live())
 
     def get_workers(self):
-        return [w for wg in self._groups.values() for w in wg.get_workers()]
+        return [w for wg in self._live() for w in wg.get_workers()]
 
     def get_worker_group_state(self):
         return next(iter(self._groups.values())).get_worker_group_state()
@@ -322,7 +388,7 @@ class ModuleWorkerGroups:
             cb.before_worker_group_shutdown(self)
         self._close_channels(abort=False)
         errors = []
-        for wg in self._groups.values():
+        for wg in self._live():
             try:
                 wg.shutdown()
             except Exception as e:  # shut the other groups down regardless
@@ -333,7 +399,7 @@ class ModuleWorkerGroups:
 
     def abort(self) -> None:
         self._close_channels(abort=True, timeout_s=10.0)
-        for wg in self._groups.values():
+        for wg in self._live():
             try:
                 wg.abort()
             except Exception:

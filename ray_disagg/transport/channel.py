@@ -63,6 +63,10 @@ class ChannelSpec:
     """Where each side rank runs (reported by the workers)."""
     tiers: dict[tuple[int, int], str] = field(default_factory=dict)
     """Transfer tier of each pair of side ranks ``(low, high)`` in different groups."""
+    generation: int = 0
+    """How many times the channel was rebuilt in this run attempt (a group restarted)."""
+    restarts: dict[str, int] = field(default_factory=dict)
+    """Group -> how many times it alone was restarted in this run attempt."""
 
     @property
     def world_size(self) -> int:
@@ -100,6 +104,12 @@ class Channel:
     @contextlib.contextmanager
     def _guard(self, what: str, peer: int | None):
         """Re-raise a failed or timed-out wait as :class:`TransferError` naming the peer."""
+        if self.closed:
+            raise TransferError(
+                f"{what} {self.spec.label(peer) if peer is not None else 'the other groups'}: "
+                f"the channel of side rank {self.rank} ({self.spec.label(self.rank)}) is "
+                "closed (the run ended or a group failed); no more transfers"
+            )
         try:
             yield
         except TransferError:
@@ -168,9 +178,9 @@ class Channel:
 
     def _tier(self, name: str):
         if self.closed:
-            raise RuntimeError(
+            raise TransferError(
                 f"the channel of side rank {self.rank} ({self.spec.label(self.rank)}) is "
-                "closed (the run ended); no more transfers"
+                "closed (the run ended or a group failed); no more transfers"
             )
         if name not in self._tiers:
             if name == "shm":
@@ -223,11 +233,25 @@ class Channel:
             out = tier.unpack(header["specs"], header["payload"], src, device)
         return header["meta"], {s.name: t for s, t in zip(header["specs"], out)}
 
+    def interrupt(self, group: str) -> None:
+        """From any thread, when ``group`` failed: transfers with its ranks that wait
+        outside gloo (shared-memory flags, NCCL kernels) give up at once, as gloo's do when
+        the dead peer's connections close. The training thread then closes the channel."""
+        peers = range(self.spec.offsets[group], self.spec.offsets[group] + self.spec.sizes[group])
+        for tier in list(self._tiers.values()):
+            if hasattr(tier, "interrupt"):
+                _best_effort("interrupting a tier", tier.interrupt, list(peers))
+
     def close(self, abort: bool = False) -> None:
         """Release what the channel holds: shared-memory segments, CUDA IPC mappings, the
         NCCL pair groups and the gloo group. Idempotent; best effort (a failing part is
         logged and the others are still released). ``abort=True`` (after a failure)
-        aborts NCCL communicators instead of waiting for their queued work."""
+        aborts NCCL communicators instead of waiting for their queued work.
+
+        The gloo group's connections close when its last reference goes (gloo's
+        ``shutdown``/``abort`` leave them open), so this drops every reference it holds: a
+        peer blocked in a receive from this rank is released at once, not after
+        ``timeout_s`` (a failed group's survivors rely on it)."""
         if self.closed:
             return
         self.closed = True
@@ -236,7 +260,7 @@ class Channel:
                 _best_effort(f"closing the {name} tier", tier.close, abort)
         _best_effort("shutting down the side gloo group", _shutdown, self.pg, abort)
         self._tiers.clear()
-        self._store = None
+        self.pg = self._store = None
 
 
 def _best_effort(what: str, fn, *args) -> None:

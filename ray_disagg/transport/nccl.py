@@ -96,6 +96,12 @@ class NcclTier:
     def _peer_rank(self, peer: int) -> int:
         return int(peer > self.me)
 
+    def _pair(self, peer: int):
+        pg = self.pairs.get(peer)
+        if pg is None:  # interrupted: the peer's group failed
+            raise RuntimeError(f"the NCCL pair with side rank {peer} was aborted")
+        return pg
+
     def pack(self, tensors: list[torch.Tensor], dst: int):
         return None
 
@@ -105,14 +111,24 @@ class NcclTier:
         if not any(s.nbytes for s in specs):
             return []
         buf = pack(tensors, specs, self.device)
-        return [(self.pairs[dst].send([buf], self._peer_rank(dst), 0), buf)]
+        return [(self._pair(dst).send([buf], self._peer_rank(dst), 0), buf)]
 
     def unpack(self, specs: list[TensorSpec], payload, src: int, device) -> list[torch.Tensor]:
         _, n = _offsets(specs)
         buf = torch.empty(n, dtype=torch.uint8, device=self.device)
         if n:
-            self.pairs[src].recv([buf], self._peer_rank(src), 0).wait()
+            self._pair(src).recv([buf], self._peer_rank(src), 0).wait()
         return [t.to(device) for t in unpack_views(buf, specs)]
+
+    def interrupt(self, peers) -> None:
+        """Abort the communicators with ``peers`` (a failed group's ranks) now, from any
+        thread: ``ncclCommAbort`` ends their queued or stuck kernels, so no operation of
+        this rank waits on a dead peer (the watchdog cleans up only, see the module
+        docstring). The pairs are gone; :meth:`close` ends the rest."""
+        for peer in peers:
+            pg = self.pairs.pop(peer, None)
+            if pg is not None:
+                pg.abort()
 
     def close(self, abort: bool = False) -> None:
         """End every pair communicator of this rank (see the module docstring)."""

@@ -134,6 +134,7 @@ class ShmTier:
         self._pending: dict[int, tuple] = {}  # sender: reserved, data not yet written
         self._retired: dict[int, list[str]] = {}  # sender: replaced, receiver not told yet
         self._attached: dict[str, _Segment] = {}  # receiver: by name
+        self.interrupted = False  # set from another thread: a peer's group failed
         _sweep_dead_senders()
 
     # ---- sender ----------------------------------------------------------------------
@@ -161,10 +162,10 @@ class ShmTier:
                 seg = _Segment(f"{self._tag}_{self._made}", size)
                 pool.append(seg)
                 return seg
-            if time.monotonic() - start > self.timeout_s:
+            if self.interrupted or time.monotonic() - start > self.timeout_s:
                 raise TimeoutError(
                     f"shm transfer to side rank {dst}: all {len(pool)} buffers still held by "
-                    f"the receiver after {self.timeout_s:.0f}s (did it die?)"
+                    f"the receiver after {time.monotonic() - start:.0f}s (did it die?)"
                 )
             time.sleep(0.0005)
 
@@ -234,10 +235,10 @@ class ShmTier:
             spins += 1
             if spins > 1000:
                 time.sleep(0.00005)
-                if time.monotonic() - start > self.timeout_s:
+                if self.interrupted or time.monotonic() - start > self.timeout_s:
                     raise TimeoutError(
                         f"shm transfer from side rank {src}: data not written after "
-                        f"{self.timeout_s:.0f}s (did the sender die?)"
+                        f"{time.monotonic() - start:.0f}s (did the sender die?)"
                     )
 
     def forget(self, names) -> None:
@@ -245,6 +246,10 @@ class ShmTier:
         tensor views them)."""
         for name in names:
             self._attached.pop(name, None)
+
+    def interrupt(self, peers) -> None:
+        """Make every wait of this tier give up now (from any thread): a group failed."""
+        self.interrupted = True
 
     def close(self, abort: bool = False) -> None:
         """Remove this sender's segment names and unmap what nothing views any more.

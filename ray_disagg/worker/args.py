@@ -27,6 +27,8 @@ class LoopArgs:
     frozen_parts: tuple[str, ...] = ()  # groups whose parameters are all frozen
     val_ref: list | None = None  # [ObjectRef] of the map-style validation samples
     val_plan: BatchPlan | None = None
+    group_recovery: bool = False  # the LLM group survives an encoder group's restart
+    recovery_timeout_s: float = 900.0  # how long survivors wait for the restarted group
 
     @property
     def adapter(self):

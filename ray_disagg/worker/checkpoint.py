@@ -91,6 +91,7 @@ def load_sharded(model, optimizer, directory: str) -> bool:
         state.update({f"{key}.{f}": t for f, t in slot.items()})
         slots[p] = slot
     dcp.load(state, storage_reader=dcp.FileSystemReader(directory))
+    inner.state.clear()  # in place (a group restart): state the checkpoint lacks goes too
     for p, slot in slots.items():
         inner.state[p] = {"step": slot["step"][0].clone(), **{f: slot[f] for f in _STATE_KEYS}}
     return True
@@ -141,6 +142,7 @@ def load_optimizer(opt, part, fields: dict[str, dict[str, torch.Tensor]]) -> Non
     """Re-shard the full AdamW state onto the parameters this rank's optimizer updates."""
     inner = getattr(opt, "optim", opt)  # ZeRO-1: the local optimizer of this rank's shard
     owned = {id(p) for g in inner.param_groups for p in g["params"]}
+    inner.state.clear()  # in place (a group restart): state the checkpoint lacks goes too
     for name, p in part.named_parameters():
         if id(p) not in owned:
             continue
@@ -279,14 +281,16 @@ def _data_state(module_dir: str) -> dict | None:
         return json.load(f)
 
 
-def restore(model, optimizer, module: str, args, log=None) -> tuple[int, dict | None]:
-    """Load the latest checkpoint of this run (Ray Train hands it to restarted workers)
-    or ``resume_from_checkpoint``; returns the step to start from and the data position
-    saved with it (``None``: none, or not written by a stream). ``log`` gets a note when
-    the checkpoint's lr schedule differs from this run's."""
+def restore(model, optimizer, module: str, args, log=None, ckpt=None) -> tuple[int, dict | None]:
+    """Load ``ckpt``, else the latest checkpoint of this run (Ray Train hands it to
+    restarted workers) or ``resume_from_checkpoint``, into the built model and optimizer
+    (also in place, mid-run: a survivor of a group restart); returns the step to start
+    from and the data position saved with it (``None``: none, or not written by a
+    stream). ``log`` gets a note when the checkpoint's lr schedule differs from this run's."""
     from ray_disagg.worker.session import get_session
 
-    ckpt = get_session().restart_checkpoint() or args.resume_from_checkpoint
+    if ckpt is None:
+        ckpt = get_session().restart_checkpoint() or args.resume_from_checkpoint
     if ckpt is None:
         return 0, None
     with ckpt.as_directory() as root:

@@ -27,7 +27,7 @@ from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.pipeline.assignment import count_label_tokens
 from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expect
 from ray_disagg.pipeline.schedule import WAITS, Op, llm_actions
-from ray_disagg.worker import faults_hook, ingest, metrics
+from ray_disagg.worker import faults_hook, ingest, metrics, recovery
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.part_worker import PartWorker
 from ray_disagg.worker.session import get_session
@@ -246,15 +246,19 @@ class LLMStep:
         handlers = {
             Op.SEND_INPUTS: self.send_inputs,
             Op.RECV_CROSSINGS: self.recv_crossings,
-            Op.WAIT_SENDS: self.w.wait_pending,
+            Op.WAIT_SENDS: self.wait_sends,
             Op.TRAIN: self.train,
             Op.SEND_GRADS: self.send_grads,
         }
         for action in actions:
             with self.w.clock.span(waiting=action.op in WAITS):
                 handlers[action.op](action.mb)
+        recovery.agree(self.w)  # the step's last transfers went through on every rank
         if self.w.is_cp:  # the replica's loss: the sum of its ranks' slices
             _sum_over_cp(self.w, [self.loss_sum])
+
+    def wait_sends(self, _mb=None) -> None:
+        recovery.guarded(self.w, self.w.wait_pending)
 
     def send_inputs(self, _mb) -> None:
         """Read the replica's samples (leader), send the encoders theirs, share the LLM
@@ -269,7 +273,8 @@ class LLMStep:
             refs = None  # map-style: the encoders read their fields themselves
             if isinstance(self.source, ingest.MapStyleSource):
                 refs = self.source.refs(self.plan_step, share)
-            _send_inputs(w, self.samples, mbs, self.plan, self.key, self.plan_step, refs)
+            args = (w, self.samples, mbs, self.plan, self.key, self.plan_step, refs)
+            recovery.guarded(w, _send_inputs, *args)
         keys = self.llm.text_keys
         items = {p: {k: s[k] for k in keys if k in s} for p, s in self.samples.items()}
         self.items = w.broadcast_object(items)
@@ -286,13 +291,14 @@ class LLMStep:
             faults_hook.drill(w.part, w.group_rank, self.key.step, j)
         received = routes = None
         if w.leader:
-            mb = self.mbs[j]
-            received, routes = _receive_crossings(w, self.plan, self.key, j, mb, self.samples)
+            args = (w, self.plan, self.key, j, self.mbs[j], self.samples)
+            received, routes = recovery.guarded(w, _receive_crossings, *args, default=(None, None))
         self.received[j] = (received or {}, routes or [])
 
     def train(self, j: int) -> None:
         """Forward and backward of microbatch ``j`` (forward only when not ``grad``)."""
         w, mb = self.w, self.mbs[j]
+        recovery.agree(w)  # every rank has its crossings, or the step is abandoned
         received, routes = self.received[j]
         with torch.set_grad_enabled(self.grad):
             shared = _share(w, received)
@@ -310,9 +316,10 @@ class LLMStep:
         self.tokens += sum(len(self.items[p]["input_ids"]) for p in mb[w.part][w.dp_rank])
 
     def send_grads(self, j: int) -> None:
-        if self.w.leader:
+        w = self.w
+        if w.leader:
             received, routes = self.received[j]
-            _send_grads(self.w, received, routes, self.mbs[j], self.key, j)
+            recovery.guarded(w, _send_grads, w, received, routes, self.mbs[j], self.key, j)
         self.received[j] = None
 
     def ordered_items(self) -> list[dict]:
@@ -388,11 +395,21 @@ def llm_train_loop(args: LoopArgs) -> None:
         evaluate = functools.partial(_evaluate, llm, val, args.val_plan)
     limit = w.cfg.max_in_flight or 1
     actions = llm_actions(w.cfg.micro_batches, limit, sends_grads=bool(llm.grad_names))
-    for step in range(start, w.cfg.max_steps):
-        faults_hook.drill(w.part, w.group_rank, step)
-        run = LLMStep(llm, source, args.plan, step, StepKey(step), grad=True)
-        run.run(actions)
-        ids, extra = _sample_ids(w, run)
-        extra.update(_data_position(w, source, step))
-        extra.update(llm.expert_load())
-        finish_step(w, step, _stats(w, run), sample_ids=ids, evaluate=evaluate, extra=extra)
+    step = start
+    while step < w.cfg.max_steps:
+        try:
+            _train_step(w, llm, source, step, actions, evaluate)
+        except recovery.GroupFailed:  # an encoder group restarts; this group waits
+            step = recovery.recover(w, model)
+            continue
+        step += 1
+
+
+def _train_step(w: PartWorker, llm: LLMModel, source, step: int, actions, evaluate) -> None:
+    faults_hook.drill(w.part, w.group_rank, step)
+    run = LLMStep(llm, source, w.args.plan, step, StepKey(step), grad=True)
+    run.run(actions)
+    ids, extra = _sample_ids(w, run)
+    extra.update(_data_position(w, source, step))
+    extra.update(llm.expert_load())
+    finish_step(w, step, _stats(w, run), sample_ids=ids, evaluate=evaluate, extra=extra)

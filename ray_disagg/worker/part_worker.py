@@ -63,6 +63,7 @@ class PartWorker:
         self.pending = []  # posted cross-group sends not yet known delivered
         self.skipped = 0  # steps not applied (no label token, or non-finite with skipping)
         self.backward_passes = 0  # of this step
+        self.peer_failed = False  # a transfer of this step failed (worker.recovery)
 
     def wait_pending(self, _mb=None) -> None:
         """Wait for the posted sends (before their tensors may change)."""

@@ -29,6 +29,8 @@ __all__ = [
     "locate",
     "host_channel_store",
     "join_channel",
+    "wait_parked",
+    "interrupt_transfers",
     "close_channel",
 ]
 
@@ -46,6 +48,10 @@ class WorkerRuntime:
     _channel_ready: threading.Event = field(default_factory=threading.Event)
     _channel_error: BaseException | None = None
     _store: object = None
+    _rejoined: threading.Condition = field(default_factory=threading.Condition)
+    _resume: object = None  # the checkpoint a survivor reloads after a group restart
+    parked: threading.Event = field(default_factory=threading.Event)
+    """Set while the training thread waits for a rebuilt channel (a group restarts)."""
 
     def wait_channel(self, timeout_s: float) -> sg.Channel:
         if not self._channel_ready.wait(timeout_s):
@@ -56,6 +62,27 @@ class WorkerRuntime:
         if self._channel_error is not None:
             raise RuntimeError(f"[{self.module}] channel setup failed") from self._channel_error
         return self.channel
+
+    def wait_rejoin(self, generation: int, timeout_s: float):
+        """Park until the coordinator rebuilt the channel past ``generation`` (another
+        group restarted); returns it and the checkpoint to continue from."""
+        self.parked.set()
+        try:
+            with self._rejoined:
+                ok = self._rejoined.wait_for(
+                    lambda: self.channel is not None and self.channel.spec.generation > generation,
+                    timeout_s,
+                )
+        finally:
+            self.parked.clear()
+        if not ok:
+            raise TimeoutError(
+                f"[{self.module}] another group failed and was not restarted within "
+                f"{timeout_s:.0f}s; the run restarts every group."
+            )
+        if self._resume is None:
+            raise RuntimeError(f"[{self.module}] a group restarted without a checkpoint")
+        return self.channel, self._resume
 
 
 _runtime: WorkerRuntime | None = None
@@ -127,17 +154,36 @@ def host_channel_store(timeout_s: float) -> tuple[str, int]:
     return addr, port
 
 
-def join_channel(spec: sg.ChannelSpec, module: str, group_rank: int) -> None:
+def join_channel(spec: sg.ChannelSpec, module: str, group_rank: int, resume: object = None) -> None:
+    """Join the side channel (every worker at once). ``spec.generation > 0``: the channel
+    rebuilt after a group restarted; a surviving worker continues from ``resume``."""
     rt = get_runtime()
     try:
         rank = spec.offsets[module] + group_rank
-        rt.channel = sg.join(spec, rank, get_session().node_ip(), store=rt._store, device=rt.device)
-        atexit.register(close_channel)  # a worker that exits without the driver's call
+        channel = sg.join(spec, rank, get_session().node_ip(), store=rt._store, device=rt.device)
+        if spec.generation == 0:
+            atexit.register(close_channel)  # a worker that exits without the driver's call
+        with rt._rejoined:
+            rt.channel, rt._resume = channel, resume
+            rt._rejoined.notify_all()
     except BaseException as e:
         rt._channel_error = e
         raise
     finally:
         rt._channel_ready.set()
+
+
+def interrupt_transfers(group: str) -> None:
+    """``group`` failed: this worker's transfers with it give up now (any thread)."""
+    rt = _runtime
+    if rt is not None and rt.channel is not None and not rt.channel.closed:
+        rt.channel.interrupt(group)
+
+
+def wait_parked(timeout_s: float) -> bool:
+    """Whether this worker's training thread is parked (waiting for a rebuilt channel)
+    within ``timeout_s``."""
+    return get_runtime().parked.wait(timeout_s)
 
 
 def close_channel(abort: bool = False) -> bool:

@@ -17,7 +17,7 @@ from ray_disagg.lr_schedule import lr_at
 from ray_disagg.parallel import expert_parallel as ep
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.parallel.data_parallel import all_reduce_gradients
-from ray_disagg.worker import memory, metrics
+from ray_disagg.worker import memory, metrics, recovery
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,9 @@ def validate(w, evaluate, step: int) -> dict:
     """``val_loss``: the validation set's summed token losses over its label tokens,
     all-reduced over every rank of every group (its time is not step time)."""
     t0 = time.perf_counter()
-    sums = w.channel.all_reduce_sum(torch.tensor(evaluate(step), dtype=torch.float64))
+    local = torch.tensor(evaluate(step), dtype=torch.float64)
+    sums = recovery.guarded(w, w.channel.all_reduce_sum, local, default=local)
+    recovery.agree(w)
     w.clock.excluded += time.perf_counter() - t0
     loss_sum, labels = float(sums[0]), float(sums[1])
     return {"val_loss": loss_sum / labels if labels else float("nan")}
@@ -170,12 +172,14 @@ def validate(w, evaluate, step: int) -> dict:
 
 def placement_metrics(w, fallbacks: int) -> dict:
     """``transfer_tier``: the tiers that carried tensors between the groups this step
-    (e.g. "shm", "cuda_ipc+nccl"; "gloo" joins when messages fell back to it); with
+    (e.g. "shm", "cuda_ipc+nccl"; "gloo" joins when messages fell back to it);
+    ``<group>_restarts``: how often that group alone was restarted in this attempt; with
     ``report_placement`` also ``placement``: each worker's ``[placement group id, bundle
     index]`` as the worker saw it."""
     spec = w.channel.spec
     tiers = set(spec.tiers.values()) | ({"gloo"} if fallbacks else set())
     out = {"transfer_tier": "+".join(sorted(tiers)) or "none"}
+    out.update({f"{g}_restarts": spec.restarts.get(g, 0) for g in w.args.groups})
     if w.cfg.report_placement:
         out["placement"] = {
             spec.label(r): [loc.placement_group, loc.bundle] for r, loc in enumerate(spec.locations)
@@ -192,7 +196,9 @@ def finish_step(w, step: int, stats, *, sample_ids=(), inflight=1, evaluate=None
         sq = tp.grad_sq_norm(w.params, dist.group.WORLD, w.device)
     record(w, stats, sq, inflight)
     is_timer = w.is_llm and w.group_rank == 0
-    stats = w.clock.exchange(w.channel, stats, w.args.stats, is_timer)
+    args = (w.channel, stats, w.args.stats, is_timer)
+    stats = recovery.guarded(w, w.clock.exchange, *args, default=stats)
+    recovery.agree(w)  # every rank has the global stats, or the step is abandoned
     total_norm = w.args.stats.total_norm(stats)
     if w.fsdp and not group_had_inputs(w, stats):
         for p in w.params:  # every rank ran a stand-in: zero gradients, not real ones

@@ -1,0 +1,108 @@
+"""Restart only the failed group.
+
+A worker of an encoder group dies; the coordinator, instead of tearing every group down:
+
+1. stops the failed group (its other workers too: each of its ranks may be mid-step)
+   and interrupts the survivors' transfers with it (gloo's fail by themselves as the
+   connections close; shared-memory waits and NCCL pair communicators are told to give
+   up); the survivors leave the step together and park (:mod:`ray_disagg.worker.recovery`);
+2. waits for every survivor to park, consuming their reports meanwhile (a report blocks
+   its worker until polled); reports not yet consolidated are forgotten;
+3. starts a new group of the same shape (Ray Train's callbacks hand it the latest
+   checkpoint, as on a full restart);
+4. rebuilds the side channel (a new gloo group over every worker; the survivors' own
+   process groups and models stay) and has the survivors reload that checkpoint in place.
+
+Every group then continues from the checkpoint's step, so the result equals an
+uninterrupted run. Any failure here (a survivor failing or finishing, a start timing
+out) falls back to the full restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+
+from ray_disagg.worker import runtime
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["restart_group"]
+
+
+def _park_survivors(groups, failed: str, timeout_s: float) -> None:
+    """Wait until every survivor's training thread is parked, polling their statuses
+    (which consumes pending reports); raises when one fails or finishes instead."""
+    survivors = [n for n in groups.relaunch.launches if n != failed]
+    deadline = time.monotonic() + timeout_s
+    pending = {
+        (n, r): w.execute_async(runtime.wait_parked, timeout_s)
+        for n in survivors
+        for r, w in enumerate(groups.group_workers(n).get_workers())
+    }
+    while pending:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"survivors {sorted(pending)} did not park in {timeout_s:g}s")
+        for n in survivors:
+            status = groups.group_workers(n).poll_status(timeout=timeout_s)
+            for r, st in status.worker_statuses.items():
+                if st.error is not None:
+                    raise RuntimeError(f"{n} group rank {r} failed too: {st.error}")
+                if not st.running:
+                    raise RuntimeError(f"{n} group rank {r} finished before the restart")
+        ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=0.5)
+        for key in [k for k, ref in pending.items() if ref in ready]:
+            if ray.get(pending.pop(key)):
+                continue
+            raise TimeoutError(f"{key[0]} group rank {key[1]} did not park")
+
+
+def _interrupt_survivors(groups, failed: str) -> None:
+    """Transfers with the failed group that wait outside gloo give up (best effort)."""
+    refs = [
+        w.execute_async(runtime.interrupt_transfers, failed)
+        for n in groups.relaunch.launches
+        if n != failed
+        for w in groups.group_workers(n).get_workers()
+    ]
+    try:
+        ray.get(refs, timeout=groups.relaunch.side_timeout_s)
+    except Exception:
+        logger.warning("Interrupting the survivors' transfers failed.", exc_info=True)
+
+
+def restart_group(groups, failed: str, checkpoint) -> float:
+    """Replace group ``failed`` of ``groups`` (a ``ModuleWorkerGroups``) and rejoin every
+    group at ``checkpoint``; returns the seconds it took."""
+    from ray_disagg.launch.worker_groups import ModuleWorkerGroups
+
+    t0 = time.monotonic()
+    r = groups.relaunch
+    old = groups.group_workers(failed)
+    try:
+        old.abort()
+    except Exception:
+        logger.warning("Stopping the failed %s group failed.", failed, exc_info=True)
+    groups.replace_group(failed, None)  # a full restart after this skips it
+    _interrupt_survivors(groups, failed)
+    _park_survivors(groups, failed, r.side_timeout_s)
+    groups.reset_reports()
+    shared_pg = groups.shared_placement_group  # colocated: into the freed bundles
+    wg = ModuleWorkerGroups._start_group(
+        r.launches[failed], r.train_run_context, r.run_attempt_id, r.shared, shared_pg
+    )
+    groups.replace_group(failed, wg)
+    if shared_pg is not None:
+        groups._check_pairing()
+    elif r.janitor is not None:
+        pg = wg.get_worker_group_state().placement_group_handle.placement_group
+        ray.get(r.janitor.register.remote(pg))
+    groups.restarts[failed] += 1
+    groups.generation += 1
+    survivors = [n for n in r.launches if n != failed]
+    groups._connect_channel(
+        r.run_attempt_id, r.side_timeout_s, r.transfers, resume=checkpoint, rejoin=survivors
+    )
+    return time.monotonic() - t0

@@ -1,0 +1,104 @@
+"""Restart only the failed group: the surviving LLM group's side.
+
+When a worker of an encoder group dies, the coordinator replaces that group alone
+(:meth:`ray_disagg.launch.worker_groups.ModuleWorkerGroups.restart_group`); the LLM group
+keeps its processes, process groups and built model. Its ranks:
+
+1. notice the failure as a failed cross-group transfer (the dead peer's connections
+   close at once). :func:`guarded` marks the step failed and closes this rank's side
+   channel, which in turn releases any peer blocked in a transfer with this rank; the
+   rank then skips its remaining transfers of the step but still joins its own group's
+   collectives, so every rank of the group issues the same ones;
+2. agree at fixed points of the step (:func:`agree`: before each microbatch's compute,
+   after the step's last transfer, after each cross-group all-reduce): one small gloo
+   all-reduce over the group says whether any rank saw a failure, and if so every rank
+   leaves the step together (:class:`GroupFailed`), before any further collective;
+3. :func:`recover`: park, wait for the coordinator's rebuilt channel, load the run's
+   latest checkpoint in place (model, optimizer, step) and continue from its step, as
+   the replaced group does from the same checkpoint.
+
+Only the LLM group runs this (``LoopArgs.group_recovery``); elsewhere a failed transfer
+raises as before and Ray Train restarts every group.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+import torch.distributed as dist
+
+from ray_disagg.transport.channel import TransferError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GroupFailed", "agree", "guarded", "recover"]
+
+
+class GroupFailed(Exception):
+    """Another group failed during this step; every rank of this group left the step."""
+
+
+def enabled(w) -> bool:
+    return w.args.group_recovery and w.is_llm
+
+
+def guarded(w, fn, *args, default=None):
+    """``fn(*args)`` (a cross-group transfer). With group recovery, a failed transfer marks
+    the step failed, closes the channel and returns ``default``; once failed, later
+    transfers of the step are skipped (``default``)."""
+    if not enabled(w):
+        return fn(*args)
+    if w.peer_failed:
+        return default
+    try:
+        return fn(*args)
+    except TransferError as e:
+        logger.warning("[%s rank %d] %s", w.part, w.group_rank, e)
+        w.peer_failed = True
+    _drop_channel(w)
+    return default
+
+
+def _drop_channel(w) -> None:
+    """Close the side channel and drop every reference to its gloo group (its
+    connections close only when it is freed; a failed wait's traceback holds it too)."""
+    w.channel.close(abort=True)
+    w.pending = []
+    gc.collect()
+
+
+def agree(w) -> None:
+    """Raise :class:`GroupFailed` on every rank of the group when any rank saw a failed
+    transfer (a collective over the group: every rank calls it at the same points)."""
+    if not enabled(w):
+        return
+    flag = torch.tensor([int(w.peer_failed)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=w.rt.object_group)  # gloo, host
+    if int(flag):
+        raise GroupFailed(f"{w.part} rank {w.group_rank}: another group failed")
+
+
+def recover(w, model) -> int:
+    """Wait for the rebuilt channel, load the latest checkpoint in place; returns the
+    step to continue from."""
+    from ray_disagg.worker import checkpoint
+    from ray_disagg.worker.metrics import StepClock, log_line
+
+    if not w.channel.closed:  # a rank that only heard of it in agree()
+        _drop_channel(w)
+    generation = w.channel.spec.generation
+    w.channel, resume = w.rt.wait_rejoin(generation, w.args.recovery_timeout_s)
+    w.peer_failed, w.backward_passes = False, 0
+    w.opt.zero_grad(set_to_none=True)
+    w.clock = StepClock()
+    log = log_line if w.group_rank == 0 else None
+    start, _ = checkpoint.restore(model, w.opt, w.part, w.args, log=log, ckpt=resume)
+    if log is not None:
+        failed = [g for g, n in w.channel.spec.restarts.items() if n]
+        log(
+            f"{w.part}: kept its workers while {', '.join(failed)} restarted; continuing "
+            f"from the latest checkpoint at step {start + 1}/{w.cfg.max_steps}"
+        )
+    return start
