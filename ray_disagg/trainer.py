@@ -22,6 +22,7 @@ from ray_disagg.launch import ray_compat as rc
 from ray_disagg.launch.backend import ModuleBackendConfig
 from ray_disagg.launch.checks import validate_layout, validate_loop
 from ray_disagg.launch.controller import DisaggregatedController
+from ray_disagg.launch.group_restart import restartable_groups
 from ray_disagg.launch.resources import (
     PlacementGroupJanitor,
     check_cluster_capacity,
@@ -326,14 +327,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         )
 
     def restartable_groups(self) -> frozenset[str]:
-        """The groups a worker failure restarts alone (the others keep their workers and
-        continue from the latest checkpoint in place): the encoder group of a model with
-        one encoder, on map-style data. Otherwise (and for any LLM failure) every group
-        restarts, as Ray Train does."""
-        encoders = self.adapter.encoder_parts
-        if len(encoders) != 1 or is_stream(self._train_data):
-            return frozenset()
-        return frozenset(encoders)
+        return restartable_groups(self.adapter, self._train_data)
 
     def group_loops(self, args: LoopArgs) -> dict[str, tuple]:
         """Per group, the LLM group first: ``(train loop, backend config)``. (The union's

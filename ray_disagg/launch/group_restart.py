@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import ray
 
@@ -29,7 +30,32 @@ from ray_disagg.worker import runtime
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["restart_group"]
+__all__ = ["Relaunch", "restart_group", "restartable_groups"]
+
+
+def restartable_groups(adapter, train_data) -> frozenset[str]:
+    """The groups a worker failure restarts alone (the others keep their workers and
+    continue from the latest checkpoint in place): the encoder group of a model with one
+    encoder, on map-style data. Otherwise (and for any LLM failure) every group
+    restarts, as Ray Train does."""
+    from ray_disagg.worker.ingest import is_stream
+
+    if len(adapter.encoder_parts) != 1 or is_stream(train_data):
+        return frozenset()
+    return frozenset(adapter.encoder_parts)
+
+
+@dataclass(frozen=True)
+class Relaunch:
+    """What restarting one group needs, kept from the attempt's start."""
+
+    launches: dict
+    train_run_context: object
+    run_attempt_id: str
+    shared: list
+    janitor: object
+    side_timeout_s: float
+    transfers: object
 
 
 def _park_survivors(groups, failed: str, timeout_s: float) -> None:

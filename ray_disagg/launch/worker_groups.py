@@ -24,6 +24,7 @@ import ray
 from ray.train import ScalingConfig
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from ray_disagg.launch.group_restart import Relaunch
 from ray_disagg.launch.ray_compat import (
     AcceleratorSetupCallback,
     BackendSetupCallback,
@@ -90,19 +91,6 @@ class Transfers:
 
     pairs: tuple
     requested: str = "auto"
-
-
-@dataclass(frozen=True)
-class Relaunch:
-    """What restarting one group needs, kept from the attempt's start."""
-
-    launches: dict
-    train_run_context: object
-    run_attempt_id: str
-    shared: list
-    janitor: object
-    side_timeout_s: float
-    transfers: Transfers
 
 
 @dataclass(frozen=True)
@@ -286,29 +274,20 @@ class ModuleWorkerGroups:
         workers = [w for wg in self._groups.values() for w in wg.get_workers()]
         locations = ray.get([w.execute_async(runtime.locate) for w in workers], timeout=timeout_s)
         tiers = pair_tiers(offsets, transfers.pairs, locations, transfers.requested)
-        logger.info(
-            "Transfer tiers: %s",
-            {
-                f"{ga}[{ra}]<->{gb}[{rb}]": tiers[
-                    tuple(sorted((offsets[ga] + ra, offsets[gb] + rb)))
-                ]
-                for (ga, ra), (gb, rb) in transfers.pairs
-            },
-        )
+        shown = {
+            f"{ga}[{ra}]<->{gb}[{rb}]": tiers[tuple(sorted((offsets[ga] + ra, offsets[gb] + rb)))]
+            for (ga, ra), (gb, rb) in transfers.pairs
+        }
+        logger.info("Transfer tiers: %s", shown)
         prefix = f"side/{run_attempt_id}" + (f"/g{self.generation}" if self.generation else "")
         spec = ChannelSpec(
             addr, port, offsets, sizes, timeout_s, prefix, locations, tiers,
             generation=self.generation, restarts=dict(self.restarts),
         )  # fmt: skip
         refs = [
-            w.execute_async(
-                runtime.join_channel,
-                spec,
-                name,
-                w.distributed_context.world_rank,
-                resume if name in rejoin else None,
-            )
-            for name, wg in self._groups.items()
+            w.execute_async(runtime.join_channel, spec, n, w.distributed_context.world_rank, r)
+            for n, wg in self._groups.items()
+            for r in [resume if n in rejoin else None]
             for w in wg.get_workers()
         ]
         ray.get(refs, timeout=timeout_s)
@@ -316,12 +295,10 @@ class ModuleWorkerGroups:
     # ---- restarting one group (ray_disagg.launch.group_restart) ----------------------
 
     def failed_groups(self, status: WorkerGroupPollStatus) -> set[str]:
-        """The groups with a failed worker in ``status``."""
         return {self._owners[i] for i in status.errors}
 
     @property
-    def shared_placement_group(self):
-        """Colocated placement: the placement group every group schedules into."""
+    def shared_placement_group(self):  # colocated: every group schedules into it
         return self._shared_pg
 
     def group_workers(self, name: str):

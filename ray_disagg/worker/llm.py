@@ -27,8 +27,9 @@ from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.pipeline.assignment import count_label_tokens
 from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expect
 from ray_disagg.pipeline.schedule import WAITS, Op, llm_actions
-from ray_disagg.worker import faults_hook, ingest, metrics, recovery
+from ray_disagg.worker import faults_hook, ingest, recovery
 from ray_disagg.worker.args import LoopArgs
+from ray_disagg.worker.llm_metrics import data_position, plain, sample_ids, step_stats
 from ray_disagg.worker.part_worker import PartWorker
 from ray_disagg.worker.session import get_session
 from ray_disagg.worker.step import finish_step
@@ -58,10 +59,6 @@ def _loss(adapter, lm_head, batch, received, n_labels, tp_group, vocab_start, ch
         router_logits, adapter.router, batch["attention_mask"], batch["router"]
     )
     return loss + aux
-
-
-def _plain(v):
-    return v.item() if hasattr(v, "item") else v
 
 
 def _send_inputs(w: PartWorker, samples: dict, mbs, plan, key: StepKey, plan_step: int, refs):
@@ -180,7 +177,7 @@ def _context(w: PartWorker, seq_len: int, items: list[dict]):
     try:
         bounds = tuple(cp.slice_bounds(seq_len, w.cp_mesh.size()))
     except ValueError as e:
-        ids = [_plain(it.get("id")) for it in items]
+        ids = [plain(it.get("id")) for it in items]
         raise ValueError(f"LLM microbatch of samples {ids}: {e}") from None
     rank = w.cp_mesh.get_local_rank()
     return cp.ContextSlice(group=w.cp_mesh.get_group(), rank=rank, bounds=bounds)
@@ -339,37 +336,6 @@ def _evaluate(llm: LLMModel, source, plan, step: int) -> list[float]:
     return [loss_sum, n_labels] if llm.w.leader else [0.0, 0.0]
 
 
-def _stats(w: PartWorker, run: LLMStep):
-    stats = w.args.stats.new()
-    if w.leader:
-        ix = w.args.stats.index
-        stats[ix["loss"]] = float(run.loss_sum)  # after the last gradients were posted
-        stats[ix["label_tokens"]] = run.local_labels
-        stats[ix["llm_tokens"]] = run.tokens
-    return stats
-
-
-def _sample_ids(w: PartWorker, run: LLMStep) -> tuple[list, dict]:
-    """The step's sample ids on this rank and, with ``report_sample_ids``, every
-    replica's as the ``sample_ids`` metric (for audits)."""
-    ids = [_plain(it.get("id")) for it in run.ordered_items()]
-    if not w.cfg.report_sample_ids:
-        return ids, {}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, ids if w.leader else [], group=w.rt.object_group)
-    return ids, {"sample_ids": [i for part in gathered for i in part]}
-
-
-def _data_position(w: PartWorker, source, step: int) -> dict:
-    """A stream's metrics; at checkpoint steps its position goes to the checkpoint
-    (collective over the group)."""
-    if not hasattr(source, "state"):
-        return {}
-    if metrics.is_checkpoint_step(w.cfg, step):
-        w.writer.data_state = source.state()
-    return source.metrics()
-
-
 def llm_train_loop(args: LoopArgs) -> None:
     w = PartWorker(args, args.adapter.llm_part)
     model = w.build()
@@ -409,7 +375,7 @@ def _train_step(w: PartWorker, llm: LLMModel, source, step: int, actions, evalua
     faults_hook.drill(w.part, w.group_rank, step)
     run = LLMStep(llm, source, w.args.plan, step, StepKey(step), grad=True)
     run.run(actions)
-    ids, extra = _sample_ids(w, run)
-    extra.update(_data_position(w, source, step))
+    ids, extra = sample_ids(w, run)
+    extra.update(data_position(w, source, step))
     extra.update(llm.expert_load())
-    finish_step(w, step, _stats(w, run), sample_ids=ids, evaluate=evaluate, extra=extra)
+    finish_step(w, step, step_stats(w, run), sample_ids=ids, evaluate=evaluate, extra=extra)
