@@ -105,7 +105,8 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
 
     Restarts (``FailureConfig(max_failures=K)``) and a rerun with the same
     ``RunConfig(name=..., storage_path=...)`` continue from the latest checkpoint;
-    ``resume_from_checkpoint`` starts from a given one (of any layout).
+    ``resume_from_checkpoint`` starts from a given one (of any layout). A failed encoder
+    group restarts alone where it can (``restart_failed_group``; README "Fault tolerance").
 
     Example:
         >>> import ray
@@ -142,6 +143,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         start_timeout_s: float = 600.0,
         placement: str = "separate",
         transfer: str = "auto",
+        restart_failed_group: bool = True,
     ):
         if not isinstance(model, HFModelSpec):
             raise ValueError(
@@ -153,6 +155,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         if not start_timeout_s > 0:
             raise ValueError(f"start_timeout_s={start_timeout_s!r}: must be > 0 seconds.")
         self.wait_for_resources, self.start_timeout_s = wait_for_resources, start_timeout_s
+        self.restart_failed_group = restart_failed_group
         if resume_from_checkpoint is not None and not isinstance(
             resume_from_checkpoint, Checkpoint
         ):
@@ -327,7 +330,8 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         )
 
     def restartable_groups(self) -> frozenset[str]:
-        return restartable_groups(self.adapter, self._train_data)
+        ok = self.restart_failed_group
+        return restartable_groups(self.adapter, self._train_data) if ok else frozenset()
 
     def group_loops(self, args: LoopArgs) -> dict[str, tuple]:
         """Per group, the LLM group first: ``(train loop, backend config)``. (The union's

@@ -11,7 +11,8 @@ A worker of an encoder group dies; the coordinator, instead of tearing every gro
 3. starts a new group of the same shape (Ray Train's callbacks hand it the latest
    checkpoint, as on a full restart);
 4. rebuilds the side channel (a new gloo group over every worker; the survivors' own
-   process groups and models stay) and has the survivors reload that checkpoint in place.
+   process groups and models stay). The survivors reload that checkpoint in place
+   meanwhile (they learn it in step 1).
 
 Every group then continues from the checkpoint's step, so the result equals an
 uninterrupted run. Any failure here (a survivor failing or finishing, a start timing
@@ -85,10 +86,12 @@ def _park_survivors(groups, failed: str, timeout_s: float) -> None:
             raise TimeoutError(f"{key[0]} group rank {key[1]} did not park")
 
 
-def _interrupt_survivors(groups, failed: str) -> None:
-    """Transfers with the failed group that wait outside gloo give up (best effort)."""
+def _interrupt_survivors(groups, failed: str, checkpoint) -> None:
+    """The survivors' transfers with the failed group that wait outside gloo give up, and
+    they learn the checkpoint to reload (best effort: without it they time out)."""
+    gen = groups.generation + 1
     refs = [
-        w.execute_async(runtime.interrupt_transfers, failed)
+        w.execute_async(runtime.interrupt_transfers, failed, gen, checkpoint)
         for n in groups.relaunch.launches
         if n != failed
         for w in groups.group_workers(n).get_workers()
@@ -112,7 +115,7 @@ def restart_group(groups, failed: str, checkpoint) -> float:
     except Exception:
         logger.warning("Stopping the failed %s group failed.", failed, exc_info=True)
     groups.replace_group(failed, None)  # a full restart after this skips it
-    _interrupt_survivors(groups, failed)
+    _interrupt_survivors(groups, failed, checkpoint)
     _park_survivors(groups, failed, r.side_timeout_s)
     groups.reset_reports()
     shared_pg = groups.shared_placement_group  # colocated: into the freed bundles
@@ -127,8 +130,5 @@ def restart_group(groups, failed: str, checkpoint) -> float:
         ray.get(r.janitor.register.remote(pg))
     groups.restarts[failed] += 1
     groups.generation += 1
-    survivors = [n for n in r.launches if n != failed]
-    groups._connect_channel(
-        r.run_attempt_id, r.side_timeout_s, r.transfers, resume=checkpoint, rejoin=survivors
-    )
+    groups._connect_channel(r.run_attempt_id, r.side_timeout_s, r.transfers)
     return time.monotonic() - t0

@@ -258,13 +258,9 @@ class ModuleWorkerGroups:
         if len({tuple(b) for b in bundles.values()}) != 1:
             raise RuntimeError(f"colocated groups' ranks are not paired by bundle: {bundles}")
 
-    def _connect_channel(
-        self, run_attempt_id: str, timeout_s: float, transfers, resume=None, rejoin=()
-    ) -> None:
+    def _connect_channel(self, run_attempt_id: str, timeout_s: float, transfers) -> None:
         """Every worker joins the side channel (its store hosted by the first group's
-        rank 0: the LLM group, which a group restart never replaces). After a restart
-        (``generation > 0``) the workers of the groups in ``rejoin`` continue from
-        ``resume``."""
+        rank 0: the LLM group, which a group restart never replaces)."""
         if self._store_at is None:
             host = next(iter(self._groups.values())).get_workers()[0]
             self._store_at = ray.get(host.execute_async(runtime.host_channel_store, timeout_s))
@@ -285,9 +281,8 @@ class ModuleWorkerGroups:
             generation=self.generation, restarts=dict(self.restarts),
         )  # fmt: skip
         refs = [
-            w.execute_async(runtime.join_channel, spec, n, w.distributed_context.world_rank, r)
-            for n, wg in self._groups.items()
-            for r in [resume if n in rejoin else None]
+            w.execute_async(runtime.join_channel, spec, name, w.distributed_context.world_rank)
+            for name, wg in self._groups.items()
             for w in wg.get_workers()
         ]
         ray.get(refs, timeout=timeout_s)

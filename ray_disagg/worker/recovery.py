@@ -13,9 +13,9 @@ keeps its processes, process groups and built model. Its ranks:
    after the step's last transfer, after each cross-group all-reduce): one small gloo
    all-reduce over the group says whether any rank saw a failure, and if so every rank
    leaves the step together (:class:`GroupFailed`), before any further collective;
-3. :func:`recover`: park, wait for the coordinator's rebuilt channel, load the run's
-   latest checkpoint in place (model, optimizer, step) and continue from its step, as
-   the replaced group does from the same checkpoint.
+3. :func:`recover`: park until the coordinator names the run's latest checkpoint, load
+   it in place (model, optimizer, step) while the failed group starts again, wait for the
+   rebuilt channel and continue from the checkpoint's step, as the replaced group does.
 
 Only the LLM group runs this (``LoopArgs.group_recovery``); elsewhere a failed transfer
 raises as before and Ray Train restarts every group.
@@ -88,13 +88,14 @@ def recover(w, model) -> int:
 
     if not w.channel.closed:  # a rank that only heard of it in agree()
         _drop_channel(w)
-    generation = w.channel.spec.generation
-    w.channel, resume = w.rt.wait_rejoin(generation, w.args.recovery_timeout_s)
-    w.peer_failed, w.backward_passes = False, 0
+    generation, timeout = w.channel.spec.generation, w.args.recovery_timeout_s
+    resume = w.rt.wait_resume(generation, timeout)
     w.opt.zero_grad(set_to_none=True)
-    w.clock = StepClock()
     log = log_line if w.group_rank == 0 else None
+    # while the failed group starts again
     start, _ = checkpoint.restore(model, w.opt, w.part, w.args, log=log, ckpt=resume)
+    w.channel = w.rt.wait_rejoin(generation, timeout)
+    w.peer_failed, w.backward_passes, w.clock = False, 0, StepClock()
     if log is not None:
         failed = [g for g, n in w.channel.spec.restarts.items() if n]
         log(

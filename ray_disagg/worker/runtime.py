@@ -49,7 +49,7 @@ class WorkerRuntime:
     _channel_error: BaseException | None = None
     _store: object = None
     _rejoined: threading.Condition = field(default_factory=threading.Condition)
-    _resume: object = None  # the checkpoint a survivor reloads after a group restart
+    _resume: tuple | None = None  # (generation, checkpoint) a survivor continues from
     parked: threading.Event = field(default_factory=threading.Event)
     """Set while the training thread waits for a rebuilt channel (a group restarts)."""
 
@@ -63,26 +63,36 @@ class WorkerRuntime:
             raise RuntimeError(f"[{self.module}] channel setup failed") from self._channel_error
         return self.channel
 
-    def wait_rejoin(self, generation: int, timeout_s: float):
-        """Park until the coordinator rebuilt the channel past ``generation`` (another
-        group restarted); returns it and the checkpoint to continue from."""
+    def wait_resume(self, generation: int, timeout_s: float):
+        """Park until the coordinator names the checkpoint to continue from after the
+        channel of ``generation`` failed (another group restarts); returns it."""
         self.parked.set()
-        try:
-            with self._rejoined:
-                ok = self._rejoined.wait_for(
-                    lambda: self.channel is not None and self.channel.spec.generation > generation,
-                    timeout_s,
-                )
-        finally:
-            self.parked.clear()
+        ok = self._wait(
+            lambda: self._resume is not None and self._resume[0] > generation, timeout_s
+        )
         if not ok:
             raise TimeoutError(
                 f"[{self.module}] another group failed and was not restarted within "
                 f"{timeout_s:.0f}s; the run restarts every group."
             )
-        if self._resume is None:
-            raise RuntimeError(f"[{self.module}] a group restarted without a checkpoint")
-        return self.channel, self._resume
+        return self._resume[1]
+
+    def wait_rejoin(self, generation: int, timeout_s: float) -> sg.Channel:
+        """The channel rebuilt past ``generation`` (once the restarted group is up)."""
+        try:
+            ok = self._wait(
+                lambda: self.channel is not None and self.channel.spec.generation > generation,
+                timeout_s,
+            )
+        finally:
+            self.parked.clear()
+        if not ok:
+            raise TimeoutError(f"[{self.module}] the restarted group did not join in time")
+        return self.channel
+
+    def _wait(self, predicate, timeout_s: float) -> bool:
+        with self._rejoined:
+            return self._rejoined.wait_for(predicate, timeout_s)
 
 
 _runtime: WorkerRuntime | None = None
@@ -154,9 +164,9 @@ def host_channel_store(timeout_s: float) -> tuple[str, int]:
     return addr, port
 
 
-def join_channel(spec: sg.ChannelSpec, module: str, group_rank: int, resume: object = None) -> None:
-    """Join the side channel (every worker at once). ``spec.generation > 0``: the channel
-    rebuilt after a group restarted; a surviving worker continues from ``resume``."""
+def join_channel(spec: sg.ChannelSpec, module: str, group_rank: int) -> None:
+    """Join the side channel (every worker at once; ``spec.generation > 0``: rebuilt after
+    a group restarted)."""
     rt = get_runtime()
     try:
         rank = spec.offsets[module] + group_rank
@@ -164,7 +174,7 @@ def join_channel(spec: sg.ChannelSpec, module: str, group_rank: int, resume: obj
         if spec.generation == 0:
             atexit.register(close_channel)  # a worker that exits without the driver's call
         with rt._rejoined:
-            rt.channel, rt._resume = channel, resume
+            rt.channel = channel
             rt._rejoined.notify_all()
     except BaseException as e:
         rt._channel_error = e
@@ -173,10 +183,15 @@ def join_channel(spec: sg.ChannelSpec, module: str, group_rank: int, resume: obj
         rt._channel_ready.set()
 
 
-def interrupt_transfers(group: str) -> None:
-    """``group`` failed: this worker's transfers with it give up now (any thread)."""
-    rt = _runtime
-    if rt is not None and rt.channel is not None and not rt.channel.closed:
+def interrupt_transfers(group: str, generation: int, resume) -> None:
+    """``group`` failed (any thread): this worker's transfers with it give up now, and
+    once its training thread parks it continues from checkpoint ``resume`` on the
+    channel of ``generation``."""
+    rt = get_runtime()
+    with rt._rejoined:
+        rt._resume = (generation, resume)
+        rt._rejoined.notify_all()
+    if rt.channel is not None and not rt.channel.closed:
         rt.channel.interrupt(group)
 
 
