@@ -81,6 +81,14 @@ class TrainLoopConfig:
     checkpoint_every: int | None = None
     """Save a checkpoint every N steps; the last step is always checkpointed."""
 
+    async_checkpoint: bool = False
+    """Write checkpoints off the step's critical path: the checkpoint step only copies each
+    rank's shard to host memory; the files are written in the background (DCP's
+    ``async_save`` over a gloo group of its own) and uploaded asynchronously, and the
+    checkpoint is reported (registered) at the end of the next step. A worker lost before
+    then leaves it unregistered: a restart resumes from the previous one. The last step's
+    checkpoint is written synchronously."""
+
     collective_timeout_s: float = 300.0
     """Timeout of cross-group transfers and collectives: a stuck peer raises instead of hanging."""
 
@@ -156,6 +164,10 @@ class TrainLoopConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"train_loop_config[{name!r}]={v!r}: must be an int >= 1.")
+        if not isinstance(self.async_checkpoint, bool):
+            raise ValueError(
+                f"train_loop_config['async_checkpoint']={self.async_checkpoint!r}: must be a bool."
+            )
         if self.checkpoint_every is not None and (
             not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 1
         ):

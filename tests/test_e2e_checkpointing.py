@@ -1,6 +1,8 @@
 """Restarts after a worker dies and Ray Data ingest (tier 3, a real Ray cluster); resume
 into another layout and Hugging Face export (numerics: the workers without Ray)."""
 
+import json
+
 import pytest
 import ray
 import torch
@@ -18,6 +20,7 @@ from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.lr_schedule import lr_at
 from ray_disagg.testing.faults import fault_drill
 from ray_disagg.testing.reference import reference_batch, reference_train
+from ray_disagg.worker.checkpoint import read_full
 from tests.helpers import assert_params_close, checkpoint_state, group, vt
 from tests.helpers import run_layout as fit
 
@@ -75,6 +78,41 @@ def test_vision_worker_death_mid_step_restarts_only_its_group(ray_start_4_cpus, 
     assert losses(result) == losses(clean)  # bit-identical on CPU
     got, ref = checkpoint_state(result.checkpoint), checkpoint_state(clean.checkpoint)
     assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def test_async_checkpoint_lost_with_its_worker_resumes_from_the_previous_one(
+    ray_start_4_cpus, setup, tmp_path
+):
+    """``async_checkpoint``: checkpoint 4 is written in the background after step 4 and
+    reported at the end of step 5; the vision worker dies at the start of step 5, so it is
+    never registered and the run (the vision group restarted alone) resumes from
+    checkpoint 2. Checkpoints written in the background equal synchronous ones."""
+    _, spec, data = setup
+    loop = dict(LOOP, max_steps=6, checkpoint_every=2, async_checkpoint=True)
+    marker = tmp_path / "killed"
+    with fault_drill(group="vision", step=4, marker=marker):
+        result = fit(spec, data, loop, vt(group(1), group(1)), tmp_path, "async", failures=1)
+    assert marker.exists() and result.metrics["vision_restarts"] == 1
+    text = (tmp_path / "async" / "metrics.jsonl").read_text()
+    lines = [json.loads(x)["step"] for x in text.splitlines()]
+    assert lines[lines.index(4) + 1] == 3  # steps 3 and 4 again: from checkpoint 2
+    sync = fit(spec, data, dict(loop, async_checkpoint=False), vt(group(1), group(1)),
+               tmp_path, "sync", local=True)  # fmt: skip
+    assert losses(result) == losses(sync)  # bit-identical on CPU
+    for name in ("checkpoint_000002", "checkpoint_000004", "checkpoint_000006"):
+        for module in ("vision", "text"):  # the model and the AdamW state
+            got = read_full(str(tmp_path / "async" / name / module))
+            ref = read_full(str(tmp_path / "sync" / name / module))
+            for g, r in zip(got, ref):
+                g, r = _flat(g), _flat(r)
+                assert g.keys() == r.keys() and all(torch.equal(g[k], r[k]) for k in r)
 
 
 def test_failure_without_retries_names_the_group_and_rank(ray_start_4_cpus, setup, tmp_path):

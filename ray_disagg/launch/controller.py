@@ -113,10 +113,11 @@ class DisaggregatedController(TrainController):
                            name, exc_info=True)  # fmt: skip
             self._uncount()
             return status
+        phases = ", ".join(f"{k} {v:.1f}s" for k, v in took.items())
         logger.warning(
-            "Restarted the %s group alone in %.1fs (restart %d); the other groups kept their "
-            "workers and continue from %s.", name, took, groups.restarts[name],
-            latest.checkpoint.path,
+            "Restarted the %s group alone in %.1fs (%s; restart %d); the other groups kept "
+            "their workers and continue from %s.", name, sum(took.values()), phases,
+            groups.restarts[name], latest.checkpoint.path,
         )  # fmt: skip
         return groups.poll_status(timeout=self._health_check_interval_s)
 

@@ -102,22 +102,27 @@ def _interrupt_survivors(groups, failed: str, checkpoint) -> None:
         logger.warning("Interrupting the survivors' transfers failed.", exc_info=True)
 
 
-def restart_group(groups, failed: str, checkpoint) -> float:
+def restart_group(groups, failed: str, checkpoint) -> dict[str, float]:
     """Replace group ``failed`` of ``groups`` (a ``ModuleWorkerGroups``) and rejoin every
-    group at ``checkpoint``; returns the seconds it took."""
+    group at ``checkpoint``; returns the seconds each phase took."""
     from ray_disagg.launch.worker_groups import ModuleWorkerGroups
 
-    t0 = time.monotonic()
-    r = groups.relaunch
-    old = groups.group_workers(failed)
+    r, took, t0 = groups.relaunch, {}, time.monotonic()
+
+    def lap(name: str) -> None:
+        nonlocal t0
+        took[name], t0 = time.monotonic() - t0, time.monotonic()
+
     try:
-        old.abort()
+        groups.group_workers(failed).abort()
     except Exception:
         logger.warning("Stopping the failed %s group failed.", failed, exc_info=True)
     groups.replace_group(failed, None)  # a full restart after this skips it
     _interrupt_survivors(groups, failed, checkpoint)
+    lap("stop")
     _park_survivors(groups, failed, r.side_timeout_s)
     groups.reset_reports()
+    lap("park")
     shared_pg = groups.shared_placement_group  # colocated: into the freed bundles
     wg = ModuleWorkerGroups._start_group(
         r.launches[failed], r.train_run_context, r.run_attempt_id, r.shared, shared_pg
@@ -128,7 +133,9 @@ def restart_group(groups, failed: str, checkpoint) -> float:
     elif r.janitor is not None:
         pg = wg.get_worker_group_state().placement_group_handle.placement_group
         ray.get(r.janitor.register.remote(pg))
+    lap("start")
     groups.restarts[failed] += 1
     groups.generation += 1
     groups._connect_channel(r.run_attempt_id, r.side_timeout_s, r.transfers)
-    return time.monotonic() - t0
+    lap("rejoin")
+    return took

@@ -74,11 +74,13 @@ class LocalSession:
     def fetch(self, ref):
         return pickle.loads(ref)  # the parent pickled it once (no tensor fds to pass)
 
-    def report(self, metrics: dict, checkpoint_dir: str | None = None, name: str | None = None):
+    def report(self, metrics: dict, checkpoint_dir=None, name=None, async_upload=False):
         if checkpoint_dir is not None:  # every rank adds its files, as Ray Train's upload
             if name is None:
                 raise ValueError("a local checkpoint needs its directory name")
             shutil.copytree(checkpoint_dir, os.path.join(self.run_dir, name), dirs_exist_ok=True)
+            if async_upload:  # as Ray Train's delete_local_checkpoint_after_upload
+                shutil.rmtree(checkpoint_dir, ignore_errors=True)
         if self.reports is not None:
             self.reports.put(("report", dict(metrics), name if checkpoint_dir else None))
 

@@ -238,9 +238,21 @@ class ShardWriter:
     cfg: object = None  # the TrainLoopConfig: its lr schedule is recorded
     data_state: dict | None = None  # a stream's position, written with the next checkpoint
 
-    def write(self, root: str, step: int, model, optimizer) -> None:
+    pending: object = None  # an asynchronous checkpoint not yet reported (worker.metrics)
+
+    def write(self, root: str, step: int, model, optimizer, background=None):
+        """Write this rank's part; with ``background`` (a gloo group over the group) the
+        shard is only staged (copied to host memory) and written by DCP's ``async_save``
+        in a background thread: returns its future (else ``None``)."""
         d = os.path.join(root, self.module)
-        save_sharded(model, optimizer, d)
+        os.makedirs(d, exist_ok=True)
+        future = None
+        if background is None:
+            save_sharded(model, optimizer, d)
+        else:
+            writer = dcp.FileSystemWriter(d)
+            state = sharded_state(model, optimizer)
+            future = dcp.async_save(state, storage_writer=writer, process_group=background)
         if self.lead:
             state = {"step": step + 1}
             if self.cfg is not None:  # the schedule is a function of the step
@@ -254,6 +266,7 @@ class ShardWriter:
                     json.dump(self.data_state, f)
             if self.hf_config is not None:
                 self.hf_config.save_pretrained(root)
+        return future
 
 
 def _schedule_note(module_dir: str, cfg) -> str | None:

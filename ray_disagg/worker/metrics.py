@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -151,26 +152,60 @@ def is_reported_step(args, step: int) -> bool:
     return reported or is_eval_step(args, step)
 
 
-def report(metrics: dict, step: int, *, writer, model=None, optimizer=None) -> None:
+def report(metrics: dict, step: int, *, writer, model=None, optimizer=None, background=None):
     """The session's report (``ray.train.report``) on every rank; with a ``model`` (a
     checkpoint step) every rank writes its shard and uploads it into the shared directory
-    ``checkpoint_<step>``."""
+    ``checkpoint_<step>``. With ``background`` (``async_checkpoint``) the shard is written
+    in the background and reported by :func:`flush_checkpoint` at the next step."""
     if model is None:
         get_session().report(metrics)
         return
+    name = f"checkpoint_{step + 1:06d}"
+    if background is not None:
+        tmp = tempfile.mkdtemp(prefix="ray_disagg_ckpt_")
+        future = writer.write(tmp, step, model, optimizer, background)
+        writer.pending = (future, tmp, name, metrics)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         writer.write(tmp, step, model, optimizer)
-        get_session().report(metrics, tmp, f"checkpoint_{step + 1:06d}")
+        get_session().report(metrics, tmp, name)
 
 
-def maybe_report(args, stats, step: int, writer, clock: StepClock, model, optimizer, extra):
+def flush_checkpoint(writer) -> None:
+    """Report the previous step's asynchronous checkpoint once its files are written (its
+    upload runs in the background; Ray Train registers it when every worker of every
+    group reported it). Every rank calls it at the same step."""
+    if writer.pending is None:
+        return
+    future, tmp, name, metrics = writer.pending
+    writer.pending = None
+    future.result()
+    get_session().report(metrics, tmp, name, async_upload=True)
+
+
+def drop_checkpoint(writer) -> None:
+    """Forget an asynchronous checkpoint that will not be reported (a group restarted)."""
+    if writer.pending is None:
+        return
+    future, tmp, _, _ = writer.pending
+    writer.pending = None
+    with contextlib.suppress(Exception):  # its peers may have gone: nothing of it is kept
+        future.result()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def maybe_report(
+    args, stats, step: int, writer, clock: StepClock, model, optimizer, extra, background=None
+):
     """Report on the steps every rank agrees on: each ``report_every``, checkpoints, last.
 
     At checkpoint steps every rank first joins the collectives that gather the model
     (tensor parallel) and the optimizer state (ZeRO-1)."""
-    if not is_reported_step(args, step):
-        return
     t0 = time.perf_counter()
+    flush_checkpoint(writer)
+    if not is_reported_step(args, step):
+        clock.excluded += time.perf_counter() - t0
+        return
     epoch = step // args.plan.steps_per_epoch
     metrics = args.stats.metrics(stats, step, epoch, group_lrs(args, step), clock.mean_step_time)
     metrics.update(extra)
@@ -179,7 +214,11 @@ def maybe_report(args, stats, step: int, writer, clock: StepClock, model, optimi
         if args.metrics_path:
             append_metrics(args.metrics_path, metrics)
     if is_checkpoint_step(args.cfg, step):
-        report(metrics, step, writer=writer, model=model, optimizer=optimizer)
+        last = step + 1 == args.cfg.max_steps
+        background = background if args.cfg.async_checkpoint and not last else None
+        report(
+            metrics, step, writer=writer, model=model, optimizer=optimizer, background=background
+        )
     else:
         report(metrics, step, writer=writer)
     clock.excluded += time.perf_counter() - t0

@@ -83,13 +83,14 @@ def agree(w) -> None:
 def recover(w, model) -> int:
     """Wait for the rebuilt channel, load the latest checkpoint in place; returns the
     step to continue from."""
-    from ray_disagg.worker import checkpoint
+    from ray_disagg.worker import checkpoint, metrics
     from ray_disagg.worker.metrics import StepClock, log_line
 
     if not w.channel.closed:  # a rank that only heard of it in agree()
         _drop_channel(w)
     generation, timeout = w.channel.spec.generation, w.args.recovery_timeout_s
     resume = w.rt.wait_resume(generation, timeout)
+    metrics.drop_checkpoint(w.writer)  # an unreported asynchronous one of the failed run
     w.opt.zero_grad(set_to_none=True)
     log = log_line if w.group_rank == 0 else None
     # while the failed group starts again

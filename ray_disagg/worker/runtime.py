@@ -44,6 +44,9 @@ class WorkerRuntime:
     """A gloo group over the whole group: objects (pickled) never go through NCCL."""
     mp_object_group: object = None
     """A gloo group over this worker's model-parallel peers, for objects."""
+    checkpoint_group: object = None
+    """A gloo group over the whole group for asynchronous checkpoint writes (their
+    background collectives never interleave with the training thread's)."""
     channel: sg.Channel | None = None
     _channel_ready: threading.Event = field(default_factory=threading.Event)
     _channel_error: BaseException | None = None
@@ -124,6 +127,7 @@ def init_runtime(module: str, mesh_shape: tuple[int, ...], mesh_axes: tuple[str,
     mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=mesh_axes)
     _runtime = WorkerRuntime(module=module, mesh=mesh, device=device)
     _runtime.object_group, _runtime.mp_object_group = _object_groups(mesh, device)
+    _runtime.checkpoint_group = dist.new_group(backend="gloo")
 
 
 def _object_groups(mesh: DeviceMesh, device: torch.device):

@@ -41,18 +41,32 @@ class RaySession:
 
         return ray.get(ref)
 
-    def report(self, metrics: dict, checkpoint_dir: str | None = None, name: str | None = None):
+    def report(
+        self,
+        metrics: dict,
+        checkpoint_dir: str | None = None,
+        name: str | None = None,
+        async_upload: bool = False,
+    ):
         """``ray.train.report`` (every rank; with ``checkpoint_dir`` every rank uploads its
-        files into the run's directory ``name``)."""
+        files into the run's directory ``name``; ``async_upload``: in the background, then
+        ``checkpoint_dir`` is deleted)."""
         import ray.train
 
         if checkpoint_dir is None:
             ray.train.report(metrics)
             return
+        kwargs = {}
+        if async_upload:
+            kwargs = {
+                "checkpoint_upload_mode": ray.train.CheckpointUploadMode.ASYNC,
+                "delete_local_checkpoint_after_upload": True,
+            }
         ray.train.report(
             metrics,
             checkpoint=ray.train.Checkpoint.from_directory(checkpoint_dir),
             checkpoint_dir_name=name,
+            **kwargs,
         )
 
     def restart_checkpoint(self):

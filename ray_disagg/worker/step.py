@@ -212,7 +212,8 @@ def finish_step(w, step: int, stats, *, sample_ids=(), inflight=1, evaluate=None
     extra = {**(extra or {}), "skipped_steps": w.skipped, **placement_metrics(w, fallbacks)}
     if evaluate is not None and metrics.is_eval_step(w.args, step):
         extra.update(validate(w, evaluate, step))
-    metrics.maybe_report(w.args, stats, step, w.writer, w.clock, w.model, w.opt, extra)
+    args = (w.args, stats, step, w.writer, w.clock, w.model, w.opt, extra)
+    metrics.maybe_report(*args, background=w.rt.checkpoint_group)
     first = step == w.start and not metrics.is_reported_step(w.args, step)
     if first and w.group_rank == 0 and w.is_llm:
         metrics.log_line(f"step {step + 1}/{w.cfg.max_steps} done (first of this run)")

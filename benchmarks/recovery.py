@@ -1,0 +1,181 @@
+"""Time from a vision worker's SIGKILL to the next completed step: the failed group
+restarted alone against every group restarted, in one run.
+
+The model is a Qwen2.5-VL whose LLM (``--size``, ~160M parameters by default, loaded
+from a bf16 ``save_pretrained`` directory made once under ``--cache``) takes far longer
+to build than its ~5M-parameter vision tower. Layout: vision 1 + text 1, fp32 AdamW,
+a checkpoint every 2 steps, every step reported. The vision worker exits (``os._exit``,
+as after a SIGKILL) at the start of step 6, a step after checkpoint 4 was written; both
+runs then continue from checkpoint 4 (the controller log gives the group restart's
+phases).
+
+For each mode it prints:
+
+- ``kill -> next step``: from the kill (the drill's marker file, written just before
+  the exit) to the first step the restarted run reports in its ``metrics.jsonl`` (polled
+  every 20 ms; the step the survivors were finishing when the worker died does not count);
+- ``step``: the median step time of the run (``step_time``), for scale;
+- ``fit``: the whole ``fit()``.
+
+The last line gives group restart / full restart of ``kill -> next step`` (target
+<= 0.5). Both runs train bit-identically (checked: the final losses are printed).
+
+    python benchmarks/recovery.py [--size 150m|tiny] [--cache DIR]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1
+
+import ray  # noqa: E402
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from memory import saved_model  # noqa: E402
+
+from ray_disagg import (  # noqa: E402
+    DisaggregatedTrainer,
+    HFModelSpec,
+    ModuleGroup,
+    tiny_qwen2_5_vl_config,
+)
+from ray_disagg.data.examples import synthetic_samples  # noqa: E402
+from ray_disagg.testing.faults import fault_drill  # noqa: E402
+from ray_disagg.trainer import metrics_path  # noqa: E402
+
+KILL_STEP = 5  # 0-based: the vision worker dies at the start of step 6 (checkpoint 4 is older)
+LOOP = {
+    "max_steps": 8,
+    "global_batch_size": 4,
+    "checkpoint_every": 2,
+    "report_every": 1,
+    "lr": 1e-4,
+    "seed": 0,
+}
+SIZES = {  # as benchmarks/memory.py's, fewer layers: vocab, hidden, layers, heads, kv, mlp, vision
+    "150m": (32000, 1024, 8, 16, 4, 3072, 256, 4),
+    "tiny": (4096, 256, 4, 4, 2, 512, 64, 2),
+}
+
+
+class StepTimes(threading.Thread):
+    """When each reported step's line appeared in ``metrics.jsonl``."""
+
+    def __init__(self, path: str):
+        super().__init__(daemon=True)
+        self.path, self.seen, self.stop = path, [], threading.Event()
+
+    def run(self):
+        offset = 0
+        while not self.stop.is_set():
+            if os.path.exists(self.path):
+                with open(self.path) as f:
+                    f.seek(offset)
+                    chunk = f.read()
+                done = chunk[: chunk.rfind("\n") + 1]
+                offset += len(done)
+                now = time.time()
+                self.seen += [(now, json.loads(line)["step"]) for line in done.splitlines()]
+            time.sleep(0.02)
+
+
+def run(mode: str, spec, data, storage: str) -> dict:
+    name = f"recovery-{mode}"
+    run_config = RunConfig(
+        name=name,
+        storage_path=storage,
+        failure_config=FailureConfig(max_failures=1),
+        checkpoint_config=CheckpointConfig(num_to_keep=2),
+    )
+    trainer = DisaggregatedTrainer(
+        model=spec,
+        groups={
+            "vision": ModuleGroup(scaling_config=ScalingConfig(num_workers=1)),
+            "text": ModuleGroup(scaling_config=ScalingConfig(num_workers=1)),
+        },
+        train_loop_config=LOOP,
+        datasets={"train": data},
+        run_config=run_config,
+        restart_failed_group=mode == "group",
+    )
+    marker = os.path.join(storage, f"{name}.killed")
+    watcher = StepTimes(metrics_path(run_config))
+    watcher.start()
+    t0 = time.time()
+    with fault_drill(group="vision", step=KILL_STEP, marker=marker):
+        result = trainer.fit()
+    fit_s = time.time() - t0
+    watcher.stop.set()
+    watcher.join()
+    killed = os.path.getmtime(marker)
+    # the survivors may still finish the step before the kill (1-based KILL_STEP): not
+    # a step completed after the restart
+    after = [t for t, step in watcher.seen if t > killed and step != KILL_STEP]
+    steps = [m["step_time_s"] for m in _lines(metrics_path(run_config)) if "step_time_s" in m]
+    return {
+        "recovery": after[0] - killed,
+        "step": statistics.median(steps) if steps else float("nan"),
+        "fit": fit_s,
+        "restarts": result.metrics.get("vision_restarts"),
+        "loss": result.metrics["loss"],
+    }
+
+
+def _lines(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--size", default="150m", choices=sorted(SIZES))
+    p.add_argument("--cache", default="/tmp/ray_disagg_bench", help="saved model directory")
+    args = p.parse_args()
+    vocab, hidden, layers, heads, kv, mlp, v_hidden, v_depth = SIZES[args.size]
+    cfg = tiny_qwen2_5_vl_config(
+        vocab_size=vocab,
+        text_hidden=hidden,
+        text_layers=layers,
+        text_heads=heads,
+        text_kv_heads=kv,
+        vision_hidden=v_hidden,
+        vision_depth=v_depth,
+    )
+    cfg.text_config.intermediate_size = mlp
+    spec = HFModelSpec(pretrained_path=saved_model(cfg, f"recovery_{args.size}", args.cache))
+    counts = {
+        part: sum(p.numel() for p in spec.meta_model(part).parameters()) / 1e6
+        for part in ("vision", "text")
+    }
+    data = synthetic_samples(spec.load_config(), 16, grids=[(1, 8, 8), (1, 4, 8), None])
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    rows = {}
+    with tempfile.TemporaryDirectory(dir=args.cache) as storage:
+        for mode in ("group", "full"):
+            rows[mode] = run(mode, spec, data, storage)
+    ray.shutdown()
+    print(
+        f"\nQwen2.5-VL, vision {counts['vision']:.1f}M + LLM {counts['text']:.1f}M parameters; "
+        f"vision 1 + text 1, vision worker killed at step {KILL_STEP + 1}"
+    )
+    print(f"{'restart':<22}{'kill -> next step':>18}{'step':>9}{'fit':>9}  restarts  loss")
+    for mode, label in (("group", "vision group alone"), ("full", "every group")):
+        r = rows[mode]
+        print(
+            f"{label:<22}{r['recovery']:>17.1f}s{r['step']:>8.2f}s{r['fit']:>8.1f}s"
+            f"  {r['restarts']!s:>8}  {r['loss']:.6f}"
+        )
+    ratio = rows["group"]["recovery"] / rows["full"]["recovery"]
+    print(f"group restart / full restart (kill -> next step): {ratio:.2f}x (target <= 0.5)")
+
+
+if __name__ == "__main__":
+    main()
