@@ -243,6 +243,12 @@ class ModuleGroup:
                 f"{type(self.scaling_config).__name__}."
             )
         n = self.scaling_config.num_workers
+        if isinstance(n, tuple):
+            raise ValueError(
+                f"ScalingConfig(num_workers={n!r}): elastic module groups are not supported "
+                "yet; give each group a fixed num_workers (a failed encoder group restarts "
+                "alone, see DisaggregatedTrainer(restart_failed_group=))."
+            )
         if not isinstance(n, int) or n < 1:
             raise ValueError(
                 f"ScalingConfig(num_workers={n!r}): each module group needs num_workers >= 1."

@@ -36,9 +36,11 @@ def test_module_group_defaults_and_degrees():
         SequenceParallel(size=0)
 
 
-def test_module_group_rejects_zero_workers():
+def test_module_group_rejects_zero_workers_and_elastic_ranges():
     with pytest.raises(ValueError, match="num_workers >= 1"):
         ModuleGroup(scaling_config=ScalingConfig(num_workers=0))
+    with pytest.raises(ValueError, match="elastic module groups are not supported yet"):
+        ModuleGroup(scaling_config=ScalingConfig(num_workers=(1, 2)))
 
 
 def test_train_loop_config_from_dict():

@@ -28,6 +28,8 @@ class StepStats:
     - ``cycle``: wall seconds since the previous exchange, the LLM group's rank 0;
     - ``transfer_fallbacks``: tensor messages sent over gloo instead of their planned tier
       (e.g. a full /dev/shm), every rank;
+    - ``checkpoint_writing``: ranks whose asynchronous checkpoint write is not done, every
+      rank (0 everywhere: the checkpoint is reported this step);
     - ``<group>_{sq,time,wait,peak,inflight,bwd}``: squared grad norm, compute and wait
       seconds, peak memory (MB), most microbatches alive at once, backward passes run, of
       each group, from its rank 0;
@@ -37,6 +39,7 @@ class StepStats:
     def __init__(self, groups: list[str], counters: list[str]):
         self.groups, self.counters = list(groups), list(counters)
         names = ["loss", "label_tokens", "llm_tokens", "cycle", "transfer_fallbacks"]
+        names += ["checkpoint_writing"]
         per_group = ("sq", "time", "wait", "peak", "inflight", "bwd")
         names += [f"{g}_{k}" for g in groups for k in per_group]
         names += list(counters)
@@ -171,11 +174,19 @@ def report(metrics: dict, step: int, *, writer, model=None, optimizer=None, back
         get_session().report(metrics, tmp, name)
 
 
-def flush_checkpoint(writer) -> None:
-    """Report the previous step's asynchronous checkpoint once its files are written (its
-    upload runs in the background; Ray Train registers it when every worker of every
-    group reported it). Every rank calls it at the same step."""
-    if writer.pending is None:
+def writing(writer) -> int:
+    """1 while this rank's asynchronous checkpoint is still being written (its stats slot
+    ``checkpoint_writing``)."""
+    return int(writer.pending is not None and not writer.pending[0].done())
+
+
+def flush_checkpoint(writer, ready: bool = True) -> None:
+    """Report the asynchronous checkpoint once its files are written (its upload runs in
+    the background; Ray Train registers it when every worker of every group reported it):
+    at the first step every rank's write was done (``ready``, from the exchanged stats, so
+    every rank of every group decides alike), else waiting for it at the next checkpoint
+    step or the last step."""
+    if writer.pending is None or not ready:
         return
     future, tmp, name, metrics = writer.pending
     writer.pending = None
@@ -202,7 +213,8 @@ def maybe_report(
     At checkpoint steps every rank first joins the collectives that gather the model
     (tensor parallel) and the optimizer state (ZeRO-1)."""
     t0 = time.perf_counter()
-    flush_checkpoint(writer)
+    must = is_checkpoint_step(args.cfg, step)  # the last step is one too
+    flush_checkpoint(writer, ready=must or stats[args.stats.index["checkpoint_writing"]] == 0)
     if not is_reported_step(args, step):
         clock.excluded += time.perf_counter() - t0
         return

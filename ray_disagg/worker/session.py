@@ -61,6 +61,7 @@ class RaySession:
             kwargs = {
                 "checkpoint_upload_mode": ray.train.CheckpointUploadMode.ASYNC,
                 "delete_local_checkpoint_after_upload": True,
+                "checkpoint_upload_fn": _move_or_copy,
             }
         ray.train.report(
             metrics,
@@ -74,6 +75,28 @@ class RaySession:
         import ray.train
 
         return ray.train.get_checkpoint()
+
+
+def _move_or_copy(checkpoint, name: str):
+    """Ray Train's upload of ``checkpoint`` into the run's ``name``: on local (or mounted)
+    storage every file is moved into place, not copied (a checkpoint of a large model
+    is written once); on other filesystems Ray Train's own copy."""
+    import os
+    import shutil
+
+    import pyarrow.fs
+    import ray.train
+
+    storage = ray.train.get_context().get_storage()
+    if not isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem):
+        return storage.persist_current_checkpoint(checkpoint, name)
+    dest = storage.build_checkpoint_path_from_name(name)
+    for root, _, files in os.walk(checkpoint.path):
+        out = os.path.join(dest, os.path.relpath(root, checkpoint.path))
+        os.makedirs(out, exist_ok=True)
+        for f in files:  # every rank adds its own files, as Ray Train's copy merges them
+            shutil.move(os.path.join(root, f), os.path.join(out, f))  # a rename when it can
+    return ray.train.Checkpoint(dest, filesystem=storage.storage_filesystem)
 
 
 _session = RaySession()

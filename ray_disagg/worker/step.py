@@ -117,6 +117,7 @@ def record(w, stats, sq: float, inflight: int) -> None:
         stats[ix[f"{part}_bwd"]] = w.backward_passes
     w.backward_passes = 0
     stats[ix["transfer_fallbacks"]] = w.channel.fallbacks
+    stats[ix["checkpoint_writing"]] = metrics.writing(w.writer)
     w.channel.fallbacks = 0
 
 
