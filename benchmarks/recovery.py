@@ -62,6 +62,7 @@ LOOP = {
 }
 SIZES = {  # as benchmarks/memory.py's, fewer layers: vocab, hidden, layers, heads, kv, mlp, vision
     "150m": (32000, 1024, 8, 16, 4, 3072, 256, 4),
+    "300m": (32000, 1024, 20, 16, 4, 3072, 256, 4),
     "tiny": (4096, 256, 4, 4, 2, 512, 64, 2),
 }
 

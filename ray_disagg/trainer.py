@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -44,7 +43,6 @@ from ray_disagg.worker.llm import llm_train_loop
 __all__ = ["DisaggregatedTrainer", "load_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
-logger = logging.getLogger(__name__)
 
 
 def metrics_path(run_config: RunConfig) -> str | None:
@@ -296,11 +294,9 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
     # ---- Ray Train hooks ------------------------------------------------------------
 
     def _create_default_callbacks(self):
-        # Backend/accelerator setup is per group (added by the coordinator); data is read
-        # by the LLM group, not sharded by Ray Train's DatasetsCallback. Ray Train's
-        # placement-group cleaner tracks one group's reservation through the state API
-        # (a detached actor polling the dashboard); the driver's PlacementGroupJanitor
-        # tracks every group's and needs no dashboard.
+        # Backend/accelerator setup is per group (added by the coordinator); the LLM group
+        # reads the data (no DatasetsCallback); the driver's PlacementGroupJanitor tracks
+        # every group's reservation without the dashboard Ray Train's cleaner needs.
         dropped = (
             rc.AcceleratorSetupCallback,
             rc.BackendSetupCallback,
@@ -330,8 +326,11 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         )
 
     def restartable_groups(self) -> frozenset[str]:
-        ok = self.restart_failed_group
-        return restartable_groups(self.adapter, self._train_data) if ok else frozenset()
+        if not self.restart_failed_group:
+            return frozenset()
+        gpus = all(g.scaling_config.use_gpu for g in self.groups.values())  # cuda_ipc possible
+        ipc = self.colocation is not None and gpus and self.transfer in ("auto", "cuda_ipc")
+        return restartable_groups(self.adapter, self._train_data, ipc)
 
     def group_loops(self, args: LoopArgs) -> dict[str, tuple]:
         """Per group, the LLM group first: ``(train loop, backend config)``. (The union's

@@ -105,4 +105,5 @@ class _ModuleBackend(_TorchBackend):
             backend_config.module,
             backend_config.mesh_shape,
             backend_config.mesh_axes,
+            backend_config.timeout_s,
         )

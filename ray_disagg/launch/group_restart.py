@@ -34,14 +34,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["Relaunch", "restart_group", "restartable_groups"]
 
 
-def restartable_groups(adapter, train_data) -> frozenset[str]:
+def restartable_groups(adapter, train_data, cuda_ipc: bool = False) -> frozenset[str]:
     """The groups a worker failure restarts alone (the others keep their workers and
     continue from the latest checkpoint in place): the encoder group of a model with one
-    encoder, on map-style data. Otherwise (and for any LLM failure) every group
-    restarts, as Ray Train does."""
+    encoder, on map-style data, unless a pair may use the ``cuda_ipc`` tier (a survivor's
+    stream would wait on the dead process's events: nothing can abort that). Otherwise
+    (and for any LLM failure) every group restarts, as Ray Train does."""
     from ray_disagg.worker.ingest import is_stream
 
-    if len(adapter.encoder_parts) != 1 or is_stream(train_data):
+    if len(adapter.encoder_parts) != 1 or is_stream(train_data) or cuda_ipc:
         return frozenset()
     return frozenset(adapter.encoder_parts)
 
@@ -61,29 +62,31 @@ class Relaunch:
 
 def _park_survivors(groups, failed: str, timeout_s: float) -> None:
     """Wait until every survivor's training thread is parked, polling their statuses
-    (which consumes pending reports); raises when one fails or finishes instead."""
+    meanwhile (a report blocks its worker until polled; the polls consume them), then
+    once more; raises when one fails or finishes instead. Each check is non-blocking
+    (a worker answers one call at a time: a waiting call would hold its polls back)."""
     survivors = [n for n in groups.relaunch.launches if n != failed]
+    workers = [w for n in survivors for w in groups.group_workers(n).get_workers()]
     deadline = time.monotonic() + timeout_s
-    pending = {
-        (n, r): w.execute_async(runtime.wait_parked, timeout_s)
-        for n in survivors
-        for r, w in enumerate(groups.group_workers(n).get_workers())
-    }
-    while pending:
+    while True:
+        _poll_survivors(groups, survivors, timeout_s)
+        parked = ray.get([w.execute_async(runtime.wait_parked, 0.0) for w in workers])
+        if all(parked):
+            _poll_survivors(groups, survivors, timeout_s)  # reports queued before parking
+            return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"survivors {sorted(pending)} did not park in {timeout_s:g}s")
-        for n in survivors:
-            status = groups.group_workers(n).poll_status(timeout=timeout_s)
-            for r, st in status.worker_statuses.items():
-                if st.error is not None:
-                    raise RuntimeError(f"{n} group rank {r} failed too: {st.error}")
-                if not st.running:
-                    raise RuntimeError(f"{n} group rank {r} finished before the restart")
-        ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=0.5)
-        for key in [k for k, ref in pending.items() if ref in ready]:
-            if ray.get(pending.pop(key)):
-                continue
-            raise TimeoutError(f"{key[0]} group rank {key[1]} did not park")
+            raise TimeoutError(f"the surviving groups did not park in {timeout_s:g}s")
+        time.sleep(0.1)
+
+
+def _poll_survivors(groups, survivors: list[str], timeout_s: float) -> None:
+    for n in survivors:
+        status = groups.group_workers(n).poll_status(timeout=timeout_s)
+        for r, st in status.worker_statuses.items():
+            if st.error is not None:
+                raise RuntimeError(f"{n} group rank {r} failed too: {st.error}")
+            if not st.running:
+                raise RuntimeError(f"{n} group rank {r} finished before the restart")
 
 
 def _interrupt_survivors(groups, failed: str, checkpoint) -> None:

@@ -80,6 +80,7 @@ __all__ = [
     "group_train_run_context",
     "kill_controller",
     "current_placement",
+    "wait_reports_queued",
     "SharedPlacementWorkerGroup",
     "with_worker_env_vars",
 ]
@@ -196,3 +197,16 @@ class SharedPlacementWorkerGroup(WorkerGroup):
 
     def _create_placement_group(self, scaling_config, worker_group_context):
         return _SharedPlacementGroupHandle(self._shared_pg)
+
+
+def wait_reports_queued(timeout_s: float) -> bool:
+    """In a worker: until every ``ray.train.report`` call of this worker has put its
+    result on the queue the controller polls (an asynchronous upload puts it when done,
+    in call order)."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    ctx = get_train_context()
+    with ctx.report_order_condition:
+        return ctx.report_order_condition.wait_for(
+            lambda: ctx.current_report_index == ctx.report_call_index, timeout_s
+        )

@@ -87,6 +87,9 @@ class LocalSession:
     def restart_checkpoint(self):
         return None
 
+    def wait_reports(self, timeout_s: float) -> None:
+        pass
+
 
 def _worker(loop, backend, name, rank, spec, env, run_dir, messages, lead) -> None:
     import faulthandler
@@ -111,7 +114,9 @@ def _worker(loop, backend, name, rank, spec, env, run_dir, messages, lead) -> No
             world_size=backend.world_size,
             timeout=timeout,
         )
-        runtime.init_runtime(backend.module, backend.mesh_shape, backend.mesh_axes)
+        runtime.init_runtime(
+            backend.module, backend.mesh_shape, backend.mesh_axes, backend.timeout_s
+        )
         runtime.join_channel(spec, name, rank)
         loop()
         runtime.close_channel()

@@ -112,9 +112,9 @@ class Channel:
             )
         try:
             yield
-        except TransferError:
+        except (TransferError, ShmUnavailable):  # the latter: the sender falls back to gloo
             raise
-        except (RuntimeError, TimeoutError) as e:
+        except (RuntimeError, TimeoutError, OSError) as e:
             who = "the other groups" if peer is None else self.spec.label(peer)
             raise TransferError(
                 f"{what} {who} (side rank {self.rank} = {self.spec.label(self.rank)}) failed "
@@ -337,9 +337,8 @@ def join(spec: ChannelSpec, rank: int, node_ip: str, store=None, device=None) ->
     tiers = {}
     pairs = sorted(p for p, t in spec.tiers.items() if t == "nccl")  # one global order
     if any(rank in p for p in pairs):
-        from ray_disagg.transport.nccl import NcclTier, pair_group, surface_errors
+        from ray_disagg.transport.nccl import NcclTier, pair_group
 
-        surface_errors()
         mine = {
             (b if a == rank else a): pair_group(
                 store, spec.prefix, a, b, rank, spec.timeout_s, device

@@ -240,8 +240,9 @@ class CudaIpcTier:
         self._inflight = keep
 
     def close(self, abort: bool = False) -> None:
-        """Release every mapping (after the pending copies completed)."""
-        self._reap(wait=True)
+        """Release every mapping (after the pending copies completed; with ``abort``, a
+        failed peer's, without waiting: its copies may never complete)."""
+        self._reap(wait=not abort)
         while self._anchors:
             index = next(iter(self._anchors.values())).device.index
             with torch.cuda.stream(self._idle_stream(index)):

@@ -15,8 +15,8 @@ Deadlock freedom by construction:
   on the pair's one stream.
 
 Failures: each pair group has the channel's timeout (``spec.timeout_s``) as its NCCL
-watchdog timeout. :func:`surface_errors` (called before the pair groups are made) sets
-``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` ("clean up only") unless the user set it: when an
+watchdog timeout. Each pair group is made under ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``
+("clean up only"; Ray Train's backend sets 1 for the process, read at construction): when an
 operation of a pair times out, torch's watchdog aborts that communicator (the stuck kernel
 exits) instead of tearing the whole process down (torch's default, 3, kills the worker with
 a watchdog message that names no peer), and the next wait or operation on that group raises
@@ -29,6 +29,7 @@ failure (a destroy would wait for work that never completes)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 
@@ -37,16 +38,27 @@ import torch.distributed as dist
 
 from ray_disagg.transport.base import TensorSpec, as_bytes, describe, from_bytes
 
-__all__ = ["NcclTier", "pair_group", "pack", "unpack_views", "surface_errors"]
+__all__ = ["NcclTier", "pair_group", "pack", "unpack_views"]
 
 _ALIGN = 16  # bytes: every tensor of a packed message starts at a multiple (any dtype)
 ERROR_HANDLING_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
-def surface_errors() -> None:
-    """Make a timed-out pair operation raise in this process instead of killing it (read
-    by each ``ProcessGroupNCCL`` when it is made; a value the user set is kept)."""
-    os.environ.setdefault(ERROR_HANDLING_ENV, "2")
+@contextlib.contextmanager
+def _clean_up_only():
+    """``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` while a pair group is made (its constructor
+    reads it): a failed or timed-out pair operation, or a dead peer, aborts that
+    communicator only; the watchdog never tears this survivor down. Ray Train's backend
+    sets ``1`` (tear down) for the group's own process groups, which stay as they are."""
+    old = os.environ.get(ERROR_HANDLING_ENV)
+    os.environ[ERROR_HANDLING_ENV] = "2"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ERROR_HANDLING_ENV, None)
+        else:
+            os.environ[ERROR_HANDLING_ENV] = old
 
 
 def pair_group(store, prefix: str, a: int, b: int, me: int, timeout_s: float, device):
@@ -55,7 +67,8 @@ def pair_group(store, prefix: str, a: int, b: int, me: int, timeout_s: float, de
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timedelta(seconds=timeout_s)
     store = dist.PrefixStore(f"{prefix}/nccl/{a}-{b}", store)
-    pg = dist.ProcessGroupNCCL(store, int(me == b), 2, opts)
+    with _clean_up_only():
+        pg = dist.ProcessGroupNCCL(store, int(me == b), 2, opts)
     pg.eager_connect_single_device(torch.device(device))
     return pg
 

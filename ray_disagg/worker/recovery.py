@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ray_disagg.transport.channel import TransferError
+from ray_disagg.worker.session import get_session
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +90,14 @@ def recover(w, model) -> int:
     if not w.channel.closed:  # a rank that only heard of it in agree()
         _drop_channel(w)
     generation, timeout = w.channel.spec.generation, w.args.recovery_timeout_s
+    get_session().wait_reports(timeout)  # an async upload's report, polled before it parks
     resume = w.rt.wait_resume(generation, timeout)
     metrics.drop_checkpoint(w.writer)  # an unreported asynchronous one of the failed run
     w.opt.zero_grad(set_to_none=True)
     log = log_line if w.group_rank == 0 else None
     # while the failed group starts again
     start, _ = checkpoint.restore(model, w.opt, w.part, w.args, log=log, ckpt=resume)
+    w.rt.reloaded.set()
     w.channel = w.rt.wait_rejoin(generation, timeout)
     w.peer_failed, w.backward_passes, w.clock = False, 0, StepClock()
     if log is not None:

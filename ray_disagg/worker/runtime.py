@@ -11,6 +11,7 @@ import atexit
 import logging
 import threading
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,8 @@ class WorkerRuntime:
     _resume: tuple | None = None  # (generation, checkpoint) a survivor continues from
     parked: threading.Event = field(default_factory=threading.Event)
     """Set while the training thread waits for a rebuilt channel (a group restarts)."""
+    reloaded: threading.Event = field(default_factory=threading.Event)
+    """Set once a survivor reloaded the checkpoint (its channel is then rebuilt)."""
 
     def wait_channel(self, timeout_s: float) -> sg.Channel:
         if not self._channel_ready.wait(timeout_s):
@@ -89,6 +92,7 @@ class WorkerRuntime:
             )
         finally:
             self.parked.clear()
+            self.reloaded.clear()
         if not ok:
             raise TimeoutError(f"[{self.module}] the restarted group did not join in time")
         return self.channel
@@ -110,8 +114,14 @@ def get_runtime() -> WorkerRuntime:
     return _runtime
 
 
-def init_runtime(module: str, mesh_shape: tuple[int, ...], mesh_axes: tuple[str, ...]) -> None:
-    """Build the group's named device mesh over its default process group."""
+def init_runtime(
+    module: str,
+    mesh_shape: tuple[int, ...],
+    mesh_axes: tuple[str, ...],
+    timeout_s: float | None = None,
+) -> None:
+    """Build the group's named device mesh over its default process group (and the gloo
+    groups: ``timeout_s`` is the checkpoint group's)."""
     global _runtime
     from ray_disagg.worker.memory import limit_heap_fragmentation
 
@@ -127,7 +137,8 @@ def init_runtime(module: str, mesh_shape: tuple[int, ...], mesh_axes: tuple[str,
     mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=mesh_axes)
     _runtime = WorkerRuntime(module=module, mesh=mesh, device=device)
     _runtime.object_group, _runtime.mp_object_group = _object_groups(mesh, device)
-    _runtime.checkpoint_group = dist.new_group(backend="gloo")
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    _runtime.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
 
 
 def _object_groups(mesh: DeviceMesh, device: torch.device):
@@ -172,6 +183,8 @@ def join_channel(spec: sg.ChannelSpec, module: str, group_rank: int) -> None:
     """Join the side channel (every worker at once; ``spec.generation > 0``: rebuilt after
     a group restarted)."""
     rt = get_runtime()
+    if rt._resume is not None and rt._resume[0] == spec.generation:  # a survivor: its
+        rt.reloaded.wait(spec.timeout_s)  # NCCL pairs are made after its reload's collectives
     try:
         rank = spec.offsets[module] + group_rank
         channel = sg.join(spec, rank, get_session().node_ip(), store=rt._store, device=rt.device)
@@ -192,11 +205,11 @@ def interrupt_transfers(group: str, generation: int, resume) -> None:
     once its training thread parks it continues from checkpoint ``resume`` on the
     channel of ``generation``."""
     rt = get_runtime()
+    if rt.channel is not None and not rt.channel.closed:
+        rt.channel.interrupt(group)  # first: the training thread then reloads alone
     with rt._rejoined:
         rt._resume = (generation, resume)
         rt._rejoined.notify_all()
-    if rt.channel is not None and not rt.channel.closed:
-        rt.channel.interrupt(group)
 
 
 def wait_parked(timeout_s: float) -> bool:

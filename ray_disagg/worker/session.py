@@ -70,6 +70,13 @@ class RaySession:
             **kwargs,
         )
 
+    def wait_reports(self, timeout_s: float) -> None:
+        """Until every report of this worker is queued for the controller (asynchronous
+        uploads queue theirs when done, in order)."""
+        from ray_disagg.launch.ray_compat import wait_reports_queued
+
+        wait_reports_queued(timeout_s)
+
     def restart_checkpoint(self):
         """The latest checkpoint of this run when the workers were restarted, else ``None``."""
         import ray.train
