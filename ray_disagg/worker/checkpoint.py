@@ -16,8 +16,10 @@ tensors read (``read_full``) and merged or split.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -226,6 +228,16 @@ def check_compatible(root: str, config, max_steps: int) -> int:
     return step
 
 
+class _BackgroundWriter(dcp.FileSystemWriter):
+    """DCP's file writer, run by ``async_save``'s background thread at the lowest CPU
+    priority (Linux: per thread), so the training steps it overlaps keep the cores."""
+
+    def write_data(self, plan, planner):
+        with contextlib.suppress(Exception):  # best effort (a platform without it)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        return super().write_data(plan, planner)
+
+
 @dataclass
 class ShardWriter:
     """Writes this rank's part of a checkpoint into ``<root>/<module>/``: its DCP shard
@@ -250,7 +262,7 @@ class ShardWriter:
         if background is None:
             save_sharded(model, optimizer, d)
         else:
-            writer = dcp.FileSystemWriter(d)
+            writer = _BackgroundWriter(d)
             state = sharded_state(model, optimizer)
             future = dcp.async_save(state, storage_writer=writer, process_group=background)
         if self.lead:
