@@ -19,13 +19,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import threading
 import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ray_disagg.lr_schedule import lr_at
 from ray_disagg.models import hf_param_name
@@ -228,8 +231,26 @@ def check_compatible(root: str, config, max_steps: int) -> int:
     return step
 
 
+def _background_kind(state: dict, group) -> AsyncCheckpointerType:
+    """A writer process of DCP's (the write never holds the training process's GIL) when
+    /dev/shm holds twice every rank's staged shard, else a thread of this process. Every
+    rank of the group chooses alike (a collective: the two kinds' setups differ)."""
+    try:
+        free = shutil.disk_usage("/dev/shm").free
+    except OSError:
+        free = 0
+    need = sum(_local(t).numel() * _local(t).element_size() for t in state.values())
+    fits = torch.tensor([int(free >= 2 * need)], dtype=torch.int64)
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=group)
+    return AsyncCheckpointerType.PROCESS if int(fits) else AsyncCheckpointerType.THREAD
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class _BackgroundWriter(dcp.FileSystemWriter):
-    """DCP's file writer, run by ``async_save``'s background thread at the lowest CPU
+    """DCP's file writer, run by ``async_save`` in the background at the lowest CPU
     priority (Linux: per thread), so the training steps it overlaps keep the cores."""
 
     def write_data(self, plan, planner):
@@ -255,16 +276,21 @@ class ShardWriter:
     def write(self, root: str, step: int, model, optimizer, background=None):
         """Write this rank's part; with ``background`` (a gloo group over the group) the
         shard is only staged (copied to host memory) and written by DCP's ``async_save``
-        in a background thread: returns its future (else ``None``)."""
+        in the background: returns its future (else ``None``)."""
         d = os.path.join(root, self.module)
         os.makedirs(d, exist_ok=True)
         future = None
         if background is None:
             save_sharded(model, optimizer, d)
         else:
-            writer = _BackgroundWriter(d)
             state = sharded_state(model, optimizer)
-            future = dcp.async_save(state, storage_writer=writer, process_group=background)
+            kind = _background_kind(state, background)
+            future = dcp.async_save(
+                state,
+                storage_writer=_BackgroundWriter(d),
+                process_group=background,
+                async_checkpointer_type=kind,
+            )
         if self.lead:
             state = {"step": step + 1}
             if self.cfg is not None:  # the schedule is a function of the step
