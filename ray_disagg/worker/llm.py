@@ -367,6 +367,8 @@ def llm_train_loop(args: LoopArgs) -> None:
             _train_step(w, llm, source, step, actions, evaluate)
         except recovery.GroupFailed:  # an encoder group restarts; this group waits
             step = recovery.recover(w, model)
+            if llm.load is not None:  # the abandoned step's routing is not counted
+                llm.load.counts = None
             continue
         step += 1
 
