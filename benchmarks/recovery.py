@@ -123,6 +123,7 @@ def run(mode: str, spec, data, storage: str) -> dict:
     steps = [m["step_time_s"] for m in _lines(metrics_path(run_config)) if "step_time_s" in m]
     return {
         "recovery": after[0] - killed,
+        "timeline": [(round(t - t0, 1), s) for t, s in watcher.seen] + [("kill", killed - t0)],
         "step": statistics.median(steps) if steps else float("nan"),
         "fit": fit_s,
         "restarts": result.metrics.get("vision_restarts"),
@@ -174,6 +175,9 @@ def main():
             f"{label:<22}{r['recovery']:>17.1f}s{r['step']:>8.2f}s{r['fit']:>8.1f}s"
             f"  {r['restarts']!s:>8}  {r['loss']:.6f}"
         )
+    for mode in ("group", "full"):  # seconds from fit() to each reported step's line
+        *lines, (_, kill) = rows[mode]["timeline"]
+        print(f"{mode} timeline (s: step), kill at {kill:.1f}s: {lines}")
     ratio = rows["group"]["recovery"] / rows["full"]["recovery"]
     print(f"group restart / full restart (kill -> next step): {ratio:.2f}x (target <= 0.5)")
 
