@@ -4,10 +4,10 @@ restarted alone against every group restarted, in one run.
 The model is a Qwen2.5-VL whose LLM (``--size``, ~160M parameters by default, loaded
 from a bf16 ``save_pretrained`` directory made once under ``--cache``) takes far longer
 to build than its ~5M-parameter vision tower. Layout: vision 1 + text 1, fp32 AdamW,
-a checkpoint every 2 steps, every step reported. The vision worker exits (``os._exit``,
-as after a SIGKILL) at the start of step 6, a step after checkpoint 4 was written; both
-runs then continue from checkpoint 4 (the controller log gives the group restart's
-phases).
+a checkpoint every 3 steps, every step reported. The vision worker exits (``os._exit``,
+as after a SIGKILL) at the start of step 6, two steps after checkpoint 3 was written;
+both runs then continue from checkpoint 3, so the first step reported after the kill is
+the rerun step 4 (the controller log gives the group restart's phases).
 
 For each mode it prints:
 
@@ -51,11 +51,11 @@ from ray_disagg.data.examples import synthetic_samples  # noqa: E402
 from ray_disagg.testing.faults import fault_drill  # noqa: E402
 from ray_disagg.trainer import metrics_path  # noqa: E402
 
-KILL_STEP = 5  # 0-based: the vision worker dies at the start of step 6 (checkpoint 4 is older)
+KILL_STEP = 5  # 0-based: the vision worker dies at the start of step 6 (after checkpoint 3)
 LOOP = {
     "max_steps": 8,
     "global_batch_size": 4,
-    "checkpoint_every": 2,
+    "checkpoint_every": 3,
     "report_every": 1,
     "lr": 1e-4,
     "seed": 0,
