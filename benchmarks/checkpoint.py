@@ -19,21 +19,16 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1
 
 import ray  # noqa: E402
-from ray.train import CheckpointConfig, RunConfig, ScalingConfig  # noqa: E402
+from ray.train import CheckpointConfig, RunConfig  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from memory import make_config, saved_model  # noqa: E402
-from recovery import StepTimes  # noqa: E402
-
-from ray_disagg import DisaggregatedTrainer, HFModelSpec, ModuleGroup  # noqa: E402
-from ray_disagg.data.examples import synthetic_samples  # noqa: E402
-from ray_disagg.trainer import metrics_path  # noqa: E402
+import memory  # noqa: E402
+from recovery import bench_model, timed_fit  # noqa: E402
 
 EVERY = 3
 
@@ -51,24 +46,8 @@ def run(async_checkpoint: bool, spec, data, storage: str, steps: int) -> dict:
         "lr": 1e-4,
         "async_checkpoint": async_checkpoint,
     }
-    trainer = DisaggregatedTrainer(
-        model=spec,
-        groups={
-            "vision": ModuleGroup(scaling_config=ScalingConfig(num_workers=1)),
-            "text": ModuleGroup(scaling_config=ScalingConfig(num_workers=1)),
-        },
-        train_loop_config=loop,
-        datasets={"train": data},
-        run_config=run_config,
-    )
-    watcher = StepTimes(metrics_path(run_config))
-    watcher.start()
-    t0 = time.time()
-    result = trainer.fit()
-    fit_s = time.time() - t0
-    watcher.stop.set()
-    watcher.join()
-    arrived = dict((step, t) for t, step in watcher.seen)  # 1-based step -> its line
+    result, seen, _, fit_s = timed_fit(spec, data, loop, run_config)
+    arrived = {step: t for t, step in seen}  # 1-based step -> its line
     after_ckpt, normal = [], []
     for step in range(3, steps + 1):  # the interval ending at ``step``'s line
         dt = arrived[step] - arrived[step - 1]
@@ -87,9 +66,7 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--cache", default="/tmp/ray_disagg_bench", help="saved model directory")
     args = p.parse_args()
-    spec = HFModelSpec(pretrained_path=saved_model(make_config(args.size), args.size, args.cache))
-    n = sum(p.numel() for p in spec.meta_model("text").parameters())
-    data = synthetic_samples(spec.load_config(), 16, grids=[(1, 8, 8), (1, 4, 8), None])
+    spec, n, data = bench_model(memory.SIZES[args.size], args.size, args.cache)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = {}
     with tempfile.TemporaryDirectory(dir=args.cache) as storage:
@@ -97,7 +74,7 @@ def main():
             rows[mode] = run(mode, spec, data, storage, args.steps)
     ray.shutdown()
     print(
-        f"\nQwen2.5-VL, LLM {n / 1e6:.0f}M parameters; vision 1 + text 1; "
+        f"\nQwen2.5-VL, LLM {n:.0f}M parameters; vision 1 + text 1; "
         f"a checkpoint every {EVERY} steps"
     )
     print(

@@ -93,7 +93,12 @@ GROWTH_FROM = 3  # first step of the growth check (the steps before allocate Ada
 
 
 def make_config(size: str):
-    vocab, hidden, layers, heads, kv, mlp, v_hidden, v_depth = SIZES[size]
+    return config_from(SIZES[size])
+
+
+def config_from(sizes: tuple):
+    """A Qwen2.5-VL config from a ``SIZES``-shaped tuple."""
+    vocab, hidden, layers, heads, kv, mlp, v_hidden, v_depth = sizes
     cfg = tiny_qwen2_5_vl_config(
         vocab_size=vocab,
         text_hidden=hidden,

@@ -24,6 +24,7 @@ The last line gives group restart / full restart of ``kill -> next step`` (targe
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -39,13 +40,12 @@ import ray  # noqa: E402
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from memory import saved_model  # noqa: E402
+import memory  # noqa: E402
 
 from ray_disagg import (  # noqa: E402
     DisaggregatedTrainer,
     HFModelSpec,
     ModuleGroup,
-    tiny_qwen2_5_vl_config,
 )
 from ray_disagg.data.examples import synthetic_samples  # noqa: E402
 from ray_disagg.testing.faults import fault_drill  # noqa: E402
@@ -60,10 +60,10 @@ LOOP = {
     "lr": 1e-4,
     "seed": 0,
 }
-SIZES = {  # as benchmarks/memory.py's, fewer layers: vocab, hidden, layers, heads, kv, mlp, vision
+SIZES = {  # as benchmarks/memory.py's (see its SIZES), and one with fewer LLM layers
     "150m": (32000, 1024, 8, 16, 4, 3072, 256, 4),
-    "300m": (32000, 1024, 20, 16, 4, 3072, 256, 4),
-    "tiny": (4096, 256, 4, 4, 2, 512, 64, 2),
+    "300m": memory.SIZES["300m"],
+    "tiny": memory.SIZES["tiny"],
 }
 
 
@@ -88,6 +88,41 @@ class StepTimes(threading.Thread):
             time.sleep(0.02)
 
 
+def timed_fit(spec, data, loop: dict, run_config, drill=None, **trainer_kwargs):
+    """``fit()`` of vision 1 + text 1 (inside ``drill``, a context manager, if given);
+    returns the result, ``(time, step)`` of each line of its ``metrics.jsonl``, when
+    ``fit()`` started and how long it took."""
+    trainer = DisaggregatedTrainer(
+        model=spec,
+        groups={
+            "vision": ModuleGroup(scaling_config=ScalingConfig(num_workers=1)),
+            "text": ModuleGroup(scaling_config=ScalingConfig(num_workers=1)),
+        },
+        train_loop_config=loop,
+        datasets={"train": data},
+        run_config=run_config,
+        **trainer_kwargs,
+    )
+    watcher = StepTimes(metrics_path(run_config))
+    watcher.start()
+    t0 = time.time()
+    with drill or contextlib.nullcontext():
+        result = trainer.fit()
+    fit_s = time.time() - t0
+    watcher.stop.set()
+    watcher.join()
+    return result, watcher.seen, t0, fit_s
+
+
+def bench_model(sizes: tuple, name: str, cache: str):
+    """The saved model of ``sizes`` (made once under ``cache``), its LLM's parameters
+    (millions) and 16 samples."""
+    spec = HFModelSpec(pretrained_path=memory.saved_model(memory.config_from(sizes), name, cache))
+    n = sum(p.numel() for p in spec.meta_model("text").parameters()) / 1e6
+    data = synthetic_samples(spec.load_config(), 16, grids=[(1, 8, 8), (1, 4, 8), None])
+    return spec, n, data
+
+
 def run(mode: str, spec, data, storage: str) -> dict:
     name = f"recovery-{mode}"
     run_config = RunConfig(
@@ -96,34 +131,19 @@ def run(mode: str, spec, data, storage: str) -> dict:
         failure_config=FailureConfig(max_failures=1),
         checkpoint_config=CheckpointConfig(num_to_keep=2),
     )
-    trainer = DisaggregatedTrainer(
-        model=spec,
-        groups={
-            "vision": ModuleGroup(scaling_config=ScalingConfig(num_workers=1)),
-            "text": ModuleGroup(scaling_config=ScalingConfig(num_workers=1)),
-        },
-        train_loop_config=LOOP,
-        datasets={"train": data},
-        run_config=run_config,
-        restart_failed_group=mode == "group",
-    )
     marker = os.path.join(storage, f"{name}.killed")
-    watcher = StepTimes(metrics_path(run_config))
-    watcher.start()
-    t0 = time.time()
-    with fault_drill(group="vision", step=KILL_STEP, marker=marker):
-        result = trainer.fit()
-    fit_s = time.time() - t0
-    watcher.stop.set()
-    watcher.join()
+    drill = fault_drill(group="vision", step=KILL_STEP, marker=marker)
+    result, seen, t0, fit_s = timed_fit(
+        spec, data, LOOP, run_config, drill, restart_failed_group=mode == "group"
+    )
     killed = os.path.getmtime(marker)
     # the survivors may still finish the step before the kill (1-based KILL_STEP): not
     # a step completed after the restart
-    after = [t for t, step in watcher.seen if t > killed and step != KILL_STEP]
+    after = [t for t, step in seen if t > killed and step != KILL_STEP]
     steps = [m["step_time_s"] for m in _lines(metrics_path(run_config)) if "step_time_s" in m]
     return {
         "recovery": after[0] - killed,
-        "timeline": [(round(t - t0, 1), s) for t, s in watcher.seen] + [("kill", killed - t0)],
+        "timeline": [(round(t - t0, 1), s) for t, s in seen] + [("kill", killed - t0)],
         "step": statistics.median(steps) if steps else float("nan"),
         "fit": fit_s,
         "restarts": result.metrics.get("vision_restarts"),
@@ -141,23 +161,8 @@ def main():
     p.add_argument("--size", default="150m", choices=sorted(SIZES))
     p.add_argument("--cache", default="/tmp/ray_disagg_bench", help="saved model directory")
     args = p.parse_args()
-    vocab, hidden, layers, heads, kv, mlp, v_hidden, v_depth = SIZES[args.size]
-    cfg = tiny_qwen2_5_vl_config(
-        vocab_size=vocab,
-        text_hidden=hidden,
-        text_layers=layers,
-        text_heads=heads,
-        text_kv_heads=kv,
-        vision_hidden=v_hidden,
-        vision_depth=v_depth,
-    )
-    cfg.text_config.intermediate_size = mlp
-    spec = HFModelSpec(pretrained_path=saved_model(cfg, f"recovery_{args.size}", args.cache))
-    counts = {
-        part: sum(p.numel() for p in spec.meta_model(part).parameters()) / 1e6
-        for part in ("vision", "text")
-    }
-    data = synthetic_samples(spec.load_config(), 16, grids=[(1, 8, 8), (1, 4, 8), None])
+    spec, llm_m, data = bench_model(SIZES[args.size], f"recovery_{args.size}", args.cache)
+    vision_m = sum(p.numel() for p in spec.meta_model("vision").parameters()) / 1e6
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = {}
     with tempfile.TemporaryDirectory(dir=args.cache) as storage:
@@ -165,7 +170,7 @@ def main():
             rows[mode] = run(mode, spec, data, storage)
     ray.shutdown()
     print(
-        f"\nQwen2.5-VL, vision {counts['vision']:.1f}M + LLM {counts['text']:.1f}M parameters; "
+        f"\nQwen2.5-VL, vision {vision_m:.1f}M + LLM {llm_m:.1f}M parameters; "
         f"vision 1 + text 1, vision worker killed at step {KILL_STEP + 1}"
     )
     print(f"{'restart':<22}{'kill -> next step':>18}{'step':>9}{'fit':>9}  restarts  loss")
