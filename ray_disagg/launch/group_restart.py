@@ -60,13 +60,21 @@ class Relaunch:
     transfers: object
 
 
+def _survivors(groups, failed: str) -> list[str]:
+    return [n for n in groups.relaunch.launches if n != failed]
+
+
+def _survivor_workers(groups, failed: str) -> list:
+    return [w for n in _survivors(groups, failed) for w in groups.group_workers(n).get_workers()]
+
+
 def _park_survivors(groups, failed: str, timeout_s: float) -> None:
     """Wait until every survivor's training thread is parked, polling their statuses
     meanwhile (a report blocks its worker until polled; the polls consume them), then
     once more; raises when one fails or finishes instead. Each check is non-blocking
     (a worker answers one call at a time: a waiting call would hold its polls back)."""
-    survivors = [n for n in groups.relaunch.launches if n != failed]
-    workers = [w for n in survivors for w in groups.group_workers(n).get_workers()]
+    survivors = _survivors(groups, failed)
+    workers = _survivor_workers(groups, failed)
     deadline = time.monotonic() + timeout_s
     while True:
         _poll_survivors(groups, survivors, timeout_s)
@@ -95,9 +103,7 @@ def _interrupt_survivors(groups, failed: str, checkpoint) -> None:
     gen = groups.generation + 1
     refs = [
         w.execute_async(runtime.interrupt_transfers, failed, gen, checkpoint)
-        for n in groups.relaunch.launches
-        if n != failed
-        for w in groups.group_workers(n).get_workers()
+        for w in _survivor_workers(groups, failed)
     ]
     try:
         ray.get(refs, timeout=groups.relaunch.side_timeout_s)

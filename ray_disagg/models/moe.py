@@ -136,6 +136,10 @@ class ExpertLoad:
     def _zeros(self, device) -> torch.Tensor:
         return torch.zeros((len(self.routers), self.num_experts), device=device)
 
+    def reset(self) -> None:
+        """Forget the counts so far (a step that was abandoned)."""
+        self.counts = None
+
     def take(self, group=None, device=None) -> dict[str, float]:
         """``expert_load_max`` / ``_mean``: over the MoE layers, the most loaded expert's
         tokens over the mean expert's (1.0: perfectly even), counted over the ranks of

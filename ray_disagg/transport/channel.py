@@ -104,18 +104,13 @@ class Channel:
     @contextlib.contextmanager
     def _guard(self, what: str, peer: int | None):
         """Re-raise a failed or timed-out wait as :class:`TransferError` naming the peer."""
-        if self.closed:
-            raise TransferError(
-                f"{what} {self.spec.label(peer) if peer is not None else 'the other groups'}: "
-                f"the channel of side rank {self.rank} ({self.spec.label(self.rank)}) is "
-                "closed (the run ended or a group failed); no more transfers"
-            )
+        self._check_open(what, peer)
         try:
             yield
         except (TransferError, ShmUnavailable):  # the latter: the sender falls back to gloo
             raise
         except (RuntimeError, TimeoutError, OSError) as e:
-            who = "the other groups" if peer is None else self.spec.label(peer)
+            who = self._who(peer)
             raise TransferError(
                 f"{what} {who} (side rank {self.rank} = {self.spec.label(self.rank)}) failed "
                 f"or timed out (timeout_s={self.spec.timeout_s:g}): {e}"
@@ -176,12 +171,19 @@ class Channel:
     def tier_name(self, peer: int) -> str:
         return self.spec.tier(self.rank, peer)
 
-    def _tier(self, name: str):
+    def _who(self, peer: int | None) -> str:
+        return "the other groups" if peer is None else self.spec.label(peer)
+
+    def _check_open(self, what: str | None = None, peer: int | None = None) -> None:
         if self.closed:
+            prefix = "" if what is None else f"{what} {self._who(peer)}: "
             raise TransferError(
-                f"the channel of side rank {self.rank} ({self.spec.label(self.rank)}) is "
-                "closed (the run ended or a group failed); no more transfers"
+                f"{prefix}the channel of side rank {self.rank} ({self.spec.label(self.rank)}) "
+                "is closed (the run ended or a group failed); no more transfers"
             )
+
+    def _tier(self, name: str):
+        self._check_open()
         if name not in self._tiers:
             if name == "shm":
                 self._tiers[name] = ShmTier(self.spec.timeout_s)

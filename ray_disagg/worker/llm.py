@@ -368,7 +368,7 @@ def llm_train_loop(args: LoopArgs) -> None:
         except recovery.GroupFailed:  # an encoder group restarts; this group waits
             step = recovery.recover(w, model)
             if llm.load is not None:  # the abandoned step's routing is not counted
-                llm.load.counts = None
+                llm.load.reset()
             continue
         step += 1
 
