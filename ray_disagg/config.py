@@ -6,6 +6,7 @@ driver, before any Ray worker starts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -242,13 +243,7 @@ class ModuleGroup:
                 "ModuleGroup.scaling_config must be a ray.train.ScalingConfig, got "
                 f"{type(self.scaling_config).__name__}."
             )
-        n = self.scaling_config.num_workers
-        if isinstance(n, tuple):
-            raise ValueError(
-                f"ScalingConfig(num_workers={n!r}): elastic module groups are not supported "
-                "yet; give each group a fixed num_workers (a failed encoder group restarts "
-                "alone, see DisaggregatedTrainer(restart_failed_group=))."
-            )
+        n = self.scaling_config.min_workers  # an elastic range (min, max): checked at min
         if not isinstance(n, int) or n < 1:
             raise ValueError(
                 f"ScalingConfig(num_workers={n!r}): each module group needs num_workers >= 1."
@@ -288,7 +283,21 @@ class ModuleGroup:
 
     @property
     def num_workers(self) -> int:
-        return self.scaling_config.num_workers
+        """The group's workers (the smallest of an elastic range ``(min, max)``)."""
+        return self.scaling_config.min_workers
+
+    @property
+    def elastic(self) -> bool:
+        """``ScalingConfig(num_workers=(min, max))``: the group may resize during the run
+        (a data-parallel encoder group; ``ray_disagg.launch.elastic``)."""
+        return self.scaling_config.elasticity_enabled
+
+    def at_size(self, n: int) -> ModuleGroup:
+        """This group with ``n`` workers (a fixed size)."""
+        sc, labels = self.scaling_config, self.scaling_config.label_selector
+        labels = labels[:n] if isinstance(labels, list) else labels  # one per worker
+        sc = dataclasses.replace(sc, num_workers=n, label_selector=labels)
+        return dataclasses.replace(self, scaling_config=sc)
 
     @property
     def model_parallel_size(self) -> int:

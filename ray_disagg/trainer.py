@@ -19,8 +19,15 @@ from ray_disagg.freezing import frozen_parts
 from ray_disagg.launch import datasets as dsc
 from ray_disagg.launch import ray_compat as rc
 from ray_disagg.launch.backend import ModuleBackendConfig
-from ray_disagg.launch.checks import validate_layout, validate_loop
+from ray_disagg.launch.checks import (
+    resolve_schedule,
+    validate_groups,
+    validate_layout,
+    validate_loop,
+    validate_transfer,
+)
 from ray_disagg.launch.controller import DisaggregatedController
+from ray_disagg.launch.elastic import ElasticGroup, Launch, elastic_ranges, elastic_sizes
 from ray_disagg.launch.group_restart import restartable_groups
 from ray_disagg.launch.resources import (
     PlacementGroupJanitor,
@@ -32,12 +39,11 @@ from ray_disagg.launch.worker_groups import GroupLaunch, Transfers
 from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan
-from ray_disagg.transport import TIERS
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.checkpoint import check_compatible
 from ray_disagg.worker.encoder import encoder_train_loop
 from ray_disagg.worker.faults_hook import FAULT_DRILL_ENV
-from ray_disagg.worker.ingest import is_ray_dataset, is_stream
+from ray_disagg.worker.ingest import is_stream
 from ray_disagg.worker.llm import llm_train_loop
 
 __all__ = ["DisaggregatedTrainer", "load_metrics"]
@@ -159,20 +165,26 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         ):
             raise ValueError("resume_from_checkpoint must be a ray.train.Checkpoint.")
         self.resume_from_checkpoint = resume_from_checkpoint
-        self.groups = self._validate_groups(groups, adapter)
+        self.groups = validate_groups(groups, adapter)
+        self._train_data = dsc.train_set(datasets)
+        restartable = restartable_groups(adapter, self._train_data) if restart_failed_group else ()
+        elastic = elastic_ranges(self.groups, adapter, placement, restartable)
         self.colocation = colocation_for(self.groups, placement)
-        self.placement, self.transfer = placement, self._validate_transfer(transfer, self.groups)
+        self.placement, self.transfer = placement, validate_transfer(transfer, self.groups)
         self.loop_config = TrainLoopConfig.from_any(train_loop_config)
         self.loop_config, self._legacy_drill = self._take_legacy_drill(self.loop_config)
         if resume_from_checkpoint is not None:
             with resume_from_checkpoint.as_directory() as root:
                 check_compatible(root, model.load_config(), self.loop_config.max_steps)
+        # per elastic group, the sizes it may take (ascending), logged on the driver
+        self.elastic_sizes = elastic_sizes(elastic, self.loop_config)
+        for name, sizes in self.elastic_sizes.items():
+            self.groups[name] = self.groups[name].at_size(sizes[0])
         validate_layout(adapter, self.groups)
         model.check_weights()
         self.frozen_parts = frozen_parts(model, self.groups)
-        self._train_data = dsc.train_set(datasets)
         self._samples_validated = validate_samples and not is_stream(self._train_data)
-        self.loop_config = self._resolve_schedule(
+        self.loop_config = resolve_schedule(
             self.loop_config, placement, self._train_data, self._samples_validated
         )
         validate_loop(adapter, self.loop_config)
@@ -206,26 +218,6 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         )
 
     @staticmethod
-    def _validate_groups(groups, adapter) -> dict[str, ModuleGroup]:
-        parts = list(adapter.parts)
-        if not isinstance(groups, Mapping):
-            raise ValueError(f"groups must be a dict {{name: ModuleGroup}} over {parts}.")
-        unknown = sorted(set(groups) - set(parts))
-        if unknown:
-            raise ValueError(
-                f"Unknown module group(s) {unknown}; {adapter.model_type} has groups {parts}."
-            )
-        missing = [m for m in parts if m not in groups]
-        if missing:
-            raise ValueError(
-                f"Missing module group(s) {missing}: give a ModuleGroup for each of {parts}."
-            )
-        for name, g in groups.items():
-            if not isinstance(g, ModuleGroup):
-                raise ValueError(f"groups[{name!r}] must be a ModuleGroup, got {type(g).__name__}.")
-        return {m: groups[m] for m in parts}
-
-    @staticmethod
     def _take_legacy_drill(cfg: TrainLoopConfig) -> tuple[TrainLoopConfig, str | None]:
         """``extra["inject_failure_once"]`` (deprecated; ``TrainLoopConfig`` warned) leaves
         the loop config and becomes the workers' ``RAY_DISAGG_FAULT_DRILL`` (as JSON)."""
@@ -244,52 +236,18 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         drill = os.environ.get(FAULT_DRILL_ENV) or self._legacy_drill
         return {FAULT_DRILL_ENV: drill} if drill else {}
 
-    @staticmethod
-    def _validate_transfer(transfer: str, groups) -> str:
-        if transfer != "auto" and transfer not in TIERS:
-            raise ValueError(f"transfer={transfer!r}: must be 'auto' or one of {TIERS}.")
-        if transfer in ("nccl", "cuda_ipc") and not all(
-            g.scaling_config.use_gpu for g in groups.values()
-        ):
-            raise ValueError(
-                f"transfer={transfer!r} moves tensors between GPUs, but not every group has "
-                "ScalingConfig(use_gpu=True); use transfer='auto', 'shm' or 'gloo'."
-            )
-        return transfer
-
-    def _transfer_pairs(self) -> tuple:
+    def _transfer_pairs(self, args: LoopArgs | None = None) -> tuple:
         """``((encoder, rank), (llm, rank))`` for every pair of replica leaders that may
-        exchange tensors under the plan (overlapping slices, or every pair when balanced)."""
-        llm, g = self.adapter.llm_part, self.groups
+        exchange tensors under the plan (overlapping slices, or every pair when balanced);
+        ``args``: at an elastic group's size (default: the initial one)."""
+        llm = self.adapter.llm_part
+        g, plan = (self.groups, self.plan) if args is None else (args.groups, args.plan)
         pairs = set()
         for part in self.adapter.encoder_parts:
-            for d, t in self.plan.exchange_pairs(part, llm):
+            for d, t in plan.exchange_pairs(part, llm):
                 leaders = (d * g[part].model_parallel_size, t * g[llm].model_parallel_size)
                 pairs.add(((part, leaders[0]), (llm, leaders[1])))
         return tuple(sorted(pairs))
-
-    @staticmethod
-    def _resolve_schedule(cfg: TrainLoopConfig, placement: str, data, validated: bool):
-        """Defaults that depend on the run: the schedule (1F1B for separate placement with
-        several microbatches), ``max_in_flight`` and the assignment (``auto``: balanced
-        when the driver reads every sample anyway to validate it, contiguous for Ray Data,
-        unvalidated data and colocated placement, whose pairs share a device)."""
-        k = cfg.micro_batches
-        schedule = cfg.schedule or ("1f1b" if k > 1 and placement == "separate" else "sequential")
-        in_flight = 1 if schedule == "sequential" else (cfg.max_in_flight or min(2, k))
-        assignment = cfg.assignment
-        if assignment == "auto":
-            balanced = validated and placement == "separate" and not is_stream(data)
-            assignment = "balanced" if balanced else "contiguous"
-        elif assignment == "balanced" and is_ray_dataset(data):
-            raise ValueError(
-                "train_loop_config['assignment']='balanced' needs a map-style dataset (costs "
-                "estimated before the run) or a ConversationStream (costs computed with each "
-                "sample); a Ray Data dataset is read in order: use 'contiguous' (or 'auto')."
-            )
-        return dataclasses.replace(
-            cfg, schedule=schedule, max_in_flight=in_flight, assignment=assignment
-        )
 
     # ---- Ray Train hooks ------------------------------------------------------------
 
@@ -338,8 +296,8 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         e.g. sample_ids, the Result keeps.)"""
         out = {}
         llm = self.adapter.llm_part
-        for name in [llm, *(n for n in self.groups if n != llm)]:
-            group = self.groups[name]
+        for name in [llm, *(n for n in args.groups if n != llm)]:
+            group = args.groups[name]
             if name == llm:
                 loop = functools.partial(llm_train_loop, args)
             else:
@@ -354,9 +312,26 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             out[name] = (loop, backend)
         return out
 
-    def _launches(self) -> dict[str, GroupLaunch]:
+    def _launches(self) -> tuple[Launch, ElasticGroup | None]:
+        """Every group's launch at the initial sizes, and the elastic group (its launches
+        at each size it may take) if any."""
+        args = self.loop_args()
+        if not self.elastic_sizes:
+            return self._launch(args), None
+        ((name, sizes),) = self.elastic_sizes.items()
+        sc = self.groups[name].scaling_config
+        group = ElasticGroup(
+            name=name,
+            launches={n: self._launch(args.at_sizes({name: n})) for n in sizes},
+            per_worker=dict(sc._resources_per_worker_not_none),
+            strategy=sc.placement_strategy,
+            interval_s=sc.elastic_resize_monitor_interval_s,
+        )
+        return group.launches[sizes[0]], group
+
+    def _launch(self, args: LoopArgs) -> Launch:
         launches = {}
-        for name, (loop, backend) in self.group_loops(self.loop_args()).items():
+        for name, (loop, backend) in self.group_loops(args).items():
             fn = rc.construct_train_func(
                 loop,
                 config=None,
@@ -365,25 +340,26 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             )
             launches[name] = GroupLaunch(
                 name=name,
-                scaling_config=self.groups[name].scaling_config,
+                scaling_config=args.groups[name].scaling_config,
                 backend_config=backend,
                 train_fn_ref=rc.ObjectRefWrapper(fn),
             )
-        return launches
+        return Launch(launches, Transfers(self._transfer_pairs(args), self.transfer))
 
     def _initialize_and_run_controller(self, **controller_init_kwargs) -> Result:
         check_cluster_capacity(self.groups, self.wait_for_resources, self.colocation)
         ctx = controller_init_kwargs.pop("train_run_context")
         ctx = rc.with_worker_env_vars(ctx, self._worker_env_vars())
         janitor = PlacementGroupJanitor.remote()  # the driver's: outlives a dead coordinator
+        launch, elastic = self._launches()
         try:
             controller = rc.run_controller_actor(
                 DisaggregatedController,
-                launches=self._launches(),
+                launch=launch,
+                elastic=elastic,
                 side_timeout_s=self.loop_config.collective_timeout_s,
                 start_timeout_s=self.start_timeout_s,
                 demand=demand_lines(self.groups, self.colocation),
-                transfers=Transfers(self._transfer_pairs(), self.transfer),
                 colocation=self.colocation,
                 janitor=janitor,
                 restartable=self.restartable_groups(),

@@ -36,11 +36,36 @@ def test_module_group_defaults_and_degrees():
         SequenceParallel(size=0)
 
 
-def test_module_group_rejects_zero_workers_and_elastic_ranges():
+def test_module_group_rejects_zero_workers_and_takes_elastic_ranges():
     with pytest.raises(ValueError, match="num_workers >= 1"):
         ModuleGroup(scaling_config=ScalingConfig(num_workers=0))
-    with pytest.raises(ValueError, match="elastic module groups are not supported yet"):
-        ModuleGroup(scaling_config=ScalingConfig(num_workers=(1, 2)))
+    with pytest.raises(ValueError, match="num_workers >= 1"):
+        ModuleGroup(scaling_config=ScalingConfig(num_workers=(0, 2)))
+    g = ModuleGroup(scaling_config=ScalingConfig(num_workers=(1, 4)))
+    assert g.elastic and g.num_workers == 1
+    fixed = g.at_size(2)
+    assert not fixed.elastic and (fixed.num_workers, fixed.dp_size) == (2, 2)
+    assert fixed.scaling_config.elastic_resize_monitor_interval_s == 60.0  # kept
+
+
+def test_elastic_sizes_divide_the_microbatch_share(caplog):
+    from ray_disagg.launch.elastic import ElasticGroup, allowed_sizes, elastic_sizes
+
+    cfg = TrainLoopConfig(max_steps=2, global_batch_size=8, micro_batches=2, checkpoint_every=1)
+    with caplog.at_level("INFO"):
+        assert elastic_sizes({"vision": (1, 4)}, cfg) == {"vision": [1, 2, 4]}
+    assert "not [3]" in caplog.text and "the 4 samples of a microbatch" in caplog.text
+    with pytest.raises(ValueError, match=r"no size in that range divides the 4 .*\[1, 2, 4\]"):
+        elastic_sizes({"vision": (3, 3)}, cfg)
+    no_ckpt = TrainLoopConfig(max_steps=2, global_batch_size=8)
+    with pytest.raises(ValueError, match=r"set train_loop_config\['checkpoint_every'\]"):
+        elastic_sizes({"vision": (1, 2)}, no_ckpt)
+    assert allowed_sizes(2, 8, 8) == [2, 4, 8]
+    group = ElasticGroup(name="vision", launches=dict.fromkeys([1, 2, 4]), per_worker={"CPU": 1})
+    assert group.fitting(3) == 2 and group.fitting(0) is None
+    # 4 free CPUs, 1.5 of them for the other groups: 2 vision workers
+    assert group.initial_size({"CPU": 4.0}, {"CPU": 1.5}) == 2
+    assert group.initial_size({"CPU": 1.0}, {"CPU": 1.5}) == 1  # the smallest: it waits
 
 
 def test_train_loop_config_from_dict():

@@ -38,6 +38,31 @@ def test_valid_setup_constructs():
     assert make().plan.steps_per_epoch == 2
 
 
+def test_elastic_ranges_only_on_data_parallel_encoder_groups():
+    elastic = ModuleGroup(scaling_config=ScalingConfig(num_workers=(1, 4)))
+    loop = dict(LOOP, checkpoint_every=1)
+    t = make({"vision": elastic, "text": g()}, loop=loop)
+    assert t.elastic_sizes == {"vision": [1, 2, 4]} and t.groups["vision"].num_workers == 1
+    args = t.loop_args(put=lambda x: x).at_sizes({"vision": 4})
+    assert args.plan.dp_sizes == {"vision": 4, "text": 1}
+    assert args.groups["vision"].num_workers == 4
+    with pytest.raises(ValueError, match=r"on the LLM group.*Elastic groups can be \['vision'\]"):
+        make({"vision": g(), "text": elastic}, loop=loop)
+    sp = ModuleGroup(
+        scaling_config=ScalingConfig(num_workers=(2, 4)), parallelism=SequenceParallel(size=2)
+    )
+    with pytest.raises(ValueError, match=r"its SequenceParallel degree cannot change.*be \[\]"):
+        make({"vision": sp, "text": g()}, loop=loop)
+    with pytest.raises(ValueError, match="colocated groups share their bundles"):
+        DisaggregatedTrainer(
+            model=HFModelSpec(config=CFG),
+            groups={"vision": elastic, "text": g()},
+            train_loop_config=loop,
+            datasets={"train": DATA},
+            placement="colocated",
+        )
+
+
 def test_unknown_group_name():
     with pytest.raises(ValueError, match=r"Unknown module group\(s\) \['audio'\]"):
         make({"vision": g(), "text": g(), "audio": g()})

@@ -3,6 +3,9 @@ starts. Every error names the setting to change."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+
 from ray_disagg.config import (
     ContextParallel,
     DataParallel,
@@ -11,7 +14,10 @@ from ray_disagg.config import (
     SequenceParallel,
     TensorParallel,
 )
+from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.models import moe
+from ray_disagg.transport import TIERS
+from ray_disagg.worker.ingest import is_ray_dataset, is_stream
 
 
 def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
@@ -130,3 +136,59 @@ def _check_divides(counts: dict[str, int], p, part: str) -> None:
                     f"{type(p).__name__}({setting}) in the {part} group does not divide "
                     f"{what}={value}; choose a degree that divides {value}."
                 )
+
+
+def validate_groups(groups, adapter) -> dict[str, ModuleGroup]:
+    parts = list(adapter.parts)
+    if not isinstance(groups, Mapping):
+        raise ValueError(f"groups must be a dict {{name: ModuleGroup}} over {parts}.")
+    unknown = sorted(set(groups) - set(parts))
+    if unknown:
+        raise ValueError(
+            f"Unknown module group(s) {unknown}; {adapter.model_type} has groups {parts}."
+        )
+    missing = [m for m in parts if m not in groups]
+    if missing:
+        raise ValueError(
+            f"Missing module group(s) {missing}: give a ModuleGroup for each of {parts}."
+        )
+    for name, g in groups.items():
+        if not isinstance(g, ModuleGroup):
+            raise ValueError(f"groups[{name!r}] must be a ModuleGroup, got {type(g).__name__}.")
+    return {m: groups[m] for m in parts}
+
+
+def validate_transfer(transfer: str, groups) -> str:
+    if transfer != "auto" and transfer not in TIERS:
+        raise ValueError(f"transfer={transfer!r}: must be 'auto' or one of {TIERS}.")
+    if transfer in ("nccl", "cuda_ipc") and not all(
+        g.scaling_config.use_gpu for g in groups.values()
+    ):
+        raise ValueError(
+            f"transfer={transfer!r} moves tensors between GPUs, but not every group has "
+            "ScalingConfig(use_gpu=True); use transfer='auto', 'shm' or 'gloo'."
+        )
+    return transfer
+
+
+def resolve_schedule(cfg: TrainLoopConfig, placement: str, data, validated: bool):
+    """Defaults that depend on the run: the schedule (1F1B for separate placement with
+    several microbatches), ``max_in_flight`` and the assignment (``auto``: balanced
+    when the driver reads every sample anyway to validate it, contiguous for Ray Data,
+    unvalidated data and colocated placement, whose pairs share a device)."""
+    k = cfg.micro_batches
+    schedule = cfg.schedule or ("1f1b" if k > 1 and placement == "separate" else "sequential")
+    in_flight = 1 if schedule == "sequential" else (cfg.max_in_flight or min(2, k))
+    assignment = cfg.assignment
+    if assignment == "auto":
+        balanced = validated and placement == "separate" and not is_stream(data)
+        assignment = "balanced" if balanced else "contiguous"
+    elif assignment == "balanced" and is_ray_dataset(data):
+        raise ValueError(
+            "train_loop_config['assignment']='balanced' needs a map-style dataset (costs "
+            "estimated before the run) or a ConversationStream (costs computed with each "
+            "sample); a Ray Data dataset is read in order: use 'contiguous' (or 'auto')."
+        )
+    return dataclasses.replace(
+        cfg, schedule=schedule, max_in_flight=in_flight, assignment=assignment
+    )

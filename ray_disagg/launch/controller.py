@@ -14,18 +14,16 @@ from __future__ import annotations
 import logging
 import time
 
+from ray_disagg.launch import resize
+from ray_disagg.launch.elastic import ElasticGroup, Launch
 from ray_disagg.launch.group_restart import restart_group
 from ray_disagg.launch.ray_compat import (
     FailureDecision,
     TrainController,
     WorkerGroupStartupTimeoutError,
+    WorkerStatus,
 )
-from ray_disagg.launch.worker_groups import (
-    Colocation,
-    GroupLaunch,
-    ModuleWorkerGroups,
-    Transfers,
-)
+from ray_disagg.launch.worker_groups import Colocation, ModulePollStatus, ModuleWorkerGroups
 
 logger = logging.getLogger(__name__)
 
@@ -34,19 +32,19 @@ class DisaggregatedController(TrainController):
     def __init__(
         self,
         *,
-        launches: dict[str, GroupLaunch],
+        launch: Launch,
         side_timeout_s: float,
         start_timeout_s: float,
         demand: list[str],
-        transfers: Transfers,
+        elastic: ElasticGroup | None = None,
         colocation: Colocation | None = None,
         janitor=None,
         restartable: frozenset[str] = frozenset(),
         **kwargs,
     ):
-        self._launches = launches
+        self._launch, self._elastic = launch, elastic
         self._restartable = restartable
-        self._transfers, self._colocation = transfers, colocation
+        self._colocation = colocation
         self._side_timeout_s = side_timeout_s
         self._start_timeout_s = start_timeout_s
         self._demand = demand
@@ -58,14 +56,16 @@ class DisaggregatedController(TrainController):
         # The union scaling config only sizes autoscaler requests; each group uses its own.
         if self._waiting_since is None:
             self._waiting_since = time.monotonic()
+        if self._elastic is not None:
+            self._launch = resize.initial_launch(self._elastic, self._launch)
         try:
             self._worker_group = ModuleWorkerGroups.create(
-                launches=self._launches,
+                launches=self._launch.groups,
                 train_run_context=self._train_run_context,
                 run_attempt_id=self._get_run_attempt_id(),
                 callbacks=self._worker_group_callbacks_to_propagate,
                 side_timeout_s=self._side_timeout_s,
-                transfers=self._transfers,
+                transfers=self._launch.transfers,
                 colocation=self._colocation,
                 janitor=self._janitor,
             )
@@ -85,8 +85,12 @@ class DisaggregatedController(TrainController):
 
     async def _poll_workers(self):
         status = await super()._poll_workers()
-        if status.errors and isinstance(self._worker_group, ModuleWorkerGroups):
+        if not isinstance(self._worker_group, ModuleWorkerGroups):
+            return status
+        if status.errors:
             return self._maybe_restart_group(status)
+        if self._elastic is not None:
+            return self._maybe_grow() or status
         return status
 
     def _maybe_restart_group(self, status):
@@ -107,7 +111,7 @@ class DisaggregatedController(TrainController):
             return status
         logger.warning("The %s group failed: restarting it alone.\n%s", name, error)
         try:
-            took = restart_group(groups, name, latest.checkpoint)
+            took = restart_group(groups, name, latest.checkpoint, self._sized(name))
         except Exception:
             logger.warning("Restarting the %s group alone failed; every group restarts.",
                            name, exc_info=True)  # fmt: skip
@@ -120,6 +124,44 @@ class DisaggregatedController(TrainController):
             groups.restarts[name], latest.checkpoint.path,
         )  # fmt: skip
         return groups.poll_status(timeout=self._health_check_interval_s)
+
+    def _sized(self, name: str):
+        """For an elastic group: a function giving the launch to restart with once the
+        group stopped (the largest size that can be placed then: it shrinks when the lost
+        worker's resources are gone)."""
+        if self._elastic is None or name != self._elastic.name:
+            return None
+
+        def launch():
+            self._launch = resize.after_failure(self._elastic)
+            return self._launch
+
+        return launch
+
+    def _maybe_grow(self):
+        """Grow the elastic group when resources for a larger size appeared, right after
+        the next checkpoint is registered; returns the poll status after growing (one
+        with an error, for a full restart, when growing failed), else ``None``."""
+        latest = self._checkpoint_manager.latest_checkpoint_result
+        old = self._elastic.size
+        launch = resize.grow_launch(self._elastic, latest)
+        if launch is None:
+            return None
+        name = self._elastic.name
+        try:
+            took = restart_group(self._worker_group, name, latest.checkpoint, launch, False)
+        except Exception as e:
+            logger.warning("Growing the %s group failed; every group restarts.", name,
+                           exc_info=True)  # fmt: skip
+            err = RuntimeError(f"growing the {name} group from {old} workers failed: {e!r}")
+            return ModulePollStatus(worker_statuses={0: WorkerStatus(running=False, error=err)})
+        self._launch = launch
+        logger.warning(
+            "Resized the %s group from %d to %d workers in %.1fs (resources appeared); the "
+            "other groups kept their workers and continue from %s.", name, old,
+            self._elastic.size, sum(took.values()), latest.checkpoint.path,
+        )  # fmt: skip
+        return self._worker_group.poll_status(timeout=self._health_check_interval_s)
 
     def _uncount(self) -> None:
         """Take back one counted failure (it is counted again by the full restart)."""

@@ -21,6 +21,7 @@ out) falls back to the full restart.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -111,12 +112,15 @@ def _interrupt_survivors(groups, failed: str, checkpoint) -> None:
         logger.warning("Interrupting the survivors' transfers failed.", exc_info=True)
 
 
-def restart_group(groups, failed: str, checkpoint) -> dict[str, float]:
+def restart_group(groups, failed: str, checkpoint, launch=None, failure=True) -> dict:
     """Replace group ``failed`` of ``groups`` (a ``ModuleWorkerGroups``) and rejoin every
-    group at ``checkpoint``; returns the seconds each phase took."""
+    group at ``checkpoint``; returns the seconds each phase took. ``launch``: every
+    group's launch at the sizes to continue with (an elastic group's new size), or a
+    function giving it once the group stopped; default: the same sizes. ``failure``:
+    counted in ``<group>_restarts`` (a resize is not)."""
     from ray_disagg.launch.worker_groups import ModuleWorkerGroups
 
-    r, took, t0 = groups.relaunch, {}, time.monotonic()
+    took, t0 = {}, time.monotonic()
 
     def lap(name: str) -> None:
         nonlocal t0
@@ -129,21 +133,28 @@ def restart_group(groups, failed: str, checkpoint) -> dict[str, float]:
     groups.replace_group(failed, None)  # a full restart after this skips it
     _interrupt_survivors(groups, failed, checkpoint)
     lap("stop")
-    _park_survivors(groups, failed, r.side_timeout_s)
-    groups.reset_reports()
+    _park_survivors(groups, failed, groups.relaunch.side_timeout_s)
     lap("park")
+    if callable(launch):
+        launch = launch()
+    if launch is not None:
+        groups.relaunch = dataclasses.replace(
+            groups.relaunch, launches=launch.groups, transfers=launch.transfers
+        )
+    r = groups.relaunch
     shared_pg = groups.shared_placement_group  # colocated: into the freed bundles
     wg = ModuleWorkerGroups._start_group(
         r.launches[failed], r.train_run_context, r.run_attempt_id, r.shared, shared_pg
     )
     groups.replace_group(failed, wg)
+    groups.reset_reports()  # for the union's new size
     if shared_pg is not None:
         groups._check_pairing()
     elif r.janitor is not None:
         pg = wg.get_worker_group_state().placement_group_handle.placement_group
         ray.get(r.janitor.register.remote(pg))
     lap("start")
-    groups.restarts[failed] += 1
+    groups.restarts[failed] += int(failure)
     groups.generation += 1
     groups._connect_channel(r.run_attempt_id, r.side_timeout_s, r.transfers)
     lap("rejoin")

@@ -39,6 +39,7 @@ from ray.train.v2._internal.execution.worker_group import (
     WorkerGroup,
     WorkerGroupContext,
     WorkerGroupPollStatus,
+    WorkerStatus,
 )
 from ray.train.v2._internal.util import ObjectRefWrapper, construct_train_func
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
@@ -69,6 +70,7 @@ __all__ = [
     "WorkerGroupError",
     "WorkerGroupPollStatus",
     "WorkerGroupStartupTimeoutError",
+    "WorkerStatus",
     "WorkingDirectorySetupCallback",
     "_TorchBackend",
     "construct_train_func",

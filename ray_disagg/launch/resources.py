@@ -78,10 +78,10 @@ def _check_whole_gpus(groups) -> None:
     for name, g in groups.items():
         sc = g.scaling_config
         gpu = sc._resources_per_worker_not_none.get("GPU", 0) if sc.use_gpu else 0
-        if sc.num_workers > 1 and gpu and gpu != int(gpu):
+        if sc.max_workers > 1 and gpu and gpu != int(gpu):
             raise ValueError(
                 f"The {name} group asks for resources_per_worker={{'GPU': {gpu:g}}} with "
-                f"{sc.num_workers} workers and placement='separate': two of its workers "
+                f"{sc.max_workers} workers and placement='separate': two of its workers "
                 'could share a GPU, which its NCCL process group refuses ("Duplicate GPU '
                 'detected"). Give each worker a whole GPU (resources_per_worker='
                 "{'GPU': 1}), or use placement='colocated' to share GPUs between the groups."

@@ -118,13 +118,7 @@ class ModuleWorkerGroups:
         self._shared_pg = shared_pg
         self._union_callbacks = union_callbacks
         self._latest_poll_status = None
-        self._labels, self._owners = {}, {}
-        idx = 0
-        for name, wg in groups.items():
-            for r in range(len(wg.get_workers())):
-                self._labels[idx] = f"{name} group rank {r}"
-                self._owners[idx] = name
-                idx += 1
+        self._relabel()
         self.relaunch: Relaunch | None = None
         self.generation = 0  # channel rebuilds (group restarts) in this attempt
         self.restarts = dict.fromkeys(groups, 0)
@@ -300,8 +294,17 @@ class ModuleWorkerGroups:
         return self._groups[name]
 
     def replace_group(self, name: str, wg: WorkerGroup | None) -> None:
-        """``wg`` (the same size) takes the place of group ``name`` (``None``: stopped)."""
+        """``wg`` (of any size) takes the place of group ``name`` (``None``: stopped)."""
         self._groups[name] = wg
+        self._relabel()
+
+    def _relabel(self) -> None:
+        """Each worker's index in the union (group order), its label and group."""
+        self._labels, self._owners = {}, {}
+        for name, wg in self._groups.items():
+            for r in range(len(wg.get_workers()) if wg is not None else 0):
+                self._labels[len(self._owners)] = f"{name} group rank {r}"
+                self._owners[len(self._owners)] = name
 
     def reset_reports(self) -> None:
         """Forget reports not yet consolidated (the survivors continue from a checkpoint)."""

@@ -186,9 +186,9 @@ def _seq_len(cfg, r) -> int:
 
 
 def _schedule(r):
-    from ray_disagg.trainer import DisaggregatedTrainer
+    from ray_disagg.launch.checks import resolve_schedule
 
-    return DisaggregatedTrainer._resolve_schedule(r.loop, r.placement, [], False)
+    return resolve_schedule(r.loop, r.placement, [], False)
 
 
 def estimate(r) -> dict[str, WorkerMemory]:

@@ -354,18 +354,22 @@ def load_recipe(source, overrides=(), *, for_training: bool = False) -> Recipe:
 def _check_layout(r: Recipe, check_weights: bool) -> None:
     """The driver-side checks of ``DisaggregatedTrainer.__init__`` that need no data."""
     from ray_disagg.freezing import frozen_parts
-    from ray_disagg.launch.checks import validate_layout, validate_loop
+    from ray_disagg.launch.checks import (
+        validate_groups,
+        validate_layout,
+        validate_loop,
+        validate_transfer,
+    )
     from ray_disagg.launch.resources import colocation_for
-    from ray_disagg.trainer import DisaggregatedTrainer as T
     from ray_disagg.transport import TIERS
 
     with at("groups"):
-        r.groups = T._validate_groups(r.groups, r.model.adapter)
+        r.groups = validate_groups(r.groups, r.model.adapter)
     with at("placement"):
         colocation_for(r.groups, r.placement)
     choice(r.transfer, "transfer", ("auto", *TIERS))
     with at("transfer"):
-        T._validate_transfer(r.transfer, r.groups)
+        validate_transfer(r.transfer, r.groups)
     with at("groups"):
         validate_layout(r.model.adapter, r.groups)
         frozen_parts(r.model, r.groups)

@@ -3,6 +3,7 @@ function."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -29,6 +30,18 @@ class LoopArgs:
     val_plan: BatchPlan | None = None
     group_recovery: bool = False  # the LLM group survives an encoder group's restart
     recovery_timeout_s: float = 900.0  # how long survivors wait for the restarted group
+
+    def at_sizes(self, sizes: dict[str, int]) -> LoopArgs:
+        """These arguments with the groups' numbers of workers ``sizes`` (an elastic
+        group's size: its plans re-split each batch over its new replicas);
+        ``ValueError`` when a batch does not split evenly."""
+        if all(self.groups[g].num_workers == n for g, n in sizes.items()):
+            return self
+        groups = {g: grp.at_size(sizes.get(g, grp.num_workers)) for g, grp in self.groups.items()}
+        dp = {g: grp.dp_size for g, grp in groups.items()}
+        val_plan = self.val_plan and dataclasses.replace(self.val_plan, dp_sizes=dp)
+        plan = dataclasses.replace(self.plan, dp_sizes=dp)
+        return dataclasses.replace(self, groups=groups, plan=plan, val_plan=val_plan)
 
     @property
     def adapter(self):

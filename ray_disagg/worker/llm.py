@@ -323,10 +323,10 @@ class LLMStep:
         return [self.items[p] for p in sorted(self.items)]
 
 
-def _evaluate(llm: LLMModel, source, plan, step: int) -> list[float]:
+def _evaluate(llm: LLMModel, source, step: int) -> list[float]:
     """This rank's ``[summed token loss, label tokens]`` over the validation set
     (non-zero on replica leaders only), forward only."""
-    loss_sum, n_labels = 0.0, 0
+    loss_sum, n_labels, plan = 0.0, 0, llm.w.args.val_plan  # at the groups' current sizes
     actions = llm_actions(plan.micro_batches, 1, sends_grads=False)
     for v in range(plan.steps_per_epoch):
         run = LLMStep(llm, source, plan, v, StepKey(step, v), grad=False)
@@ -358,7 +358,7 @@ def llm_train_loop(args: LoopArgs) -> None:
     if args.val_plan is not None:
         val_data = get_session().fetch(args.val_ref[0])
         val = ingest.MapStyleSource(val_data, args.val_plan, w.part, split="validation")
-        evaluate = functools.partial(_evaluate, llm, val, args.val_plan)
+        evaluate = functools.partial(_evaluate, llm, val)
     limit = w.cfg.max_in_flight or 1
     actions = llm_actions(w.cfg.micro_batches, limit, sends_grads=bool(llm.grad_names))
     step = start

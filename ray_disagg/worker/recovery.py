@@ -99,6 +99,7 @@ def recover(w, model) -> int:
     start, _ = checkpoint.restore(model, w.opt, w.part, w.args, log=log, ckpt=resume)
     w.rt.reloaded.set()
     w.channel = w.rt.wait_rejoin(generation, timeout)
+    w.args = w.args.at_sizes(w.channel.spec.sizes)  # an elastic group resized
     w.peer_failed, w.backward_passes, w.clock = False, 0, StepClock()
     if log is not None:
         failed = [g for g, n in w.channel.spec.restarts.items() if n]

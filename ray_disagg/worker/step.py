@@ -174,13 +174,15 @@ def validate(w, evaluate, step: int) -> dict:
 def placement_metrics(w, fallbacks: int) -> dict:
     """``transfer_tier``: the tiers that carried tensors between the groups this step
     (e.g. "shm", "cuda_ipc+nccl"; "gloo" joins when messages fell back to it);
-    ``<group>_restarts``: how often that group alone was restarted in this attempt; with
+    ``<group>_restarts``: how often that group alone was restarted in this attempt;
+    ``<group>_workers``: its current number of workers (an elastic group's size); with
     ``report_placement`` also ``placement``: each worker's ``[placement group id, bundle
     index]`` as the worker saw it."""
     spec = w.channel.spec
     tiers = set(spec.tiers.values()) | ({"gloo"} if fallbacks else set())
     out = {"transfer_tier": "+".join(sorted(tiers)) or "none"}
     out.update({f"{g}_restarts": spec.restarts.get(g, 0) for g in w.args.groups})
+    out.update({f"{g}_workers": spec.sizes[g] for g in w.args.groups})
     if w.cfg.report_placement:
         out["placement"] = {
             spec.label(r): [loc.placement_group, loc.bundle] for r, loc in enumerate(spec.locations)

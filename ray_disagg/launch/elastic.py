@@ -1,0 +1,216 @@
+"""Elastic encoder groups: ``ScalingConfig(num_workers=(min, max))``.
+
+A data-parallel encoder group may change its number of workers during the run. Each
+size it may take divides the per-microbatch share of the global batch (so the batch, the
+loss's math and every other group stay those of a fixed-size run); the driver lists them
+and builds every group's launch at each size before the run. The coordinator then:
+
+- starts the group at the largest allowed size the free resources hold (at least the
+  smallest allowed);
+- grows it when resources for a larger size appear (checked every
+  ``ScalingConfig(elastic_resize_monitor_interval_s)``), right after the next checkpoint
+  is registered;
+- shrinks it when a worker is lost and its resources do not come back: the group
+  restarts alone at the largest size that can be placed.
+
+A resize is a group restart (:mod:`ray_disagg.launch.group_restart`) at another size:
+the LLM group keeps its workers and continues from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from ray_disagg.config import DataParallel
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ElasticGroup",
+    "Launch",
+    "allowed_sizes",
+    "elastic_ranges",
+    "elastic_sizes",
+    "workers_fitting",
+]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Starting every group at one set of sizes: each group's ``GroupLaunch`` (LLM group
+    first) and the ``Transfers`` (exchanging pairs) of that layout."""
+
+    groups: dict
+    transfers: object
+
+
+@dataclass
+class ElasticGroup:
+    """The elastic group of a run (built on the driver, used by the coordinator)."""
+
+    name: str
+    launches: dict[int, Launch]
+    """Per allowed size (ascending), every group's launch at that size."""
+    per_worker: dict[str, float]
+    strategy: str = "PACK"
+    interval_s: float = 60.0
+    """``ScalingConfig(elastic_resize_monitor_interval_s)``: how often to look for room
+    to grow."""
+    size: int = 0
+    """The current size (0 before the first start)."""
+    grow_to: int | None = None
+    """A larger size resources were seen for: taken at the next registered checkpoint."""
+    grow_after: str | None = None
+    """The latest checkpoint's path when ``grow_to`` was decided."""
+    checked_at: float = field(default=-math.inf)
+
+    @property
+    def sizes(self) -> list[int]:
+        return sorted(self.launches)
+
+    def fitting(self, count: int) -> int | None:
+        """The largest allowed size of at most ``count`` workers (``None``: none)."""
+        fit = [n for n in self.sizes if n <= count]
+        return fit[-1] if fit else None
+
+    def initial_size(self, available: dict, others: dict) -> int:
+        """At the first start: the largest allowed size the cluster's free resources
+        ``available`` hold once the other groups' demand ``others`` is taken (the
+        smallest allowed size when even that does not fit: the start then waits)."""
+        free = {k: available.get(k, 0.0) - others.get(k, 0.0) for k in self.per_worker}
+        return self.fitting(workers_fitting(self.per_worker, [free])) or self.sizes[0]
+
+    def probe(self, count: int, timeout_s: float) -> bool:
+        """Whether ``count`` more workers can be placed now (a placement group reserved
+        and released)."""
+        if count <= 0:
+            return True
+        pg = placement_group([dict(self.per_worker)] * count, strategy=self.strategy)
+        try:
+            return bool(pg.wait(timeout_seconds=timeout_s))
+        finally:
+            remove_placement_group(pg)
+
+    def placeable(self, below: int, timeout_s: float) -> int | None:
+        """The largest allowed size up to ``below`` that can be placed now (after the
+        group stopped), trying the sizes from the largest down."""
+        for n in reversed([n for n in self.sizes if n <= below]):
+            if self.probe(n, timeout_s):
+                return n
+        return None
+
+
+def allowed_sizes(lo: int, hi: int, share: int) -> list[int]:
+    """Group sizes in ``[lo, hi]`` that divide ``share`` (the samples of one microbatch).
+
+    Example:
+        >>> allowed_sizes(1, 6, 4)
+        [1, 2, 4]
+    """
+    return [n for n in range(lo, hi + 1) if share % n == 0]
+
+
+def elastic_ranges(groups: dict, adapter, placement: str, restartable) -> dict[str, tuple]:
+    """The groups given ``ScalingConfig(num_workers=(min, max))``, validated:
+    ``ValueError`` unless each is a data-parallel encoder group that restarts alone."""
+    ranges = {
+        n: tuple(g.scaling_config.num_workers)
+        for n, g in groups.items()
+        if g.scaling_config.elasticity_enabled
+    }
+    if not ranges:
+        return ranges
+    can = [
+        n
+        for n in adapter.encoder_parts
+        if n in restartable and isinstance(groups[n].parallelism, DataParallel)
+    ]
+    for n, (lo, hi) in ranges.items():
+        reason = _not_elastic(n, groups[n], adapter, placement, restartable, len(ranges))
+        if reason:
+            raise ValueError(
+                f"ScalingConfig(num_workers=({lo}, {hi})) on {reason}. Elastic groups can be "
+                f"{can if placement == 'separate' else []} here: data-parallel encoder groups "
+                "that restart alone (one encoder group, map-style data, "
+                "restart_failed_group=True, placement='separate'). Give the others a fixed "
+                "num_workers."
+            )
+    return ranges
+
+
+def _not_elastic(name, group, adapter, placement, restartable, count) -> str | None:
+    """Why group ``name`` cannot be elastic (``None``: it can)."""
+    if name == adapter.llm_part:
+        return "the LLM group, which keeps its size (the other groups rejoin it)"
+    if not isinstance(group.parallelism, DataParallel):
+        kind = type(group.parallelism).__name__
+        return f"group {name!r}: its {kind} degree cannot change with its size"
+    if placement != "separate":
+        return f"group {name!r}: colocated groups share their bundles, one worker each"
+    if name not in restartable:
+        return f"group {name!r}: it cannot restart alone here"
+    if count > 1:
+        return f"group {name!r}: only one group may be elastic"
+    return None
+
+
+def elastic_sizes(ranges: dict[str, tuple], cfg) -> dict[str, list[int]]:
+    """Per elastic group, the sizes of its range that divide the per-microbatch share
+    of the global batch (``global_batch_size / micro_batches``), logged on the driver;
+    ``ValueError`` when none does."""
+    share = cfg.global_batch_size // cfg.micro_batches
+    if ranges and cfg.checkpoint_every is None:
+        raise ValueError(
+            f"The elastic group(s) {list(ranges)} resize by continuing from a checkpoint: "
+            "set train_loop_config['checkpoint_every'] (e.g. every few steps)."
+        )
+    out = {}
+    for name, (lo, hi) in ranges.items():
+        sizes = allowed_sizes(lo, hi, share)
+        unit = f"global_batch_size={cfg.global_batch_size}" + (
+            f" / micro_batches={cfg.micro_batches}" if cfg.micro_batches > 1 else ""
+        )
+        if not sizes:
+            raise ValueError(
+                f"ScalingConfig(num_workers=({lo}, {hi})) on the {name!r} group: no size in "
+                f"that range divides the {share} samples of a microbatch ({unit}); the "
+                f"sizes that do are {allowed_sizes(1, share, share)}."
+            )
+        left_out = sorted(set(range(lo, hi + 1)) - set(sizes))
+        say = logger.warning if left_out else logger.info
+        say(
+            "The elastic %s group takes the sizes %s (they divide the %d samples of a "
+            "microbatch, %s)%s.", name, sizes, share, unit,
+            f"; not {left_out}" if left_out else "",
+        )  # fmt: skip
+        out[name] = sizes
+    return out
+
+
+def workers_fitting(per_worker: dict, nodes: list[dict]) -> int:
+    """How many workers needing ``per_worker`` the free resources of ``nodes`` hold.
+
+    Example:
+        >>> workers_fitting({"CPU": 0.5}, [{"CPU": 1.2}, {"CPU": 0.5}])
+        3
+    """
+    need = {k: v for k, v in per_worker.items() if v > 0}
+    if not need:
+        return 1 << 30
+    return sum(int(min(node.get(k, 0.0) / v + 1e-9 for k, v in need.items())) for node in nodes)
+
+
+def free_per_node() -> list[dict]:
+    """Each alive node's free resources (Ray's view, refreshed within about a second)."""
+    from ray._private import state
+
+    return list(state.available_resources_per_node().values())
+
+
+def free_total() -> dict:
+    return dict(ray.available_resources())
