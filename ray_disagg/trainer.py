@@ -326,6 +326,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             per_worker=dict(sc._resources_per_worker_not_none),
             strategy=sc.placement_strategy,
             interval_s=sc.elastic_resize_monitor_interval_s,
+            max_steps=self.loop_config.max_steps,
         )
         return group.launches[sizes[0]], group
 

@@ -70,6 +70,8 @@ class DisaggregatedController(TrainController):
                 janitor=self._janitor,
             )
         except WorkerGroupStartupTimeoutError as e:
+            if self._elastic is not None:  # the free resources were not where they looked
+                self._elastic.step_down()
             waited = time.monotonic() - self._waiting_since
             if waited >= self._start_timeout_s:  # not retryable: fit() raises this
                 raise TimeoutError(
@@ -89,7 +91,8 @@ class DisaggregatedController(TrainController):
             return status
         if status.errors:
             return self._maybe_restart_group(status)
-        if self._elastic is not None:
+        running = all(s.running for s in status.worker_statuses.values())
+        if self._elastic is not None and running and not status.finished:
             return self._maybe_grow() or status
         return status
 
@@ -143,16 +146,20 @@ class DisaggregatedController(TrainController):
         the next checkpoint is registered; returns the poll status after growing (one
         with an error, for a full restart, when growing failed), else ``None``."""
         latest = self._checkpoint_manager.latest_checkpoint_result
-        old = self._elastic.size
-        launch = resize.grow_launch(self._elastic, latest)
+        old, name = self._elastic.size, self._elastic.name
+        try:
+            launch = resize.grow_launch(self._elastic, latest)
+        except Exception:  # the resource view or a probe: try again at the next check
+            logger.warning("Checking whether the %s group can grow failed.", name, exc_info=True)
+            return None
         if launch is None:
             return None
-        name = self._elastic.name
         try:
             took = restart_group(self._worker_group, name, latest.checkpoint, launch, False)
         except Exception as e:
-            logger.warning("Growing the %s group failed; every group restarts.", name,
-                           exc_info=True)  # fmt: skip
+            logger.warning("Growing the %s group failed; every group restarts (not counted "
+                           "as a failure).", name, exc_info=True)  # fmt: skip
+            self._precount()
             err = RuntimeError(f"growing the {name} group from {old} workers failed: {e!r}")
             return ModulePollStatus(worker_statuses={0: WorkerStatus(running=False, error=err)})
         self._launch = launch
@@ -162,6 +169,12 @@ class DisaggregatedController(TrainController):
             self._elastic.size, sum(took.values()), latest.checkpoint.path,
         )  # fmt: skip
         return self._worker_group.poll_status(timeout=self._health_check_interval_s)
+
+    def _precount(self) -> None:
+        """The next failure the controller counts is not one (a failed grow)."""
+        policy = self._failure_policy
+        if hasattr(policy, "_worker_group_failures"):
+            policy._worker_group_failures -= 1
 
     def _uncount(self) -> None:
         """Take back one counted failure (it is counted again by the full restart)."""

@@ -68,6 +68,10 @@ class ElasticGroup:
     grow_after: str | None = None
     """The latest checkpoint's path when ``grow_to`` was decided."""
     checked_at: float = field(default=-math.inf)
+    max_steps: int = 0
+    """The run's last step: its checkpoint ends the run, no grow follows it."""
+    cap: int | None = None
+    """The largest size to start with (lowered after a start that timed out)."""
 
     @property
     def sizes(self) -> list[int]:
@@ -78,12 +82,24 @@ class ElasticGroup:
         fit = [n for n in self.sizes if n <= count]
         return fit[-1] if fit else None
 
-    def initial_size(self, available: dict, others: dict) -> int:
-        """At the first start: the largest allowed size the cluster's free resources
-        ``available`` hold once the other groups' demand ``others`` is taken (the
-        smallest allowed size when even that does not fit: the start then waits)."""
+    def initial_size(self, available: dict, others: dict, nodes: list[dict] | None = None) -> int:
+        """At a start of every group: the largest allowed size (up to ``cap``) that the
+        cluster's free resources ``available`` hold once the other groups' demand
+        ``others`` is taken, and that the free resources of each node (``nodes``) hold
+        together; the smallest allowed size when even that does not fit (the start then
+        waits)."""
         free = {k: available.get(k, 0.0) - others.get(k, 0.0) for k in self.per_worker}
-        return self.fitting(workers_fitting(self.per_worker, [free])) or self.sizes[0]
+        count = workers_fitting(self.per_worker, [free])
+        if nodes is not None:
+            count = min(count, workers_fitting(self.per_worker, nodes))
+        if self.cap is not None:
+            count = min(count, self.cap)
+        return self.fitting(count) or self.sizes[0]
+
+    def step_down(self) -> None:
+        """A start at the current size timed out: start next time one size smaller."""
+        smaller = [n for n in self.sizes if n < self.size]
+        self.cap = smaller[-1] if smaller else self.sizes[0]
 
     def probe(self, count: int, timeout_s: float) -> bool:
         """Whether ``count`` more workers can be placed now (a placement group reserved
@@ -156,6 +172,10 @@ def _not_elastic(name, group, adapter, placement, restartable, count) -> str | N
         return f"group {name!r}: it cannot restart alone here"
     if count > 1:
         return f"group {name!r}: only one group may be elastic"
+    sc = group.scaling_config
+    if sc.placement_strategy.startswith("STRICT") or sc.label_selector is not None:
+        what = "label_selector" if sc.label_selector is not None else sc.placement_strategy
+        return f"group {name!r}: its size is chosen from the free resources, not with {what}"
     return None
 
 
@@ -207,9 +227,9 @@ def workers_fitting(per_worker: dict, nodes: list[dict]) -> int:
 
 def free_per_node() -> list[dict]:
     """Each alive node's free resources (Ray's view, refreshed within about a second)."""
-    from ray._private import state
+    from ray_disagg.launch.ray_compat import available_resources_per_node
 
-    return list(state.available_resources_per_node().values())
+    return available_resources_per_node()
 
 
 def free_total() -> dict:

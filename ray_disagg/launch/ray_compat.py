@@ -72,6 +72,7 @@ __all__ = [
     "WorkerGroupStartupTimeoutError",
     "WorkerStatus",
     "WorkingDirectorySetupCallback",
+    "available_resources_per_node",
     "_TorchBackend",
     "construct_train_func",
     "create_failure_policy",
@@ -199,6 +200,13 @@ class SharedPlacementWorkerGroup(WorkerGroup):
 
     def _create_placement_group(self, scaling_config, worker_group_context):
         return _SharedPlacementGroupHandle(self._shared_pg)
+
+
+def available_resources_per_node() -> list[dict]:
+    """Each alive node's free resources, as the GCS last heard them."""
+    from ray._private import state
+
+    return list(state.available_resources_per_node().values())
 
 
 def wait_reports_queued(timeout_s: float) -> bool:

@@ -31,7 +31,7 @@ def initial_launch(elastic: ElasticGroup, launch: Launch) -> Launch:
             sc = g.scaling_config
             for k, v in sc._resources_per_worker_not_none.items():
                 others[k] = others.get(k, 0.0) + v * sc.num_workers
-    elastic.size = elastic.initial_size(free_total(), others)
+    elastic.size = elastic.initial_size(free_total(), others, free_per_node())
     elastic.checked_at, elastic.grow_to = time.monotonic(), None
     logger.warning(
         "Starting the elastic %s group with %d workers (sizes %s).",
@@ -64,6 +64,8 @@ def grow_launch(elastic: ElasticGroup, latest) -> Launch | None:
     the group grows right after the next checkpoint is registered (``latest``: Ray
     Train's latest checkpoint result), if that size can still be placed."""
     path = None if latest is None else latest.checkpoint.path
+    if latest is not None and latest.metrics.get("step", 0) >= elastic.max_steps:
+        return None  # the last checkpoint: the run ends
     if elastic.grow_to is None:
         now = time.monotonic()
         if elastic.size >= elastic.sizes[-1] or now - elastic.checked_at < elastic.interval_s:
@@ -83,6 +85,7 @@ def grow_launch(elastic: ElasticGroup, latest) -> Launch | None:
     target, elastic.grow_to = elastic.grow_to, None
     if not elastic.probe(target - elastic.size, PROBE_TIMEOUT_S):
         logger.warning("The resources for %d %s workers are gone again.", target, elastic.name)
+        elastic.checked_at = time.monotonic()
         return None
     elastic.size, elastic.checked_at = target, time.monotonic()
     return elastic.launches[target]

@@ -1,6 +1,8 @@
 """``ray-disagg``: train or plan a run from a recipe (see :mod:`ray_disagg.recipes.recipe`).
 
     ray-disagg plan RECIPE [key=value ...]    # check the recipe, print layout + memory
+    ray-disagg plan --auto RECIPE [--cluster nodes=1,gpus_per_node=8,gpu_memory_gib=80]
+        [--calibrate] [--figures FILE] [--out BEST.yaml]   # rank layouts, write the best
     ray-disagg train RECIPE [key=value ...]   # build the trainer and fit()
     ray-disagg recipes                        # list the bundled recipes
 
@@ -28,7 +30,7 @@ import sys
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 
-__all__ = ["main", "plan", "train"]
+__all__ = ["auto_plan", "main", "plan", "train"]
 
 
 def plan(recipe: str, overrides=()) -> str:
@@ -37,6 +39,39 @@ def plan(recipe: str, overrides=()) -> str:
     from ray_disagg.recipes.recipe import load_recipe
 
     return render(load_recipe(recipe, overrides))
+
+
+def auto_plan(recipe: str, overrides=(), *, cluster: str | None = None, calibrate=False,
+              figures: str | None = None, out: str | None = None, top: int = 5,
+              verbose: bool = False) -> str:  # fmt: skip
+    """``plan --auto``: rank the recipe's layouts on ``cluster`` (``"nodes=..,gpus_per_node=
+    .."``; default: the connected Ray cluster) with the device figures in ``figures``
+    (default: this kind of cluster's calibration file, else nominal ones), after
+    measuring them first with ``calibrate``; write the best to ``out``."""
+    from ray_disagg.recipes import cluster as cl
+    from ray_disagg.recipes.data_stats import recipe_stream_statistics
+    from ray_disagg.recipes.planner import plan_auto, render_auto, write_recipe
+    from ray_disagg.recipes.recipe import load_recipe
+
+    r = load_recipe(recipe, overrides)
+    if cluster is None:
+        _ensure_ray({})
+        c = cl.cluster_from_ray()
+    else:
+        c = cl.parse_cluster(cluster)
+    path = figures or cl.default_figures_path(c)
+    if calibrate:
+        from ray_disagg.recipes.calibrate import calibrate as measure
+
+        _ensure_ray({})
+        f, _ = measure(r, c)
+        print(f"calibration written to {cl.save_figures(f, path)}", flush=True)
+    f = cl.load_figures(c, path)
+    result = plan_auto(r, c, f, recipe_stream_statistics(r))
+    text = render_auto(result, top=top, verbose=verbose)
+    if out is not None:
+        text += f"\nbest layout written to {write_recipe(result.ranked[0], out)}"
+    return text
 
 
 def _ensure_ray(groups) -> None:
@@ -97,8 +132,24 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument("recipe", help="a recipe YAML file or a bundled recipe's name")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
+        if name == "plan":
+            _auto_arguments(p)
     sub.add_parser("recipes", help="list the bundled recipes")
     return parser
+
+
+def _auto_arguments(p) -> None:
+    p.add_argument("--auto", action="store_true",
+                   help="rank the layouts of RECIPE's model by predicted step time")  # fmt: skip
+    p.add_argument("--cluster", help="nodes=N,gpus_per_node=G,gpu_memory_gib=M,"
+                   "cpus_per_node=C,host_memory_gib=H,interconnect=nvlink|pcie|loopback "
+                   "(default: the connected Ray cluster)")  # fmt: skip
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure the device figures on the connected cluster first")  # fmt: skip
+    p.add_argument("--figures", help="the calibration file to read (and write)")
+    p.add_argument("--out", help="write the best layout as a recipe to this file")
+    p.add_argument("--top", type=int, default=5, help="how many layouts to print")
+    p.add_argument("--verbose", action="store_true", help="list every dropped layout")
 
 
 def main(argv: list[str] | None = None):
@@ -115,6 +166,11 @@ def main(argv: list[str] | None = None):
             from ray_disagg.recipes.recipe import bundled_recipes
 
             out = "\n".join(f"{k}  {v}" for k, v in sorted(bundled_recipes().items()))
+            print(out)
+        elif args.command == "plan" and args.auto:
+            out = auto_plan(args.recipe, args.overrides, cluster=args.cluster,
+                            calibrate=args.calibrate, figures=args.figures, out=args.out,
+                            top=args.top, verbose=args.verbose)  # fmt: skip
             print(out)
         elif args.command == "plan":
             out = plan(args.recipe, args.overrides)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ray_disagg.models.base import IGNORE_INDEX
 
-__all__ = ["describe", "record_statistics", "recipe_statistics"]
+__all__ = ["describe", "record_statistics", "recipe_statistics", "recipe_stream_statistics"]
 
 
 def record_statistics(stream, n: int = 64, seed: int = 0) -> dict:
@@ -61,9 +61,9 @@ def describe(stats: dict) -> str:
     )
 
 
-def recipe_statistics(recipe, which: str, n: int = 64) -> str | None:
-    """``describe`` of ``recipe.data[which]`` when it is a stream of conversation records
-    on this machine (``None`` otherwise: nothing to sample)."""
+def recipe_stream_statistics(recipe, which: str = "train", n: int = 64) -> dict | None:
+    """:func:`record_statistics` of ``recipe.data[which]`` when it is a stream of
+    conversation records on this machine (``None`` otherwise)."""
     from ray_disagg.data.stream import ConversationStream
     from ray_disagg.recipes.data import build_dataset
 
@@ -72,6 +72,11 @@ def recipe_statistics(recipe, which: str, n: int = 64) -> str | None:
     if d["type"] != "conversations" or not os.path.exists(os.path.expanduser(records)):
         return None
     stream = build_dataset(recipe, which)
-    if not isinstance(stream, ConversationStream):
-        return None
-    return describe(record_statistics(stream, n))
+    return record_statistics(stream, n) if isinstance(stream, ConversationStream) else None
+
+
+def recipe_statistics(recipe, which: str, n: int = 64) -> str | None:
+    """``describe`` of ``recipe.data[which]`` when it is a stream of conversation records
+    on this machine (``None`` otherwise: nothing to sample)."""
+    stats = recipe_stream_statistics(recipe, which, n)
+    return None if stats is None else describe(stats)

@@ -1,0 +1,359 @@
+"""The planner's cost model: one step's time and each worker's memory for a layout.
+
+Per step, for a recipe ``r`` (one candidate layout) on a :class:`Cluster` with
+:class:`DeviceFigures` ``f``:
+
+- **compute** per part: FLOPs / (workers x ``f.flops[dtype]``). The LLM does
+  ``2 N T`` per forward (``N`` the parameters a token passes, experts counted ``k / E``,
+  plus the lm_head), and attention's quadratic term ``2 x 2 d s^2 / 2`` per layer and
+  sample (causal); the tower ``2 N P`` plus ``4 d p^2`` per block and image (a windowed
+  block: ``4 d p w``). Training is 3 forwards (4 with activation checkpointing); a
+  frozen part runs 1.
+- **collectives** from their volumes over the group's bandwidth (within a node or
+  across): DP gradient all-reduce ``2 (n-1)/n`` of the gradients, FSDP2
+  ``3 (n-1)/n`` of the parameters, ZeRO-1's all-gather, TP's 4 (6 with checkpointing)
+  activation all-reduces per layer, Ulysses' 8 all-to-alls per block, context
+  parallelism's K/V all-gathers, expert parallelism's 4 all-to-alls per MoE layer.
+- **crossings**: the tower's output (and its gradient) per microbatch at the tier's
+  bandwidth (``cuda_ipc`` colocated, ``nccl`` between GPUs, ``shm`` between CPU
+  processes, ``gloo`` across nodes).
+- **schedule**: with ``k`` microbatches of tower time ``v`` and LLM time ``l``,
+  colocated or sequential ``k (v + l + c)``; 1F1B ``k max(v, l) + min(v, l) + c``
+  (its bubble is the difference to ``k max(v, l)``). Then the slowest group's gradient
+  sync and optimizer step (AdamW streams ~28 bytes per local trainable parameter at
+  ``f.memory_bw``) and ``k x f.overhead_s`` per group.
+- **CPU workers** share the node's cores: when more processes are busy at once than
+  there are cores, each computes at ``cores / busy`` of a core.
+- **memory**: :func:`ray_disagg.recipes.estimate.estimate` per worker, times the
+  calibrated ``f.memory_scale`` of its kind; per GPU the bundle's sum when colocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+from ray_disagg.recipes.cluster import Cluster, DeviceFigures
+
+__all__ = ["ModelFacts", "Prediction", "Workload", "model_facts", "predict", "workload"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one sample costs: LLM tokens, tower patches (before merging), images."""
+
+    tokens: float
+    patches: float
+    images: float
+    source: str
+
+
+@dataclass(frozen=True)
+class PartFacts:
+    params: float
+    """Parameters a token passes (routed experts counted ``top_k / num_experts``),
+    without the embeddings."""
+    total: float
+    trainable: bool
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    parts: dict
+    text: object
+    vision: object
+    llm_part: str
+
+
+class _Cached:
+    """The recipe's model spec with its meta models built once (the planner calls the
+    memory estimate for thousands of layouts)."""
+
+    def __init__(self, spec):
+        self._spec = spec
+        self.memory_cache: dict = {}
+
+    @functools.cache  # noqa: B019 (one instance per planning)
+    def meta_model(self, part=None):
+        return self._spec.meta_model(part)
+
+    @functools.cached_property
+    def adapter(self):
+        return self._spec.adapter
+
+    def load_config(self):
+        return self._config
+
+    @functools.cached_property
+    def _config(self):
+        return self._spec.load_config()
+
+
+def model_facts(r) -> ModelFacts:
+    cfg = r.model.load_config()
+    t = cfg.text_config
+    parts = {}
+    for part, group in r.groups.items():
+        n = body = 0.0
+        experts = getattr(t, "num_experts", None)
+        k = getattr(t, "num_experts_per_tok", None)
+        for name, p in r.model.meta_model(part).named_parameters():
+            n += p.numel()
+            if "embed_tokens" in name:
+                continue
+            share = k / experts if experts and k and ".mlp.experts." in name else 1.0
+            body += p.numel() * share
+        parts[part] = PartFacts(params=body, total=n, trainable=group.trainable)
+    return ModelFacts(parts, t, getattr(cfg, "vision_config", None), r.model.adapter.llm_part)
+
+
+def workload(r, stats: dict | None = None) -> Workload:
+    """From the data's statistics (``data_stats.record_statistics``) when given, else
+    the recipe's ``plan`` (image size, images per sample, seq_len)."""
+    from ray_disagg.recipes.estimate import _seq_len, image_patches
+
+    cfg = r.model.load_config()
+    v = getattr(cfg, "vision_config", None)
+    images = r.plan["images_per_sample"] if v is not None else 0
+    per_image = image_patches(v, r.plan["image_size"])[0] if v is not None else 0
+    if stats and stats.get("tokens"):
+        merge = v.spatial_merge_size**2 if v is not None else 1
+        tokens = sum(stats["tokens"]) / len(stats["tokens"])
+        patches = sum(stats["media"]) / len(stats["tokens"]) * merge
+        return Workload(tokens, patches, images, f"{len(stats['tokens'])} sampled records")
+    return Workload(_seq_len(cfg, r), images * per_image, images, "recipe plan")
+
+
+@dataclass
+class Prediction:
+    """A layout's predicted step: seconds per part and term, and memory per worker."""
+
+    step_s: float
+    compute_s: dict
+    comm_s: dict
+    crossing_s: float
+    bubble_s: float
+    sync_s: float
+    memory: dict
+    """Per group: bytes of one worker (estimate x calibrated scale)."""
+    per_device: dict
+    """Per device kind (group, or "bundle" colocated; "node" for CPU workers): bytes."""
+
+
+def _dtype(r) -> str:
+    return "bfloat16" if r.loop.bf16 or r.loop.param_dtype == "bfloat16" else "float32"
+
+
+def _flops(r, facts: ModelFacts, work: Workload) -> dict[str, float]:
+    """Training FLOPs of one global batch per part."""
+    b, out = r.loop.global_batch_size, {}
+    for part, pf in facts.parts.items():
+        ac = r.groups[part].activation_checkpointing
+        passes = (4 if ac else 3) if pf.trainable else 1
+        if part == facts.llm_part:
+            t = facts.text
+            d = t.num_attention_heads * (
+                getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+            )
+            attn = 2 * d * work.tokens**2 * t.num_hidden_layers  # causal: half of 4 d s^2
+            fwd = 2 * pf.params * work.tokens + attn
+        elif part == "vision" and facts.vision is not None:
+            fwd = 2 * pf.params * work.patches + _tower_attention(facts.vision, work)
+        else:
+            fwd = 2 * pf.params * work.tokens * 0.1  # other encoders: a small share
+        out[part] = passes * fwd * b
+    return out
+
+
+def _tower_attention(v, work: Workload) -> float:
+    h = getattr(v, "embed_dim", None) or v.hidden_size
+    if not work.images:
+        return 0.0
+    p = work.patches / work.images
+    full = getattr(v, "fullatt_block_indexes", None)
+    window = getattr(v, "window_size", None)
+    if full is not None and window:
+        w = (window // v.patch_size) ** 2
+        per = len(full) * 4 * h * p * p + (v.depth - len(full)) * 4 * h * p * min(w, p)
+    else:
+        per = v.depth * 4 * h * p * p
+    return per * work.images
+
+
+def _bw(group, cluster: Cluster, f: DeviceFigures, span: int) -> float:
+    """Bandwidth of a collective over ``span`` workers of ``group``."""
+    return f.collective_bw if span <= cluster.per_node else f.inter_node_bw
+
+
+def _degrees(group) -> dict[str, int]:
+    shape, axes = group.mesh_layout
+    return dict(zip(axes, shape))
+
+
+def _layer_comm(r, part: str, facts: ModelFacts, work: Workload, c: Cluster, f) -> float:
+    """Seconds of one microbatch's TP / SP / CP / EP collectives on one worker."""
+    g, k, b = r.groups[part], r.loop.micro_batches, r.loop.global_batch_size
+    deg, a = _degrees(g), 2 if _dtype(r) == "bfloat16" else 4
+    ac = g.activation_checkpointing
+    samples = b / (g.dp_size * k)
+    if part == facts.llm_part:
+        t = facts.text
+        tokens, h, seconds = samples * work.tokens, t.hidden_size, 0.0
+        tp, cp = deg.get("tp", 1), deg.get("cp", 1)
+        if tp > 1:
+            count = (6 if ac else 4) * t.num_hidden_layers
+            seconds += count * 2 * (tp - 1) / tp * tokens / cp * h * a / _bw(g, c, f, tp)
+        if cp > 1:
+            kv = t.num_key_value_heads * (
+                getattr(t, "head_dim", None) or h // t.num_attention_heads
+            )
+            seconds += (
+                3 * t.num_hidden_layers * (cp - 1) / cp * tokens * 2 * kv * a / _bw(g, c, f, cp)
+            )
+        ep = (
+            getattr(g.parallelism, "size", 1)
+            if type(g.parallelism).__name__ == "ExpertParallel"
+            else 1
+        )
+        if ep > 1:
+            top = getattr(t, "num_experts_per_tok", 1)
+            seconds += (
+                4 * t.num_hidden_layers * (ep - 1) / ep * tokens * top * h * a / _bw(g, c, f, ep)
+            )
+        return seconds
+    sp = deg.get("sp", 1)
+    if part != "vision" or sp == 1 or facts.vision is None:
+        return 0.0
+    v = facts.vision
+    h = getattr(v, "embed_dim", None) or v.hidden_size
+    rows = samples * work.patches / sp
+    return 8 * v.depth * (sp - 1) / sp * rows * h * a / _bw(g, c, f, sp)
+
+
+def _sync(r, part: str, facts: ModelFacts, c: Cluster, f: DeviceFigures) -> float:
+    """Gradient sync and optimizer step of one worker of ``part``, seconds."""
+    g, pf = r.groups[part], facts.parts[part]
+    if not pf.trainable:
+        return 0.0
+    deg = _degrees(g)
+    mp = math.prod(v for k, v in deg.items() if k not in ("dp", "dp_shard"))
+    local, p_bytes = pf.total / mp, 2 if r.loop.param_dtype == "bfloat16" else 4
+    dp = g.dp_size
+    seconds = 0.0
+    if dp > 1:
+        bw = _bw(g, c, f, g.num_workers)
+        volume = 3 * local * p_bytes if g.fsdp else 2 * local * p_bytes
+        if getattr(g.parallelism, "zero1", False):
+            volume += local * p_bytes
+        seconds += (dp - 1) / dp * volume / bw
+    shard = dp if (g.fsdp or getattr(g.parallelism, "zero1", False)) else 1
+    return seconds + local / shard * 28 / f.memory_bw
+
+
+def _tier(r, c: Cluster) -> str:
+    if r.placement == "colocated":
+        return "cuda_ipc" if c.gpu else "shm"
+    if c.gpu:
+        return "nccl"
+    return "shm" if c.nodes == 1 else "gloo"
+
+
+def _crossing(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures) -> float:
+    """Seconds of one microbatch's crossings (tower output forward, its gradient back)."""
+    v = facts.vision
+    if v is None or "vision" not in r.groups:
+        return 0.0
+    g = r.groups[facts.llm_part]
+    a = 2 if _dtype(r) == "bfloat16" else 4
+    samples = r.loop.global_batch_size / (g.dp_size * r.loop.micro_batches)
+    out = getattr(v, "out_hidden_size", None) or facts.text.hidden_size
+    rows = samples * work.patches / v.spatial_merge_size**2
+    ways = 2 if facts.parts["vision"].trainable else 1
+    return ways * rows * out * a / f.tier_bw.get(_tier(r, c), min(f.tier_bw.values()))
+
+
+def _busy(r, c: Cluster, pipelined: bool) -> float:
+    """CPU workers: the share of a core each busy worker gets (1 on GPUs)."""
+    if c.gpu:
+        return 1.0
+    sizes = [g.num_workers for g in r.groups.values()]
+    busy = sum(sizes) if pipelined and r.placement == "separate" else max(sizes)
+    return min(1.0, c.devices / busy)
+
+
+def predict(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures) -> Prediction:
+    from ray_disagg.recipes.estimate import _schedule
+
+    sched = _schedule(r)
+    k, llm = r.loop.micro_batches, facts.llm_part
+    pipelined = sched.schedule == "1f1b"
+    share = _busy(r, c, pipelined)
+    flops = _flops(r, facts, work)
+    compute = {p: flops[p] / (r.groups[p].num_workers * f.flops[_dtype(r)] * share) for p in flops}
+    comm = {p: k * _layer_comm(r, p, facts, work, c, f) for p in r.groups}
+    cross = k * _crossing(r, facts, work, c, f)
+    per_mb = {p: (compute[p] + comm[p]) / k + f.overhead_s for p in r.groups}
+    lm = per_mb[llm]
+    v = sum(t for p, t in per_mb.items() if p != llm)
+    if r.placement == "colocated" or not pipelined:
+        pipe, bubble = k * (v + lm) + cross, 0.0
+    else:
+        pipe = k * max(v, lm) + min(v, lm) + cross / k
+        bubble = pipe - k * max(v, lm)
+    syncs = {p: _sync(r, p, facts, c, f) for p in r.groups}
+    sync = sum(syncs.values()) if r.placement == "colocated" else max(syncs.values())
+    memory, per_device = _memory(r, c, f)
+    return Prediction(
+        step_s=pipe + sync, compute_s=compute, comm_s=comm, crossing_s=cross,
+        bubble_s=bubble, sync_s=sync, memory=memory, per_device=per_device,
+    )  # fmt: skip
+
+
+def _memory(r, c: Cluster, f: DeviceFigures) -> tuple[dict, dict]:
+    llm = r.model.adapter.llm_part
+    memory = {
+        p: _worker_bytes(r, p) * f.memory_scale.get("llm" if p == llm else "encoder", 1.0)
+        for p in r.groups
+    }
+    if not c.gpu:
+        total = sum(memory[p] * g.num_workers for p, g in r.groups.items())
+        return memory, {"node": total / c.nodes}
+    if r.placement == "colocated":
+        return memory, {"bundle": sum(memory.values())}
+    return memory, dict(memory)
+
+
+def _worker_bytes(r, part: str) -> float:
+    """The estimate of one worker of ``part`` (cached on the model per group setting: the
+    planner asks for thousands of layouts)."""
+    from ray_disagg.recipes.estimate import estimate
+
+    g, loop = r.groups[part], r.loop
+    key = (part, g.num_workers, g.parallelism, g.activation_checkpointing, g.trainable,
+           g.freeze, loop.micro_batches, loop.bf16, loop.param_dtype, r.placement)  # fmt: skip
+    cache = getattr(r.model, "memory_cache", None)
+    if cache is not None and key in cache:
+        return cache[key]
+    total = estimate(dataclasses.replace(r, groups={part: g}))[part].total
+    if cache is not None:
+        cache[key] = total
+    return total
+
+
+def fits(pred: Prediction, c: Cluster) -> tuple[bool, str, float]:
+    """Whether the layout fits: ``(ok, where, shortfall bytes)``."""
+    limit = (c.host_memory_gib if not c.gpu else c.gpu_memory_gib) * GiB
+    where, need = max(pred.per_device.items(), key=lambda kv: kv[1])
+    return need <= limit, where, max(0.0, need - limit)
+
+
+def with_layout(r, **changes):
+    """A copy of recipe ``r`` with ``groups``/``placement`` and loop fields replaced."""
+    loop = {k: changes.pop(k) for k in ("micro_batches", "bf16") if k in changes}
+    if loop:
+        changes["loop"] = dataclasses.replace(r.loop, **loop, schedule=None, max_in_flight=None)
+    return dataclasses.replace(r, **changes)

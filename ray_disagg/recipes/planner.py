@@ -1,0 +1,298 @@
+"""``ray-disagg plan --auto``: enumerate the layouts of a recipe's model on a cluster,
+drop those that do not fit or are not valid, rank the rest by the cost model's step time
+(:mod:`ray_disagg.recipes.cost`) and write the best as a recipe.
+
+Enumerated per layout: placement (separate: the tower and LLM groups on disjoint devices
+of every split; colocated: both on every device), the tower's parallelism (data
+parallel, Ulysses ``SequenceParallel``), the LLM's (data parallel, ZeRO-1, FSDP2,
+``TensorParallel`` within a node, with FSDP2 over the rest, ``ContextParallel``, and
+``ExpertParallel`` for an MoE LLM), ``micro_batches``, activation checkpointing per group
+and bf16 autocast.
+
+Example:
+    >>> from ray_disagg.recipes.recipe import load_recipe
+    >>> from ray_disagg.recipes.cluster import parse_cluster, NOMINAL
+    >>> result = plan_auto(load_recipe("digits_cpu"), parse_cluster("cpus_per_node=2"),
+    ...                    NOMINAL["cpu"])
+    >>> len(result.ranked) > 1 and result.ranked[0].prediction.step_s > 0
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+
+from ray.train import ScalingConfig
+
+from ray_disagg.config import (
+    ContextParallel,
+    DataParallel,
+    ExpertParallel,
+    SequenceParallel,
+    TensorParallel,
+)
+from ray_disagg.recipes import cost
+from ray_disagg.recipes.cluster import Cluster, DeviceFigures
+
+__all__ = ["Candidate", "PlanResult", "enumerate_layouts", "plan_auto", "render_auto"]
+
+GiB = 2**30
+
+
+@dataclass
+class Candidate:
+    recipe: object
+    prediction: cost.Prediction | None = None
+    dropped: str | None = None
+    shortfall: tuple[str, float] | None = None  # (where, bytes) when it did not fit
+
+    def describe(self) -> str:
+        r = self.recipe
+        parts = [f"{p}: {g.num_workers}x {_short(g)}" for p, g in r.groups.items()]
+        loop = f"mb={r.loop.micro_batches}" + (" bf16" if r.loop.bf16 else "")
+        return f"{r.placement}; " + "; ".join(parts) + f"; {loop}"
+
+
+@dataclass
+class PlanResult:
+    ranked: list[Candidate]
+    dropped: list[Candidate] = field(default_factory=list)
+    figures: DeviceFigures | None = None
+    cluster: Cluster | None = None
+    workload: cost.Workload | None = None
+
+
+def _short(g) -> str:
+    p = g.parallelism
+    kind = {DataParallel: "dp", SequenceParallel: "sp", TensorParallel: "tp",
+            ContextParallel: "cp", ExpertParallel: "ep"}[type(p)]  # fmt: skip
+    out = kind if kind == "dp" else f"{kind}{p.size}"
+    out += f"xtp{p.tp}" if getattr(p, "tp", 1) > 1 else ""
+    out += "+fsdp" if p.fsdp else "+zero1" if getattr(p, "zero1", False) else ""
+    return out + (" ac" if g.activation_checkpointing else "")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _sizes(n: int, cap: int) -> list[int]:
+    return [d for d in _divisors(n) if 1 < d <= cap]
+
+
+def _tower_options(n: int, heads: int | None) -> list:
+    out = [DataParallel(), DataParallel(fsdp=True)] if n > 1 else [DataParallel()]
+    for s in _sizes(n, n):
+        if heads and heads % s == 0:
+            out.append(SequenceParallel(size=s))
+    return out
+
+
+def _llm_options(n: int, per_node: int, t, moe: bool) -> list:
+    heads = t.num_attention_heads
+    out = [DataParallel()]
+    if n > 1:
+        out += [DataParallel(zero1=True), DataParallel(fsdp=True)]
+    for s in _sizes(n, per_node):
+        if heads % s == 0 and t.num_key_value_heads % s == 0:
+            out.append(TensorParallel(size=s))
+            if n // s > 1:
+                out.append(TensorParallel(size=s, fsdp=True))
+    for s in _sizes(n, per_node):
+        if heads % s == 0:
+            out.append(ContextParallel(size=s))
+    if moe:
+        experts = t.num_experts
+        out += [ExpertParallel(size=s) for s in _sizes(n, n) if experts % s == 0]
+    return out
+
+
+def _group(base, n: int, parallelism, ac: bool, gpu: bool, share: float):
+    sc = base.scaling_config
+    res = {"GPU": share, "CPU": 1} if gpu else {"CPU": 1}
+    new = ScalingConfig(num_workers=n, use_gpu=gpu, resources_per_worker=res,
+                        placement_strategy=sc.placement_strategy)  # fmt: skip
+    return dataclasses.replace(base, scaling_config=new, parallelism=parallelism,
+                               activation_checkpointing=ac)  # fmt: skip
+
+
+def _splits(c: Cluster, parts: list[str]):
+    """(placement, {part: workers}) over the cluster's devices."""
+    d = c.devices
+    if len(parts) == 2:
+        yield "colocated", dict.fromkeys(parts, d)
+        for v in range(1, d):
+            yield "separate", {parts[0]: v, parts[1]: d - v}
+    else:  # one encoder group beside the LLM only when there are two parts
+        yield "colocated", dict.fromkeys(parts, d)
+
+
+def enumerate_layouts(r, c: Cluster):
+    """Every candidate recipe (not yet checked): see the module docstring."""
+    cfg = r.model.load_config()
+    llm = r.model.adapter.llm_part
+    parts = list(r.groups)
+    t, v = cfg.text_config, getattr(cfg, "vision_config", None)
+    moe = bool(getattr(t, "num_experts", None))
+    heads = getattr(v, "num_heads", None) if v is not None else None
+    b = r.loop.global_batch_size
+    for placement, sizes in _splits(c, parts):
+        share = 0.5 if placement == "colocated" and c.gpu else 1
+        options = {
+            p: _llm_options(n, c.per_node, t, moe) if p == llm else _tower_options(n, heads)
+            for p, n in sizes.items()
+        }
+        for choice in itertools.product(*(options[p] for p in parts)):
+            for acs in itertools.product((False, True), repeat=len(parts)):
+                groups = {
+                    p: _group(r.groups[p], sizes[p], par, ac, c.gpu, share)
+                    for p, par, ac in zip(parts, choice, acs)
+                }
+                dps = [g.dp_size for g in groups.values()]
+                for k in (1, 2, 4, 8, 16):
+                    if any(b % (dp * k) for dp in dps):
+                        continue
+                    for bf16 in sorted({r.loop.bf16, True}):
+                        yield cost.with_layout(r, groups=groups, placement=placement,
+                                               micro_batches=k, bf16=bf16)  # fmt: skip
+
+
+def _check(cand: Candidate) -> str | None:
+    """Why the layout is invalid for this model (the driver's own checks), else None."""
+    from ray_disagg.launch.checks import validate_layout, validate_loop
+    from ray_disagg.launch.resources import colocation_for
+
+    r = cand.recipe
+    try:
+        validate_layout(r.model.adapter, r.groups)
+        validate_loop(r.model.adapter, r.loop)
+        colocation_for(r.groups, r.placement)
+    except ValueError as e:
+        return f"invalid: {str(e).split(';')[0]}"
+    return None
+
+
+def plan_auto(r, c: Cluster, figures: DeviceFigures, stats: dict | None = None) -> PlanResult:
+    """Rank every layout of recipe ``r`` on cluster ``c`` (see the module docstring)."""
+    model = cost._Cached(r.model)
+    r = dataclasses.replace(r, model=model)
+    facts, work = cost.model_facts(r), cost.workload(r, stats)
+    ranked, dropped = [], []
+    for layout in enumerate_layouts(r, c):
+        cand = Candidate(layout)
+        cand.dropped = _check(cand)
+        if cand.dropped is None:
+            cand.prediction = cost.predict(layout, facts, work, c, figures)
+            ok, where, short = cost.fits(cand.prediction, c)
+            if not ok:
+                cand.dropped = f"out of memory: {where} needs {short / GiB:.1f} GiB more"
+                cand.shortfall = (where, short)
+        (dropped if cand.dropped else ranked).append(cand)
+    ranked.sort(key=lambda x: x.prediction.step_s)
+    if not ranked:
+        raise ValueError(_no_fit(dropped, c))
+    return PlanResult(ranked, dropped, figures, c, work)
+
+
+def _no_fit(dropped: list[Candidate], c: Cluster) -> str:
+    short = [d for d in dropped if d.shortfall]
+    if not short:
+        return f"No layout of this model is valid on {c.devices} devices: {dropped[0].dropped}"
+    best = min(short, key=lambda d: d.shortfall[1])
+    where, need = best.shortfall
+    have = c.gpu_memory_gib if c.gpu else c.host_memory_gib
+    return (
+        f"No layout fits the cluster ({c.devices} devices, {have:g} GiB each): the smallest "
+        f"shortfall is {need / GiB:.1f} GiB on {where} with {best.describe()}. It would fit "
+        f"with {have + need / GiB:.0f} GiB per device, more devices, "
+        "train_loop_config.param_dtype=bfloat16 or frozen groups."
+    )
+
+
+def _parallelism_yaml(p):
+    kind = {DataParallel: "data", SequenceParallel: "sequence", TensorParallel: "tensor",
+            ContextParallel: "context", ExpertParallel: "expert"}[type(p)]  # fmt: skip
+    out = {"type": kind}
+    for f in dataclasses.fields(p):
+        if getattr(p, f.name) != f.default or f.name == "size":
+            out[f.name] = getattr(p, f.name)
+    return "none" if out == {"type": "data"} else out
+
+
+def recipe_dict(cand: Candidate) -> dict:
+    """The recipe (as YAML data) of a candidate: the original with its layout."""
+    r = cand.recipe
+    raw = dict(r.raw)
+    groups = {}
+    for p, g in r.groups.items():
+        sc = g.scaling_config
+        groups[p] = {
+            **(raw.get("groups", {}).get(p) or {}),
+            "num_workers": sc.num_workers,
+            "use_gpu": sc.use_gpu,
+            "resources_per_worker": dict(sc.resources_per_worker),
+            "parallelism": _parallelism_yaml(g.parallelism),
+            "activation_checkpointing": g.activation_checkpointing,
+        }
+    loop = dict(raw.get("train_loop_config") or {})
+    loop.update(micro_batches=r.loop.micro_batches, bf16=r.loop.bf16)
+    return {**raw, "groups": groups, "placement": r.placement, "train_loop_config": loop}
+
+
+def write_recipe(cand: Candidate, path: str) -> str:
+    import yaml
+
+    pred = cand.prediction
+    head = (
+        f"# written by `ray-disagg plan --auto`: {cand.describe()}\n"
+        f"# predicted step {pred.step_s:.3g} s; per device "
+        + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in pred.per_device.items())
+        + "\n"
+    )
+    with open(path, "w") as f:
+        f.write(head + yaml.safe_dump(recipe_dict(cand), sort_keys=False))
+    return path
+
+
+def _reason_kind(text: str) -> str:
+    return text.split(":")[0] if text.startswith("out of memory") else text
+
+
+def render_auto(result: PlanResult, top: int = 5, verbose: bool = False) -> str:
+    """The ranking as text: the top layouts with predicted step time and memory, and
+    why the others were dropped (grouped; every one with ``verbose``)."""
+    f, c, w = result.figures, result.cluster, result.workload
+    unit = "GPU" if c.gpu else "node"
+    lines = [
+        f"cluster: {c.nodes} node(s) x {c.per_node} {'GPUs' if c.gpu else 'CPU cores'}, "
+        f"{c.device_memory_gib:g} GiB per {'GPU' if c.gpu else 'core'}",
+        f"device figures: {f.name}" + ("" if f.calibrated else " - UNCALIBRATED (nominal)"),
+        f"workload: {w.tokens:.0f} LLM tokens, {w.patches:.0f} patches per sample ({w.source})",
+        f"{len(result.ranked)} layouts fit, {len(result.dropped)} dropped; top {top}:",
+        "",
+    ]
+    for i, cand in enumerate(result.ranked[:top], 1):
+        p = cand.prediction
+        mem = ", ".join(f"{g} {m / GiB:.2f}" for g, m in p.memory.items())
+        dev = ", ".join(f"{k} {v / GiB:.2f}" for k, v in p.per_device.items())
+        lines.append(f"{i}. {p.step_s:8.3f} s/step  {cand.describe()}")
+        lines.append(
+            f"   memory per worker (GiB): {mem}; per {unit}: {dev}; bubble {p.bubble_s:.3f} s, "
+            f"crossings {p.crossing_s:.3f} s, sync {p.sync_s:.3f} s"
+        )
+    rest = result.ranked[top:]
+    if rest:
+        lines.append(
+            f"\n{len(rest)} more fit but are predicted slower "
+            f"({rest[0].prediction.step_s:.3f} to {rest[-1].prediction.step_s:.3f} s/step)"
+        )
+    groups: dict[str, list[Candidate]] = {}
+    for d in result.dropped:
+        groups.setdefault(_reason_kind(d.dropped), []).append(d)
+    for reason, cands in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        lines.append(f"dropped {len(cands)}: {reason} (e.g. {cands[0].describe()})")
+        if verbose:
+            lines += [f"  - {x.describe()}: {x.dropped}" for x in cands]
+    return "\n".join(lines)

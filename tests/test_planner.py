@@ -1,0 +1,135 @@
+"""Tier 1: ``ray-disagg plan --auto``: the cluster description, the enumeration of
+layouts, the cost model's terms, the ranking, the written recipe and bad input."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ray_disagg.config import (
+    ContextParallel,
+    DataParallel,
+    ExpertParallel,
+    SequenceParallel,
+    TensorParallel,
+)
+from ray_disagg.recipes import cost
+from ray_disagg.recipes.calibrate import _solve, _terms
+from ray_disagg.recipes.cli import main
+from ray_disagg.recipes.cluster import NOMINAL, Cluster, load_figures, parse_cluster, save_figures
+from ray_disagg.recipes.planner import _group, enumerate_layouts, plan_auto, render_auto
+from ray_disagg.recipes.recipe import load_recipe
+
+CPU2 = Cluster(cpus_per_node=2, host_memory_gib=24, interconnect="loopback")
+GPU4 = parse_cluster("nodes=1,gpus_per_node=4,gpu_memory_gib=80")
+
+
+def recipe(preset="tiny_qwen2_5_vl", **loop):
+    return load_recipe({
+        "model": {"config": preset},
+        "data": {"train": {"type": "digits", "num_samples": 64, "image_size": 16}},
+        "groups": {"vision": {"num_workers": 1}, "text": {"num_workers": 1}},
+        "train_loop_config": {"max_steps": 2, "global_batch_size": 8, **loop},
+        "plan": {"image_size": [32, 32], "images_per_sample": 1},
+    })  # fmt: skip
+
+
+def test_cluster_descriptions_and_figure_files(tmp_path):
+    assert (GPU4.devices, GPU4.device_memory_gib, GPU4.gpu) == (4, 80.0, True)
+    assert CPU2.devices == 2 and CPU2.device_memory_gib == 12.0
+    with pytest.raises(ValueError, match="is not KEY=VALUE"):
+        parse_cluster("gpus=8")
+    with pytest.raises(ValueError, match="interconnect"):
+        parse_cluster("interconnect=carrier-pigeon")
+    assert load_figures(GPU4, str(tmp_path / "none.json")) is NOMINAL["gpu"]
+    measured = dataclasses.replace(NOMINAL["cpu"], calibrated=True, overhead_s=0.5)
+    path = save_figures(measured, str(tmp_path / "figures.json"))
+    assert load_figures(CPU2, path) == measured
+
+
+def test_enumeration_covers_every_parallelism():
+    layouts = list(enumerate_layouts(recipe(), GPU4))
+    kinds = {(p, type(g.parallelism)) for r in layouts for p, g in r.groups.items()}
+    assert {
+        ("vision", SequenceParallel),
+        ("text", TensorParallel),
+        ("text", ContextParallel),
+    } <= kinds
+    assert {r.placement for r in layouts} == {"separate", "colocated"}
+    assert {r.loop.micro_batches for r in layouts} >= {1, 2, 4} and {
+        r.loop.bf16 for r in layouts
+    } == {False, True}
+    assert any(g.fsdp for r in layouts for g in r.groups.values())
+    assert all(
+        sum(g.num_workers for g in r.groups.values()) <= 4
+        for r in layouts
+        if r.placement == "separate"
+    )
+    moe = list(enumerate_layouts(recipe("tiny_qwen3_vl_moe"), GPU4))
+    assert any(isinstance(r.groups["text"].parallelism, ExpertParallel) for r in moe)
+
+
+def _at(r, vision, text, placement="separate", k=1, ac=False):
+    groups = {"vision": _group(r.groups["vision"], *vision, ac, True, 1),
+              "text": _group(r.groups["text"], *text, ac, True, 1)}  # fmt: skip
+    return cost.with_layout(r, groups=groups, placement=placement, micro_batches=k)
+
+
+def test_cost_model_terms():
+    r = recipe()
+    r = dataclasses.replace(r, model=cost._Cached(r.model))
+    facts, work, f = cost.model_facts(r), cost.workload(r), NOMINAL["gpu"]
+    one = cost.predict(_at(r, (1, DataParallel()), (1, DataParallel())), facts, work, GPU4, f)
+    tp2 = cost.predict(
+        _at(r, (1, DataParallel()), (2, TensorParallel(size=2))), facts, work, GPU4, f
+    )
+    assert tp2.compute_s["text"] == pytest.approx(one.compute_s["text"] / 2)
+    assert tp2.comm_s["text"] > 0 == one.comm_s["text"]
+    ac = cost.predict(
+        _at(r, (1, DataParallel()), (1, DataParallel()), ac=True), facts, work, GPU4, f
+    )
+    assert ac.compute_s["text"] == pytest.approx(one.compute_s["text"] * 4 / 3)
+    seq = _at(r, (1, DataParallel()), (1, DataParallel()), k=4)
+    piped = cost.predict(seq, facts, work, GPU4, f)  # separate, 4 microbatches: 1F1B
+    sequential = cost.with_layout(seq, micro_batches=4)
+    sequential = dataclasses.replace(
+        sequential, loop=dataclasses.replace(sequential.loop, schedule="sequential")
+    )
+    assert piped.step_s < cost.predict(sequential, facts, work, GPU4, f).step_s
+    dp2 = cost.predict(_at(r, (1, DataParallel()), (2, DataParallel())), facts, work, GPU4, f)
+    fsdp = cost.predict(
+        _at(r, (1, DataParallel()), (2, DataParallel(fsdp=True))), facts, work, GPU4, f
+    )
+    assert fsdp.memory["text"] < dp2.memory["text"] and fsdp.sync_s > dp2.sync_s
+    # the calibration's linear fit recovers the figures it was made with
+    rows, ys = [], []
+    for k in (1, 2):
+        layout = _at(r, (1, DataParallel()), (1, DataParallel()), k=k)
+        a, b, c0 = _terms(layout, facts, work, GPU4, dataclasses.replace(f, overhead_s=0.0))
+        rows.append((a, b))
+        ys.append(cost.predict(layout, facts, work, GPU4, f).step_s - c0)
+    inv, overhead = _solve(rows, ys)
+    assert 1 / inv == pytest.approx(f.flops["float32"], rel=1e-6)
+    assert overhead == pytest.approx(f.overhead_s, rel=1e-6)
+
+
+def test_plan_ranks_valid_layouts_and_writes_the_best(tmp_path):
+    result = plan_auto(recipe(), CPU2, NOMINAL["cpu"])
+    steps = [c.prediction.step_s for c in result.ranked]
+    assert steps == sorted(steps) and len(steps) > 5
+    text = render_auto(result)
+    assert "UNCALIBRATED" in text and "1. " in text and "5. " in text and "s/step" in text
+    figures, best = str(tmp_path / "none.json"), str(tmp_path / "best.yaml")
+    args = ["--cluster", "cpus_per_node=2", "--figures", figures, "--out", best]
+    out = main(["plan", "--auto", "digits_cpu", *args])
+    assert "best layout written to" in out
+    best = load_recipe(best)
+    first = out.split("1. ")[1].split("\n")[0]
+    assert best.placement in first and f"mb={best.loop.micro_batches}" in first
+
+
+def test_no_layout_fits_names_the_smallest_shortfall():
+    tiny = Cluster(cpus_per_node=1, host_memory_gib=0.001, interconnect="loopback")
+    with pytest.raises(ValueError, match=r"smallest shortfall is [\d.]+ GiB on node with"):
+        plan_auto(recipe(), tiny, NOMINAL["cpu"])
+    assert np.isfinite(cost.GiB)
