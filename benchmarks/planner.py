@@ -1,21 +1,26 @@
 """The planner's cost model against measurements, in one run on this machine.
 
 1. Calibrates the device figures on the local Ray cluster
-   (:func:`ray_disagg.recipes.calibrate.calibrate`: micro-benchmarks, then two short runs
-   of the model, tower 1 + LLM 1 with 1 and 2 microbatches).
-2. Trains a small Qwen2.5-VL (~25M-parameter LLM, ~8M tower; fp32 AdamW, synthetic
-   samples of 8x8-merged 64 px images) in at least six layouts for a few steps each
+   (:func:`ray_disagg.recipes.calibrate.calibrate`: micro-benchmarks, then six short
+   runs of the model: tower 1 + LLM 1 with 1 and 2 microbatches, LLM data parallel over
+   2, activation checkpointing, bf16 autocast, LLM TP2). Those runs are the measurements
+   of their layouts below.
+2. Trains a small Qwen2.5-VL (~55M-parameter LLM, ~5M tower; fp32 AdamW, synthetic
+   samples of one 64 px image, 64 LLM tokens) in at least six layouts for a few steps each
    and prints, side by side, the measured and predicted step time (median of the steps
    after the first two) and each group's memory per worker: the rank-0 peak resident set
    of its steps minus an idle worker's, against the planner's estimate. Then the
    Spearman rank correlation of the step times (must be >= 0.8) and the largest memory
    error (must be within 15%).
 3. Prints, from the nominal (uncalibrated) GPU figures, the planner's choice for the
-   bundled ``qwen2_5_vl_32b_8gpu`` recipe on one node of 8 H100-class GPUs against
+   bundled ``qwen2_5_vl_32b_8gpu`` recipe on one node of 8 H200-class GPUs against
    uniform TP8 (vision and LLM both TP8 on every GPU).
 
-Every worker takes one logical CPU (one thread); the cluster is described as 2 cores,
-which the cost model shares between the workers busy at once.
+Every worker takes one logical CPU (one thread) and runs with glibc's
+``MALLOC_MMAP_THRESHOLD_`` at 1 MiB (this small model's 1-16 MB tensors would otherwise
+stay in a heap that does not shrink, and the resident set would not follow the live
+tensors); the cluster is described as 2 cores, which the cost model shares between the
+workers busy at once.
 
     python benchmarks/planner.py [--steps 6] [--layouts all]
 """
@@ -32,16 +37,26 @@ import ray  # noqa: E402
 
 from ray_disagg.config import DataParallel, TensorParallel  # noqa: E402
 from ray_disagg.recipes import cost  # noqa: E402
-from ray_disagg.recipes.calibrate import calibrate, measure_layout  # noqa: E402
+from ray_disagg.recipes.calibrate import (  # noqa: E402
+    calibrate,
+    measure_layout,
+    sample_workload,
+    samples,
+)
 from ray_disagg.recipes.cluster import NOMINAL, Cluster, parse_cluster  # noqa: E402
-from ray_disagg.recipes.planner import _group, plan_auto, render_auto  # noqa: E402
+from ray_disagg.recipes.planner import (  # noqa: E402
+    Candidate,
+    _group,
+    plan_auto,
+    render_auto,
+)
 from ray_disagg.recipes.recipe import load_recipe  # noqa: E402
 
 MODEL = {
     "preset": "tiny_qwen2_5_vl",
-    "vocab_size": 4096,
-    "text_hidden": 512,
-    "text_layers": 6,
+    "vocab_size": 8192,
+    "text_hidden": 768,
+    "text_layers": 8,
     "text_heads": 8,
     "text_kv_heads": 4,
     "vision_hidden": 256,
@@ -53,7 +68,7 @@ RECIPE = {
     "data": {"train": {"type": "digits", "num_samples": 64, "image_size": 64}},
     "groups": {"vision": {"num_workers": 1}, "text": {"num_workers": 1}},
     "train_loop_config": {"max_steps": 6, "global_batch_size": 8},
-    "plan": {"image_size": [64, 64], "images_per_sample": 1},
+    "plan": {"image_size": [64, 64], "images_per_sample": 1, "seq_len": 70},
 }
 # name -> (placement, vision (workers, parallelism, ac), text (...), micro_batches, bf16)
 LAYOUTS = {
@@ -83,6 +98,14 @@ LAYOUTS = {
         False,
     ),  # fmt: skip
     "v2+t1": ("separate", (2, DataParallel(), False), (1, DataParallel(), False), 1, False),
+    "v1+t1 bf16": ("separate", (1, DataParallel(), False), (1, DataParallel(), False), 1, True),
+    "v1+t2 fsdp2 ac": (
+        "separate",
+        (1, DataParallel(), True),
+        (2, DataParallel(fsdp=True), True),
+        1,
+        False,
+    ),  # fmt: skip
 }
 
 
@@ -113,14 +136,20 @@ def validate(steps: int, names: list[str], storage: str) -> bool:
     cluster = Cluster(cpus_per_node=2, host_memory_gib=24, interconnect="loopback")
     r = load_recipe(RECIPE)
     r = dataclasses.replace(r, model=cost._Cached(r.model))
-    figures, _ = calibrate(r, cluster, steps=steps, storage=storage)
+    figures, runs = calibrate(r, cluster, steps=steps, storage=storage)
+    known = {Candidate(x).describe(): got for x, got in runs}  # measured while calibrating
+    for x, got in runs:
+        print(f"calibration run {Candidate(x).describe()}: {got}", flush=True)
     print(f"calibrated: {dataclasses.asdict(figures)}\n", flush=True)
-    facts, work = cost.model_facts(r), cost.workload(r)
+    data = samples(r)
+    r, work = sample_workload(r, data)
+    facts = cost.model_facts(r)
     rows, measured_s, predicted_s, errors = [], [], [], []
     for name in names:
         cand = layout(r, LAYOUTS[name])
         pred = cost.predict(cand, facts, work, cluster, figures)
-        got = measure_layout(cand, steps, storage)
+        got = known.get(Candidate(cand).describe())
+        got = got or measure_layout(cand, steps, storage, data)
         cells = [name, f"{got['step_s']:.2f}", f"{pred.step_s:.2f}"]
         for part in ("vision", "text"):
             have = got[f"{part}_peak_mb"] - figures.idle_mb
@@ -144,10 +173,10 @@ def validate(steps: int, names: list[str], storage: str) -> bool:
 
 
 def big_recipe() -> None:
-    cluster = parse_cluster("nodes=1,gpus_per_node=8,gpu_memory_gib=80")
+    cluster = parse_cluster("nodes=1,gpus_per_node=8,gpu_memory_gib=141")
     r = load_recipe("qwen2_5_vl_32b_8gpu")
     result = plan_auto(r, cluster, NOMINAL["gpu"])
-    print("\nqwen2_5_vl_32b_8gpu on 8 x 80 GiB GPUs (nominal figures, uncalibrated):")
+    print("\nqwen2_5_vl_32b_8gpu on 8 x 141 GiB GPUs (nominal figures, uncalibrated):")
     print(render_auto(result, top=3))
     model = cost._Cached(r.model)
     r = dataclasses.replace(r, model=model)
@@ -168,15 +197,17 @@ def big_recipe() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--layouts", default="all")
     parser.add_argument("--skip-measure", action="store_true")
     args = parser.parse_args()
     names = list(LAYOUTS) if args.layouts == "all" else args.layouts.split(",")
     ok = True
     if not args.skip_measure:
+        env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
         ray.init(num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False,
-                 log_to_driver=False, logging_level="WARNING")  # fmt: skip
+                 log_to_driver=False, logging_level="WARNING",
+                 runtime_env={"env_vars": env})  # fmt: skip
         with tempfile.TemporaryDirectory() as storage:
             ok = validate(args.steps, names, storage)
         ray.shutdown()

@@ -4,11 +4,14 @@ cluster for the planner's cost model (:mod:`ray_disagg.recipes.cost`).
 1. Micro-benchmarks, each in a Ray task of one device: the bf16/fp32 matmul speed ratio,
    the memory bandwidth (a large copy), a gloo all-reduce between two workers of one
    node (the collective and transfer bandwidths) and an idle worker's resident memory.
-2. Two short runs of the recipe's model on synthetic samples shaped like its workload
-   (tower 1 + LLM 1, separate, sequential) with 1 and 2 microbatches: their step times
-   give the achieved FLOP/s and the fixed seconds per microbatch (the cost model is
-   linear in both for these layouts), their peak memory over the idle worker's the
-   memory scale of each kind of group.
+2. Six short runs of the recipe's model on synthetic samples shaped like its workload
+   (separate, sequential; :func:`reference_layouts`): tower 1 + LLM 1 with 1 and 2
+   microbatches give the achieved FLOP/s and the fixed seconds per microbatch (the cost
+   model is linear in both there); the LLM data parallel over 2 the speed of a worker
+   while every core is busy (``parallel_efficiency``); bf16 autocast its FLOP/s (casts
+   included; the micro-benchmark's bf16/fp32 ratio until then); the LLM TP2 the seconds per
+   collective call; with activation checkpointing, the one-microbatch runs' peak memory
+   over the idle worker's fits each kind of group's fixed bytes and activation scale.
 
 On a 2-core CPU machine it takes a few minutes; the figures go to a JSON file that later
 ``plan --auto`` runs read (``--figures``; default ``~/.cache/ray_disagg/``).
@@ -91,6 +94,10 @@ def micro_benchmarks(cluster: Cluster) -> dict:
 
     res = {"num_gpus": 1} if cluster.gpu else {"num_cpus": 1}
     dev = ray.get(ray.remote(**res)(_device_task).remote(cluster.gpu))
+    if not cluster.gpu:  # every core busy at once
+        busy = ray.get([ray.remote(num_cpus=1)(_matmul).remote(512, "float32", "cpu")
+                        for _ in range(cluster.cpus_per_node)])  # fmt: skip
+        dev["parallel_efficiency"] = min(1.0, float(np.mean(busy)) / dev["fp32"])
     idle = ray.get(ray.remote(num_cpus=1)(_idle_rss_mb).remote())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -100,23 +107,39 @@ def micro_benchmarks(cluster: Cluster) -> dict:
     return {**dev, "idle_mb": idle, "collective_bw": bw}
 
 
-def measure_layout(recipe, steps: int, storage: str) -> dict:
-    """Fit ``recipe`` (its groups, placement and loop) for ``steps`` steps on synthetic
-    samples shaped like its workload; returns the median step time of the steps after
-    the first two and each group's peak memory (MB, the last steps' maximum)."""
-    from ray.train import RunConfig
-
+def samples(recipe) -> list[dict]:
+    """Synthetic samples shaped like the recipe's plan (its images, a short caption)."""
     from ray_disagg.data.examples import synthetic_samples
-    from ray_disagg.trainer import DisaggregatedTrainer, load_metrics
 
     cfg = recipe.model.load_config()
+    return synthetic_samples(cfg, 2 * recipe.loop.global_batch_size, grids=_grids(recipe, cfg))
+
+
+def sample_workload(recipe, data: list[dict]) -> tuple[object, cost.Workload]:
+    """``(recipe, workload)`` of ``data``: the recipe's plan set to its token count."""
+    tokens = float(np.mean([len(s["input_ids"]) for s in data]))
+    patches = float(np.mean([len(s.get("pixel_values", ())) for s in data]))
+    images = float(np.mean([len(s.get("image_grid_thw", ())) for s in data]))
+    recipe = dataclasses.replace(recipe, plan={**recipe.plan, "seq_len": round(tokens)})
+    return recipe, cost.Workload(tokens, patches, images, f"{len(data)} synthetic samples")
+
+
+def measure_layout(recipe, steps: int, storage: str, data: list[dict] | None = None) -> dict:
+    """Fit ``recipe`` (its groups, placement and loop) for ``steps`` steps on ``data``
+    (default :func:`samples`); returns the median step time of the steps after the
+    first two and each group's peak memory (MB, the last steps' maximum)."""
+    from ray.train import RunConfig
+
+    from ray_disagg.trainer import DisaggregatedTrainer, load_metrics
+
     loop = dataclasses.replace(
         recipe.loop, max_steps=steps, checkpoint_every=None, eval_every=None, lr=1e-4
     )
-    data = synthetic_samples(cfg, 2 * loop.global_batch_size, grids=_grids(recipe, cfg))
+    data = samples(recipe) if data is None else data
     name = f"calibrate-{time.time_ns()}"
     result = DisaggregatedTrainer(
-        model=recipe.model, groups=recipe.groups, train_loop_config=loop,
+        model=getattr(recipe.model, "spec", recipe.model), groups=recipe.groups,
+        train_loop_config=loop,
         datasets={"train": data}, placement=recipe.placement,
         run_config=RunConfig(name=name, storage_path=storage),
     ).fit()  # fmt: skip
@@ -149,17 +172,30 @@ def _terms(r, facts, work, c, f) -> tuple[float, float, float]:
 
 
 def reference_layouts(r, cluster: Cluster) -> list:
-    """Tower 1 + LLM 1, separate, sequential, with 1 and 2 microbatches (the loop's
-    precision), on one device each."""
-    from ray_disagg.config import DataParallel
+    """Tower 1 + LLM 1 (separate, sequential) with 1 and 2 microbatches; tower 1 + LLM
+    data parallel over 2; tower 1 + LLM 1 with activation checkpointing, and with bf16
+    autocast; tower 1 + LLM TP2 when the heads split (one device each)."""
+    from ray_disagg.config import DataParallel, TensorParallel
     from ray_disagg.recipes.planner import _group
 
-    groups = {p: _group(g, 1, DataParallel(), False, cluster.gpu, 1) for p, g in r.groups.items()}
-    k2 = 2 if r.loop.global_batch_size % 2 == 0 else 1
-    return [
-        cost.with_layout(r, groups=groups, placement="separate", micro_batches=k)
-        for k in dict.fromkeys((1, k2))
-    ]
+    llm = r.model.adapter.llm_part
+    t = r.model.load_config().text_config
+
+    def at(n: int, parallelism, k: int = 1, ac: bool = False):
+        groups = {}
+        for p, g in r.groups.items():
+            mine = (n, parallelism) if p == llm else (1, DataParallel())
+            groups[p] = _group(g, *mine, ac, cluster.gpu, 1)
+        return cost.with_layout(
+            r, groups=groups, placement="separate", micro_batches=k, schedule="sequential"
+        )
+
+    out = [at(1, DataParallel(), 1), at(1, DataParallel(), 2), at(2, DataParallel())]
+    out.append(at(1, DataParallel(), ac=True))
+    out.append(cost.with_layout(out[0], bf16=True))
+    if t.num_attention_heads % 2 == 0 and t.num_key_value_heads % 2 == 0:
+        out.append(at(2, TensorParallel(size=2)))
+    return out
 
 
 def calibrate(r, cluster: Cluster, steps: int = 5, storage: str | None = None):
@@ -174,29 +210,67 @@ def calibrate(r, cluster: Cluster, steps: int = 5, storage: str | None = None):
     tiers = {t: micro["collective_bw"] for t in base.tier_bw}
     if not cluster.gpu:
         tiers["shm"] = micro["memory_bw"] / 2  # a copy in, a copy out
-    figures = dataclasses.replace(
+    f = dataclasses.replace(
         base, name=f"calibrated {'GPU' if cluster.gpu else 'CPU core'}",
         collective_bw=micro["collective_bw"], inter_node_bw=micro["collective_bw"],
         tier_bw=tiers, memory_bw=micro["memory_bw"], calibrated=True,
+        parallel_efficiency=1.0, collective_latency_s=0.0, idle_mb=micro["idle_mb"],
     )  # fmt: skip
     storage = storage or tempfile.mkdtemp(prefix="ray_disagg_calibrate_")
-    model = cost._Cached(r.model)
-    r = dataclasses.replace(r, model=model)
-    facts, work = cost.model_facts(r), cost.workload(r)
-    runs, rows, ys = [], [], []
-    for layout in reference_layouts(r, cluster):
-        measured = measure_layout(layout, steps, storage)
-        a, b, c0 = _terms(layout, facts, work, cluster, figures)
-        rows.append((a, b))
-        ys.append(measured["step_s"] - c0)
-        runs.append((layout, measured))
-    inv_flops, overhead = _solve(rows, ys)
+    r = dataclasses.replace(r, model=cost._Cached(r.model))
+    data = samples(r)
+    r, work = sample_workload(r, data)
+    facts = cost.model_facts(r)
+    runs = [(x, measure_layout(x, steps, storage, data)) for x in reference_layouts(r, cluster)]
     ratio = micro["bf16"] / micro["fp32"]
-    figures.flops = {"float32": 1 / inv_flops, "bfloat16": ratio / inv_flops}
-    figures.overhead_s = overhead
-    figures.memory_scale = _memory_scale(runs[0], micro["idle_mb"])
-    figures.idle_mb = micro["idle_mb"]
-    return figures, runs
+    rows, ys = [], []
+    for layout, got in runs[:2]:  # one busy worker, no collective
+        a, b, c0 = _terms(layout, facts, work, cluster, f)
+        rows.append((a, b))
+        ys.append(got["step_s"] - c0)
+    inv_flops, f.overhead_s = _solve(rows, ys)
+    f.flops = {"float32": 1 / inv_flops, "bfloat16": ratio / inv_flops}
+    if not cluster.gpu:
+        f.parallel_efficiency = _efficiency(runs[2], facts, work, cluster, f)
+    f.flops["bfloat16"] = _bf16_flops(runs[4], facts, work, cluster, f)
+    if len(runs) > 5:
+        f.collective_latency_s = _latency(runs[5], facts, work, cluster, f)
+    # one microbatch, no data-parallel buffer: the peak is the state + fixed + activations
+    f.memory_fit = _memory_fit([runs[0], runs[3], *runs[5:]], micro["idle_mb"])
+    return f, runs
+
+
+def _bf16_flops(run, facts, work, cluster, f) -> float:
+    """bf16 autocast's achieved FLOP/s from its run (casts included)."""
+    layout, got = run
+    a, b, c0 = _terms(layout, facts, work, cluster, dataclasses.replace(f, overhead_s=0.0))
+    spare = got["step_s"] - c0 - b * f.overhead_s
+    return a / spare if spare > 0 else f.flops["bfloat16"]
+
+
+def _efficiency(run, facts, work, cluster, f) -> float:
+    """The parallel efficiency that makes the prediction of ``run`` its measurement."""
+    layout, got = run
+    lo, hi = 0.2, 1.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        g = dataclasses.replace(f, parallel_efficiency=mid)
+        if cost.predict(layout, facts, work, cluster, g).step_s > got["step_s"]:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def _latency(run, facts, work, cluster, f) -> float:
+    """Seconds per collective call that make the prediction of ``run`` its measurement."""
+    layout, got = run
+    p0 = cost.predict(layout, facts, work, cluster, f).step_s
+    p1 = cost.predict(
+        layout, facts, work, cluster, dataclasses.replace(f, collective_latency_s=1.0)
+    )
+    per_call = p1.step_s - p0
+    return max(0.0, (got["step_s"] - p0) / per_call) if per_call > 0 else 0.0
 
 
 def _solve(rows, ys) -> tuple[float, float]:
@@ -212,15 +286,26 @@ def _solve(rows, ys) -> tuple[float, float]:
     return inv, overhead
 
 
-def _memory_scale(run, idle_mb: float) -> dict:
-    """Measured peak over the idle worker / the estimate, per kind of group."""
-    from ray_disagg.recipes.estimate import estimate
-
-    layout, measured = run
-    llm = layout.model.adapter.llm_part
-    est = estimate(layout)
+def _memory_fit(runs, idle_mb: float) -> dict:
+    """Per kind of group, ``[fixed bytes, activation scale]`` fitted (least squares)
+    to each run's peak over the idle worker less the state (runs without buffers)."""
+    xs: dict[str, list] = {"llm": [], "encoder": []}
+    ys: dict[str, list] = {"llm": [], "encoder": []}
+    for layout, got in runs:
+        llm = layout.model.adapter.llm_part
+        for part in layout.groups:
+            state, _, act = cost.worker_terms(layout, part)
+            kind = "llm" if part == llm else "encoder"
+            xs[kind].append(act)
+            ys[kind].append((got[f"{part}_peak_mb"] - idle_mb) * 2**20 - state)
     out = {}
-    for part, m in est.items():
-        peak = measured[f"{part}_peak_mb"] - idle_mb
-        out["llm" if part == llm else "encoder"] = max(peak * 2**20, 1.0) / max(m.total, 1.0)
+    for kind in xs:
+        x, y = np.asarray(xs[kind]), np.asarray(ys[kind])
+        if len(x) < 2 or np.ptp(x) == 0:
+            out[kind] = [float(max(y.mean(), 0.0)) if len(y) else 0.0, 0.0]
+            continue
+        scale, fixed = np.polyfit(x, y, 1)
+        if scale < 0:
+            scale, fixed = 0.0, float(y.mean())
+        out[kind] = [float(max(fixed, 0.0)), float(scale)]
     return out

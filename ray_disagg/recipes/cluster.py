@@ -139,10 +139,19 @@ class DeviceFigures:
     """Bytes/s of a crossing between groups, per transfer tier."""
     memory_bw: float
     """Bytes/s the optimizer step streams (AdamW reads and writes each state)."""
+    parallel_efficiency: float = 1.0
+    """CPU workers: one worker's speed when every core is busy, relative to alone (shared
+    caches, memory bandwidth, hyper-threads); 1 on GPUs."""
     overhead_s: float = 0.0
     """Fixed seconds per microbatch and group (launches, Python, messages)."""
-    memory_scale: dict[str, float] = field(default_factory=lambda: {"llm": 1.0, "encoder": 1.0})
-    """Measured / estimated bytes over the idle baseline, per kind of group."""
+    collective_latency_s: float = 0.0
+    """Fixed seconds per collective call (synchronising the ranks, launching it)."""
+    memory_fit: dict[str, list] = field(
+        default_factory=lambda: {"llm": [0.0, 1.0], "encoder": [0.0, 1.0]}
+    )
+    """Per kind of group (``llm``, ``encoder``): ``[fixed bytes, activation scale]``: a
+    worker's memory over the idle baseline is its training state + DP/FSDP2 buffers +
+    fixed bytes + scale x the estimated activations."""
     calibrated: bool = False
     """``False``: nominal figures (not measured on this cluster)."""
     idle_mb: float | None = None

@@ -24,8 +24,18 @@ Per step, for a recipe ``r`` (one candidate layout) on a :class:`Cluster` with
   ``f.memory_bw``) and ``k x f.overhead_s`` per group.
 - **CPU workers** share the node's cores: when more processes are busy at once than
   there are cores, each computes at ``cores / busy`` of a core.
-- **memory**: :func:`ray_disagg.recipes.estimate.estimate` per worker, times the
-  calibrated ``f.memory_scale`` of its kind; per GPU the bundle's sum when colocated.
+- **collective calls** each cost ``f.collective_latency_s`` on top of their volume:
+  per microbatch ``4 L + 4`` for TP (``6 L + 4`` checkpointed), ``8 x depth`` for
+  Ulysses, ``4 L`` for CP and EP, ``3 (L + 3)`` for FSDP2 units; per step one per 16M
+  elements of data-parallel gradients.
+- **memory** per worker: the training state of
+  :func:`ray_disagg.recipes.estimate.estimate` (parameters, gradients, AdamW) and the
+  calibrated fixed bytes (``f.memory_fit``), plus the larger of the activations (the
+  estimate's, times the calibrated scale; a 1F1B tower holds one microbatch more than
+  its schedule keeps in flight) and the buffers that live after backward (the
+  data-parallel all-reduce's flat bucket and gloo's copy of it, up to 64 MiB each;
+  FSDP2's unsharded embedding, lm_head and one layer with their gradients); per GPU the
+  bundle's sum when colocated.
 """
 
 from __future__ import annotations
@@ -33,8 +43,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from dataclasses import dataclass
 
+from ray_disagg.config import ExpertParallel
 from ray_disagg.recipes.cluster import Cluster, DeviceFigures
 
 __all__ = ["ModelFacts", "Prediction", "Workload", "model_facts", "predict", "workload"]
@@ -74,7 +86,8 @@ class _Cached:
     memory estimate for thousands of layouts)."""
 
     def __init__(self, spec):
-        self._spec = spec
+        spec = getattr(spec, "spec", spec)  # never wrapped twice
+        self._spec = self.spec = spec
         self.memory_cache: dict = {}
 
     @functools.cache  # noqa: B019 (one instance per planning)
@@ -121,7 +134,7 @@ def workload(r, stats: dict | None = None) -> Workload:
     images = r.plan["images_per_sample"] if v is not None else 0
     per_image = image_patches(v, r.plan["image_size"])[0] if v is not None else 0
     if stats and stats.get("tokens"):
-        merge = v.spatial_merge_size**2 if v is not None else 1
+        merge = getattr(v, "spatial_merge_size", 1) ** 2 if v is not None else 1
         tokens = sum(stats["tokens"]) / len(stats["tokens"])
         patches = sum(stats["media"]) / len(stats["tokens"]) * merge
         return Workload(tokens, patches, images, f"{len(stats['tokens'])} sampled records")
@@ -169,6 +182,11 @@ def _flops(r, facts: ModelFacts, work: Workload) -> dict[str, float]:
     return out
 
 
+def _depth(v) -> int:
+    """Blocks of a tower (Qwen's ``depth``, SigLIP's / InternViT's ``num_hidden_layers``)."""
+    return getattr(v, "depth", None) or getattr(v, "num_hidden_layers", 1)
+
+
 def _tower_attention(v, work: Workload) -> float:
     h = getattr(v, "embed_dim", None) or v.hidden_size
     if not work.images:
@@ -178,9 +196,9 @@ def _tower_attention(v, work: Workload) -> float:
     window = getattr(v, "window_size", None)
     if full is not None and window:
         w = (window // v.patch_size) ** 2
-        per = len(full) * 4 * h * p * p + (v.depth - len(full)) * 4 * h * p * min(w, p)
+        per = len(full) * 4 * h * p * p + (_depth(v) - len(full)) * 4 * h * p * min(w, p)
     else:
-        per = v.depth * 4 * h * p * p
+        per = _depth(v) * 4 * h * p * p
     return per * work.images
 
 
@@ -201,37 +219,33 @@ def _layer_comm(r, part: str, facts: ModelFacts, work: Workload, c: Cluster, f) 
     ac = g.activation_checkpointing
     samples = b / (g.dp_size * k)
     if part == facts.llm_part:
-        t = facts.text
-        tokens, h, seconds = samples * work.tokens, t.hidden_size, 0.0
-        tp, cp = deg.get("tp", 1), deg.get("cp", 1)
-        if tp > 1:
-            count = (6 if ac else 4) * t.num_hidden_layers
-            seconds += count * 2 * (tp - 1) / tp * tokens / cp * h * a / _bw(g, c, f, tp)
-        if cp > 1:
-            kv = t.num_key_value_heads * (
-                getattr(t, "head_dim", None) or h // t.num_attention_heads
-            )
-            seconds += (
-                3 * t.num_hidden_layers * (cp - 1) / cp * tokens * 2 * kv * a / _bw(g, c, f, cp)
-            )
-        ep = (
-            getattr(g.parallelism, "size", 1)
-            if type(g.parallelism).__name__ == "ExpertParallel"
-            else 1
-        )
-        if ep > 1:
-            top = getattr(t, "num_experts_per_tok", 1)
-            seconds += (
-                4 * t.num_hidden_layers * (ep - 1) / ep * tokens * top * h * a / _bw(g, c, f, ep)
-            )
-        return seconds
+        return _llm_comm(g, facts.text, samples * work.tokens, a, ac, c, f)
     sp = deg.get("sp", 1)
     if part != "vision" or sp == 1 or facts.vision is None:
         return 0.0
     v = facts.vision
     h = getattr(v, "embed_dim", None) or v.hidden_size
     rows = samples * work.patches / sp
-    return 8 * v.depth * (sp - 1) / sp * rows * h * a / _bw(g, c, f, sp)
+    volume = 8 * _depth(v) * (sp - 1) / sp * rows * h * a / _bw(g, c, f, sp)
+    return volume + 8 * _depth(v) * f.collective_latency_s
+
+
+def _llm_comm(g, t, tokens: float, a: int, ac: bool, c: Cluster, f) -> float:
+    deg, h, lat, layers = _degrees(g), t.hidden_size, f.collective_latency_s, t.num_hidden_layers
+    tp, cp, seconds = deg.get("tp", 1), deg.get("cp", 1), 0.0
+    if tp > 1:
+        count = (6 if ac else 4) * layers
+        seconds += count * 2 * (tp - 1) / tp * tokens / cp * h * a / _bw(g, c, f, tp)
+        seconds += (count + 4) * lat
+    if cp > 1:
+        kv = t.num_key_value_heads * (getattr(t, "head_dim", None) or h // t.num_attention_heads)
+        seconds += 3 * layers * (cp - 1) / cp * tokens * 2 * kv * a / _bw(g, c, f, cp)
+        seconds += 4 * layers * lat
+    if isinstance(g.parallelism, ExpertParallel) and g.parallelism.size > 1:
+        ep, top = g.parallelism.size, getattr(t, "num_experts_per_tok", 1)
+        seconds += 4 * layers * (ep - 1) / ep * tokens * top * h * a / _bw(g, c, f, ep)
+        seconds += 4 * layers * lat
+    return seconds
 
 
 def _sync(r, part: str, facts: ModelFacts, c: Cluster, f: DeviceFigures) -> float:
@@ -250,6 +264,11 @@ def _sync(r, part: str, facts: ModelFacts, c: Cluster, f: DeviceFigures) -> floa
         if getattr(g.parallelism, "zero1", False):
             volume += local * p_bytes
         seconds += (dp - 1) / dp * volume / bw
+        if g.fsdp:  # per microbatch: gather forward and backward, reduce-scatter
+            calls = 3 * (_count_blocks(r, part) + 3) * r.loop.micro_batches
+        else:
+            calls = math.ceil(local / (1 << 24)) + getattr(g.parallelism, "zero1", False)
+        seconds += calls * f.collective_latency_s
     shard = dp if (g.fsdp or getattr(g.parallelism, "zero1", False)) else 1
     return seconds + local / shard * 28 / f.memory_bw
 
@@ -271,18 +290,21 @@ def _crossing(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures
     a = 2 if _dtype(r) == "bfloat16" else 4
     samples = r.loop.global_batch_size / (g.dp_size * r.loop.micro_batches)
     out = getattr(v, "out_hidden_size", None) or facts.text.hidden_size
-    rows = samples * work.patches / v.spatial_merge_size**2
+    rows = samples * work.patches / getattr(v, "spatial_merge_size", 1) ** 2
     ways = 2 if facts.parts["vision"].trainable else 1
     return ways * rows * out * a / f.tier_bw.get(_tier(r, c), min(f.tier_bw.values()))
 
 
-def _busy(r, c: Cluster, pipelined: bool) -> float:
-    """CPU workers: the share of a core each busy worker gets (1 on GPUs)."""
+def _busy(r, part: str, c: Cluster, f: DeviceFigures, pipelined: bool) -> float:
+    """CPU workers: the share of a core each worker of ``part`` gets while it computes
+    (1 on GPUs): the node's cores shared by the workers busy at once (its own group's;
+    every group's under 1F1B across separate groups), each at ``f.parallel_efficiency``
+    when more than one is."""
     if c.gpu:
         return 1.0
-    sizes = [g.num_workers for g in r.groups.values()]
-    busy = sum(sizes) if pipelined and r.placement == "separate" else max(sizes)
-    return min(1.0, c.devices / busy)
+    together = pipelined and r.placement == "separate"
+    busy = sum(g.num_workers for g in r.groups.values()) if together else r.groups[part].num_workers
+    return min(1.0, c.devices / busy) * (f.parallel_efficiency if busy > 1 else 1.0)
 
 
 def predict(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures) -> Prediction:
@@ -291,9 +313,11 @@ def predict(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures) 
     sched = _schedule(r)
     k, llm = r.loop.micro_batches, facts.llm_part
     pipelined = sched.schedule == "1f1b"
-    share = _busy(r, c, pipelined)
-    flops = _flops(r, facts, work)
-    compute = {p: flops[p] / (r.groups[p].num_workers * f.flops[_dtype(r)] * share) for p in flops}
+    flops, speed = _flops(r, facts, work), f.flops[_dtype(r)]
+    compute = {
+        p: flops[p] / (r.groups[p].num_workers * speed * _busy(r, p, c, f, pipelined))
+        for p in flops
+    }
     comm = {p: k * _layer_comm(r, p, facts, work, c, f) for p in r.groups}
     cross = k * _crossing(r, facts, work, c, f)
     per_mb = {p: (compute[p] + comm[p]) / k + f.overhead_s for p in r.groups}
@@ -315,10 +339,11 @@ def predict(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures) 
 
 def _memory(r, c: Cluster, f: DeviceFigures) -> tuple[dict, dict]:
     llm = r.model.adapter.llm_part
-    memory = {
-        p: _worker_bytes(r, p) * f.memory_scale.get("llm" if p == llm else "encoder", 1.0)
-        for p in r.groups
-    }
+    memory = {}
+    for p in r.groups:
+        state, extra, act = worker_terms(r, p)
+        fixed, scale = f.memory_fit.get("llm" if p == llm else "encoder", (0.0, 1.0))
+        memory[p] = state + fixed + max(scale * act * _held(r, p), extra)
     if not c.gpu:
         total = sum(memory[p] * g.num_workers for p, g in r.groups.items())
         return memory, {"node": total / c.nodes}
@@ -327,9 +352,22 @@ def _memory(r, c: Cluster, f: DeviceFigures) -> tuple[dict, dict]:
     return memory, dict(memory)
 
 
-def _worker_bytes(r, part: str) -> float:
-    """The estimate of one worker of ``part`` (cached on the model per group setting: the
-    planner asks for thousands of layouts)."""
+def _held(r, part: str) -> float:
+    """Microbatches of activations a tower holds at its peak, over the estimate's count:
+    under 1F1B one more than the schedule keeps in flight (measured: its backward's
+    temporaries while the next forwards wait)."""
+    from ray_disagg.recipes.estimate import _schedule
+
+    if part == r.model.adapter.llm_part:
+        return 1.0
+    sched = _schedule(r)
+    return (sched.max_in_flight + 1) / sched.max_in_flight if sched.schedule == "1f1b" else 1.0
+
+
+def worker_terms(r, part: str) -> tuple[float, float, float]:
+    """Bytes of one worker of ``part``: ``(training state, DP/FSDP2 buffers, estimated
+    activations)`` (cached on the model per group setting: the planner asks for
+    thousands of layouts)."""
     from ray_disagg.recipes.estimate import estimate
 
     g, loop = r.groups[part], r.loop
@@ -338,10 +376,49 @@ def _worker_bytes(r, part: str) -> float:
     cache = getattr(r.model, "memory_cache", None)
     if cache is not None and key in cache:
         return cache[key]
-    total = estimate(dataclasses.replace(r, groups={part: g}))[part].total
+    m = estimate(dataclasses.replace(r, groups={part: g}))[part]
+    out = (m.params + m.grads + m.optimizer, _buffers(r, part, m), m.activations or 0.0)
     if cache is not None:
-        cache[key] = total
-    return total
+        cache[key] = out
+    return out
+
+
+def _buffers(r, part: str, m) -> float:
+    """The data-parallel all-reduce's flat bucket and gloo's copy (<= 64 MiB each);
+    FSDP2's unsharded largest units (embedding, lm_head, one layer) and their grads."""
+    g = r.groups[part]
+    if not g.trainable or g.dp_size == 1:
+        return 0.0
+    if not g.fsdp:
+        return 2 * min(m.grads, 64 * 2**20)
+    p_bytes = 2 if r.loop.param_dtype == "bfloat16" else 4
+    units = _largest_units(r, part)
+    return 2 * units * p_bytes
+
+
+def _largest_units(r, part: str) -> float:
+    """Parameters of the embedding, the lm_head and one block of ``part`` (whole)."""
+    cache = getattr(r.model, "memory_cache", {})
+    key = ("units", part)
+    if key not in cache:
+        sizes: dict[str, float] = {}
+        for name, p in r.model.meta_model(part).named_parameters():
+            unit = re.sub(r"(\.(layers|blocks)\.)\d+\..*", r"\1", name)
+            unit = unit if unit != name else name.split(".")[-2]
+            sizes[unit] = sizes.get(unit, 0.0) + p.numel()
+        blocks = [n for u, n in sizes.items() if u.endswith((".layers.", ".blocks."))]
+        per_block = max(blocks) / _count_blocks(r, part) if blocks else 0.0
+        rest = sorted((n for u, n in sizes.items() if not u.endswith((".layers.", ".blocks."))))
+        cache[key] = per_block + sum(rest[-2:])
+    return cache[key]
+
+
+def _count_blocks(r, part: str) -> int:
+    cfg = r.model.load_config()
+    if part == r.model.adapter.llm_part:
+        return cfg.text_config.num_hidden_layers
+    v = getattr(cfg, "vision_config", None)
+    return _depth(v) if v is not None else 1
 
 
 def fits(pred: Prediction, c: Cluster) -> tuple[bool, str, float]:
@@ -352,8 +429,11 @@ def fits(pred: Prediction, c: Cluster) -> tuple[bool, str, float]:
 
 
 def with_layout(r, **changes):
-    """A copy of recipe ``r`` with ``groups``/``placement`` and loop fields replaced."""
-    loop = {k: changes.pop(k) for k in ("micro_batches", "bf16") if k in changes}
+    """A copy of recipe ``r`` with ``groups``/``placement`` and loop fields
+    (``micro_batches``, ``bf16``, ``schedule``; the schedule's default otherwise)
+    replaced."""
+    loop = {k: changes.pop(k) for k in ("micro_batches", "bf16", "schedule") if k in changes}
     if loop:
-        changes["loop"] = dataclasses.replace(r.loop, **loop, schedule=None, max_in_flight=None)
+        loop = {"schedule": None, **loop}
+        changes["loop"] = dataclasses.replace(r.loop, **loop, max_in_flight=None)
     return dataclasses.replace(r, **changes)

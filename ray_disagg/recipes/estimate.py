@@ -120,7 +120,7 @@ def _is_ep(group) -> bool:
 
 def image_patches(vision_config, image_size) -> tuple[int, int]:
     """``(patches, h_patches x w_patches)`` of one image of ``image_size = [H, W]`` px."""
-    p, m = vision_config.patch_size, vision_config.spatial_merge_size
+    p, m = vision_config.patch_size, getattr(vision_config, "spatial_merge_size", 1)
     f = p * m
     h, w = (max(f, round(s / f) * f) // p for s in image_size)
     return h * w, (h, w)
@@ -175,13 +175,21 @@ def _vision_activations(cfg, r, group, sched, a: int, gated: bool) -> float:
     return sched.max_in_flight * patches * (kept + outside) * a
 
 
+def _qwen_tower(cfg) -> bool:
+    """A Qwen tower (patch merger, temporal patches): the activation formula's; other
+    towers (SigLIP, InternViT) are not estimated ("n/a")."""
+    v = getattr(cfg, "vision_config", None)
+    return v is not None and hasattr(v, "spatial_merge_size") and hasattr(v, "depth")
+
+
 def _seq_len(cfg, r) -> int:
     if r.plan["seq_len"] is not None:
         return r.plan["seq_len"]
     if r.loop.max_seq_len is not None:
         return r.loop.max_seq_len
     v = getattr(cfg, "vision_config", None)
-    per_image = image_patches(v, r.plan["image_size"])[0] // v.spatial_merge_size**2 if v else 0
+    merge = getattr(v, "spatial_merge_size", 1) ** 2
+    per_image = image_patches(v, r.plan["image_size"])[0] // merge if v else 0
     return r.plan["images_per_sample"] * per_image + 512
 
 
@@ -213,7 +221,7 @@ def estimate(r) -> dict[str, WorkerMemory]:
             trainable += 0 if is_frozen(name, group) else n
         if part == adapter.llm_part:
             act = _llm_activations(cfg, r, group, sched, a)
-        elif part == "vision":
+        elif part == "vision" and _qwen_tower(cfg):
             gated = any(".mlp.gate_proj." in n for n in params)
             act = _vision_activations(cfg, r, group, sched, a, gated)
         else:
