@@ -6,8 +6,8 @@ cluster for the planner's cost model (:mod:`ray_disagg.recipes.cost`).
    node (the collective and transfer bandwidths) and an idle worker's resident memory.
 2. Six short runs of the recipe's model on synthetic samples shaped like its workload
    (separate, sequential; :func:`reference_layouts`): tower 1 + LLM 1 with 1 and 2
-   microbatches give the achieved FLOP/s and the fixed seconds per microbatch (the cost
-   model is linear in both there); the LLM data parallel over 2 the speed of a worker
+   microbatches give the achieved FLOP/s and how compute per sample changes with the
+   microbatch size (``microbatch_exponent``); the LLM data parallel over 2 the speed of a worker
    while every core is busy (``parallel_efficiency``); bf16 autocast its FLOP/s (casts
    included; the micro-benchmark's bf16/fp32 ratio until then); the LLM TP2 the seconds per
    collective call; with activation checkpointing, the one-microbatch runs' peak memory
@@ -223,13 +223,13 @@ def calibrate(r, cluster: Cluster, steps: int = 5, storage: str | None = None):
     facts = cost.model_facts(r)
     runs = [(x, measure_layout(x, steps, storage, data)) for x in reference_layouts(r, cluster)]
     ratio = micro["bf16"] / micro["fp32"]
-    rows, ys = [], []
-    for layout, got in runs[:2]:  # one busy worker, no collective
-        a, b, c0 = _terms(layout, facts, work, cluster, f)
-        rows.append((a, b))
-        ys.append(got["step_s"] - c0)
-    inv_flops, f.overhead_s = _solve(rows, ys)
+    f.overhead_s = 0.0
+    (one, got1), (two, got2) = runs[:2]  # one busy worker, no collective
+    a, _, c0 = _terms(one, facts, work, cluster, f)
+    inv_flops = max(got1["step_s"] - c0, 1e-6) / a
     f.flops = {"float32": 1 / inv_flops, "bfloat16": ratio / inv_flops}
+    f.reference_samples = one.loop.global_batch_size / one.loop.micro_batches
+    f.microbatch_exponent = _exponent(runs[1], facts, work, cluster, f)
     if not cluster.gpu:
         f.parallel_efficiency = _efficiency(runs[2], facts, work, cluster, f)
     f.flops["bfloat16"] = _bf16_flops(runs[4], facts, work, cluster, f)
@@ -238,6 +238,21 @@ def calibrate(r, cluster: Cluster, steps: int = 5, storage: str | None = None):
     # one microbatch, no data-parallel buffer: the peak is the state + fixed + activations
     f.memory_fit = _memory_fit([runs[0], runs[3], *runs[5:]], micro["idle_mb"])
     return f, runs
+
+
+def _exponent(run, facts, work, cluster, f) -> float:
+    """The microbatch exponent that makes the prediction of ``run`` (the same layout at
+    half the microbatch) its measurement."""
+    layout, got = run
+    lo, hi = 0.5, 2.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        g = dataclasses.replace(f, microbatch_exponent=mid)
+        if cost.predict(layout, facts, work, cluster, g).step_s > got["step_s"]:
+            lo = mid  # higher exponent: smaller microbatches faster
+        else:
+            hi = mid
+    return (lo + hi) / 2
 
 
 def _bf16_flops(run, facts, work, cluster, f) -> float:

@@ -142,6 +142,11 @@ class DeviceFigures:
     parallel_efficiency: float = 1.0
     """CPU workers: one worker's speed when every core is busy, relative to alone (shared
     caches, memory bandwidth, hyper-threads); 1 on GPUs."""
+    microbatch_exponent: float = 1.0
+    """Compute time grows as (samples per microbatch per worker) ** this: above 1 when
+    smaller microbatches run faster per sample (caches), 1 on a GPU's nominal figures."""
+    reference_samples: float = 0.0
+    """Samples per microbatch per worker at which ``flops`` was measured (0: any)."""
     overhead_s: float = 0.0
     """Fixed seconds per microbatch and group (launches, Python, messages)."""
     collective_latency_s: float = 0.0

@@ -22,6 +22,9 @@ Per step, for a recipe ``r`` (one candidate layout) on a :class:`Cluster` with
   (its bubble is the difference to ``k max(v, l)``). Then the slowest group's gradient
   sync and optimizer step (AdamW streams ~28 bytes per local trainable parameter at
   ``f.memory_bw``) and ``k x f.overhead_s`` per group.
+- **microbatch size**: compute per sample scales as (samples per microbatch per worker)
+  to the power ``f.microbatch_exponent - 1`` relative to the calibration's (caches: on
+  this CPU smaller microbatches run faster per sample).
 - **CPU workers** share the node's cores: when more processes are busy at once than
   there are cores, each computes at ``cores / busy`` of a core.
 - **collective calls** each cost ``f.collective_latency_s`` on top of their volume:
@@ -295,6 +298,16 @@ def _crossing(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures
     return ways * rows * out * a / f.tier_bw.get(_tier(r, c), min(f.tier_bw.values()))
 
 
+def _size_factor(r, part: str, f: DeviceFigures) -> float:
+    """How much slower per sample a worker computes at its microbatch size than at the
+    calibration's (``f.microbatch_exponent``)."""
+    if not f.reference_samples or f.microbatch_exponent == 1.0:
+        return 1.0
+    g = r.groups[part]
+    samples = r.loop.global_batch_size / (g.dp_size * r.loop.micro_batches)
+    return (samples / f.reference_samples) ** (f.microbatch_exponent - 1.0)
+
+
 def _busy(r, part: str, c: Cluster, f: DeviceFigures, pipelined: bool) -> float:
     """CPU workers: the share of a core each worker of ``part`` gets while it computes
     (1 on GPUs): the node's cores shared by the workers busy at once (its own group's;
@@ -315,7 +328,9 @@ def predict(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures) 
     pipelined = sched.schedule == "1f1b"
     flops, speed = _flops(r, facts, work), f.flops[_dtype(r)]
     compute = {
-        p: flops[p] / (r.groups[p].num_workers * speed * _busy(r, p, c, f, pipelined))
+        p: flops[p]
+        * _size_factor(r, p, f)
+        / (r.groups[p].num_workers * speed * _busy(r, p, c, f, pipelined))
         for p in flops
     }
     comm = {p: k * _layer_comm(r, p, facts, work, c, f) for p in r.groups}
