@@ -133,3 +133,20 @@ def test_no_layout_fits_names_the_smallest_shortfall():
     with pytest.raises(ValueError, match=r"smallest shortfall is [\d.]+ GiB on node with"):
         plan_auto(recipe(), tiny, NOMINAL["cpu"])
     assert np.isfinite(cost.GiB)
+
+
+def test_every_family_plans():
+    import ray_disagg.models as models
+
+    gpu2 = parse_cluster("gpus_per_node=2,gpu_memory_gib=80")
+    for preset in sorted(n.removesuffix("_config") for n in dir(models) if n.startswith("tiny_")):
+        parts = models.get_adapter(getattr(models, f"{preset}_config")()).parts
+        r = load_recipe({
+            "model": {"config": preset},
+            "data": {"train": {"type": "digits", "num_samples": 64, "image_size": 16}},
+            "groups": {p: {"num_workers": 1} for p in parts},
+            "train_loop_config": {"max_steps": 2, "global_batch_size": 8},
+            "plan": {"image_size": [32, 32], "images_per_sample": 1},
+        })  # fmt: skip
+        result = plan_auto(r, gpu2, NOMINAL["gpu"])
+        assert result.ranked and set(result.ranked[0].recipe.groups) == set(parts), preset

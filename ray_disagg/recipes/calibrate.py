@@ -27,6 +27,7 @@ import numpy as np
 
 from ray_disagg.recipes import cost
 from ray_disagg.recipes.cluster import Cluster
+from ray_disagg.recipes.memory_model import worker_terms
 
 __all__ = ["calibrate", "measure_layout", "micro_benchmarks"]
 
@@ -309,7 +310,7 @@ def _memory_fit(runs, idle_mb: float) -> dict:
     for layout, got in runs:
         llm = layout.model.adapter.llm_part
         for part in layout.groups:
-            state, _, act = cost.worker_terms(layout, part)
+            state, _, act = worker_terms(layout, part)
             kind = "llm" if part == llm else "encoder"
             xs[kind].append(act)
             ys[kind].append((got[f"{part}_peak_mb"] - idle_mb) * 2**20 - state)

@@ -121,6 +121,7 @@ def _is_ep(group) -> bool:
 def image_patches(vision_config, image_size) -> tuple[int, int]:
     """``(patches, h_patches x w_patches)`` of one image of ``image_size = [H, W]`` px."""
     p, m = vision_config.patch_size, getattr(vision_config, "spatial_merge_size", 1)
+    p = p[0] if isinstance(p, list | tuple) else p  # InternViT: (14, 14)
     f = p * m
     h, w = (max(f, round(s / f) * f) // p for s in image_size)
     return h * w, (h, w)

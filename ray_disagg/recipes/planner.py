@@ -139,7 +139,7 @@ def enumerate_layouts(r, c: Cluster):
     heads = getattr(v, "num_heads", None) if v is not None else None
     b = r.loop.global_batch_size
     for placement, sizes in _splits(c, parts):
-        share = 0.5 if placement == "colocated" and c.gpu else 1
+        share = 1 / len(parts) if placement == "colocated" and c.gpu else 1
         options = {
             p: _llm_options(n, c.per_node, t, moe) if p == llm else _tower_options(n, heads)
             for p, n in sizes.items()
