@@ -60,6 +60,26 @@ def run_layout(
     return fit_local(trainer) if local else trainer.fit()
 
 
+RESTART_LOOP = {"max_steps": 4, "global_batch_size": 4, "checkpoint_every": 1, "eps": 1e-6,
+                "seed": 5}  # fmt: skip
+"""The restart tests' loop: a checkpoint every step."""
+
+
+def restart_setup():
+    """The restart tests' model and data: ``(config, spec, 12 samples)``."""
+    from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
+    from ray_disagg.data.examples import synthetic_samples
+
+    cfg = tiny_qwen2_5_vl_config()
+    grids = [(1, 4, 4), (1, 8, 4), None, (1, 4, 8)]
+    return cfg, HFModelSpec(config=cfg, seed=4), synthetic_samples(cfg, 12, grids=grids)
+
+
+def losses(result) -> list[float]:
+    """The loss of every reported step that is in ``Result.metrics_dataframe``."""
+    return result.metrics_dataframe.sort_values("step")["loss"].tolist()
+
+
 def checkpoint_state(checkpoint) -> dict[str, torch.Tensor]:
     """The full model (HF names) assembled from every group's DCP shards."""
     state = {}
@@ -99,15 +119,15 @@ def assert_matches_reference(result, spec, data, loop: dict, rtol=1e-5):
     """Losses of every step and parameters after the last step equal the single-process
     HF run on the same global batches."""
     ref_losses, _, ref_model = reference_train(spec, data, TrainLoopConfig(**loop))
-    losses = result.metrics_dataframe.sort_values("step")["loss"].tolist()
+    got = losses(result)
     torch.testing.assert_close(
-        torch.tensor(losses, dtype=torch.float64),
+        torch.tensor(got, dtype=torch.float64),
         torch.tensor(ref_losses, dtype=torch.float64),
         rtol=rtol,
         atol=0.0,
     )
     assert_params_close(checkpoint_state(result.checkpoint), ref_model.state_dict(), rtol)
-    return losses
+    return got
 
 
 def vt(vision, text) -> dict:

@@ -13,7 +13,14 @@ from ray_disagg import (
 )
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.testing.faults import fault_drill
-from tests.helpers import assert_matches_reference, checkpoint_state, group, run_layout, vt
+from tests.helpers import (
+    assert_matches_reference,
+    checkpoint_state,
+    group,
+    losses,
+    run_layout,
+    vt,
+)
 
 LOOP = {
     "max_steps": 4,
@@ -40,10 +47,6 @@ def colocated_1_1(ray_start_4_cpus, setup, tmp_path_factory):
     root = tmp_path_factory.mktemp("colocated")
     groups = vt(group(1), group(1))
     return run_layout(spec, data, LOOP, groups, root, "shm", placement="colocated")
-
-
-def losses(result) -> list[float]:
-    return result.metrics_dataframe.sort_values("step")["loss"].tolist()
 
 
 def assert_paired_in_one_placement_group(metrics, n: int) -> None:

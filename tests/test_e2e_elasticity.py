@@ -11,24 +11,25 @@ import ray
 import torch
 from ray.train import ScalingConfig
 
-from ray_disagg import HFModelSpec, ModuleGroup, tiny_qwen2_5_vl_config
-from ray_disagg.data.examples import synthetic_samples
+from ray_disagg import ModuleGroup
 from ray_disagg.testing.faults import fault_drill
-from tests.helpers import assert_params_close, checkpoint_state, group, vt
+from tests.helpers import (
+    RESTART_LOOP,
+    assert_params_close,
+    checkpoint_state,
+    group,
+    losses,
+    restart_setup,
+    vt,
+)
 from tests.helpers import run_layout as fit
 
-LOOP = {"max_steps": 4, "global_batch_size": 4, "checkpoint_every": 1, "eps": 1e-6, "seed": 5}
-GRIDS = [(1, 4, 4), (1, 8, 4), None, (1, 4, 8)]
+LOOP = RESTART_LOOP
 
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = tiny_qwen2_5_vl_config()
-    return cfg, HFModelSpec(config=cfg, seed=4), synthetic_samples(cfg, 12, grids=GRIDS)
-
-
-def losses(result):
-    return result.metrics_dataframe.sort_values("step")["loss"].tolist()
+    return restart_setup()
 
 
 @ray.remote(num_cpus=0)

@@ -14,7 +14,7 @@ from ray_disagg.config import (
     TensorParallel,
 )
 from ray_disagg.recipes import cost
-from ray_disagg.recipes.calibrate import _solve, _terms
+from ray_disagg.recipes.calibrate import _bisect, _terms
 from ray_disagg.recipes.cli import main
 from ray_disagg.recipes.cluster import NOMINAL, Cluster, load_figures, parse_cluster, save_figures
 from ray_disagg.recipes.planner import _group, enumerate_layouts, plan_auto, render_auto
@@ -101,16 +101,16 @@ def test_cost_model_terms():
         _at(r, (1, DataParallel()), (2, DataParallel(fsdp=True))), facts, work, GPU4, f
     )
     assert fsdp.memory["text"] < dp2.memory["text"] and fsdp.sync_s > dp2.sync_s
-    # the calibration's linear fit recovers the figures it was made with
-    rows, ys = [], []
-    for k in (1, 2):
-        layout = _at(r, (1, DataParallel()), (1, DataParallel()), k=k)
-        a, b, c0 = _terms(layout, facts, work, GPU4, dataclasses.replace(f, overhead_s=0.0))
-        rows.append((a, b))
-        ys.append(cost.predict(layout, facts, work, GPU4, f).step_s - c0)
-    inv, overhead = _solve(rows, ys)
+    # the calibration's fits recover the figures the measurements were made with
+    true = dataclasses.replace(f, overhead_s=0.0, reference_samples=8, microbatch_exponent=1.3)
+    one, two = (_at(r, (1, DataParallel()), (1, DataParallel()), k=k) for k in (1, 2))
+    a, _, c0 = _terms(one, facts, work, GPU4, true)
+    inv = (cost.predict(one, facts, work, GPU4, true).step_s - c0) / a
     assert 1 / inv == pytest.approx(f.flops["float32"], rel=1e-6)
-    assert overhead == pytest.approx(f.overhead_s, rel=1e-6)
+    run = (two, {"step_s": cost.predict(two, facts, work, GPU4, true).step_s})
+    start = dataclasses.replace(true, microbatch_exponent=1.0)
+    got = _bisect(run, facts, work, GPU4, start, "microbatch_exponent", 0.5, 2.0)
+    assert got == pytest.approx(1.3, rel=1e-6)
 
 
 def test_plan_ranks_valid_layouts_and_writes_the_best(tmp_path):

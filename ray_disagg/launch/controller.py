@@ -159,7 +159,7 @@ class DisaggregatedController(TrainController):
         except Exception as e:
             logger.warning("Growing the %s group failed; every group restarts (not counted "
                            "as a failure).", name, exc_info=True)  # fmt: skip
-            self._precount()
+            self._uncount(ahead=True)
             err = RuntimeError(f"growing the {name} group from {old} workers failed: {e!r}")
             return ModulePollStatus(worker_statuses={0: WorkerStatus(running=False, error=err)})
         self._launch = launch
@@ -170,14 +170,11 @@ class DisaggregatedController(TrainController):
         )  # fmt: skip
         return self._worker_group.poll_status(timeout=self._health_check_interval_s)
 
-    def _precount(self) -> None:
-        """The next failure the controller counts is not one (a failed grow)."""
+    def _uncount(self, ahead: bool = False) -> None:
+        """Take back one counted failure (it is counted again by the full restart);
+        ``ahead``: the next one the controller counts (a failed grow, not a failure)."""
         policy = self._failure_policy
-        if hasattr(policy, "_worker_group_failures"):
-            policy._worker_group_failures -= 1
-
-    def _uncount(self) -> None:
-        """Take back one counted failure (it is counted again by the full restart)."""
-        policy = self._failure_policy
-        if getattr(policy, "_worker_group_failures", 0) > 0:
+        if hasattr(policy, "_worker_group_failures") and (
+            ahead or policy._worker_group_failures > 0
+        ):
             policy._worker_group_failures -= 1

@@ -95,10 +95,6 @@ def micro_benchmarks(cluster: Cluster) -> dict:
 
     res = {"num_gpus": 1} if cluster.gpu else {"num_cpus": 1}
     dev = ray.get(ray.remote(**res)(_device_task).remote(cluster.gpu))
-    if not cluster.gpu:  # every core busy at once
-        busy = ray.get([ray.remote(num_cpus=1)(_matmul).remote(512, "float32", "cpu")
-                        for _ in range(cluster.cpus_per_node)])  # fmt: skip
-        dev["parallel_efficiency"] = min(1.0, float(np.mean(busy)) / dev["fp32"])
     idle = ray.get(ray.remote(num_cpus=1)(_idle_rss_mb).remote())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -216,6 +212,7 @@ def calibrate(r, cluster: Cluster, steps: int = 5, storage: str | None = None):
         collective_bw=micro["collective_bw"], inter_node_bw=micro["collective_bw"],
         tier_bw=tiers, memory_bw=micro["memory_bw"], calibrated=True,
         parallel_efficiency=1.0, collective_latency_s=0.0, idle_mb=micro["idle_mb"],
+        overhead_s=0.0,
     )  # fmt: skip
     storage = storage or tempfile.mkdtemp(prefix="ray_disagg_calibrate_")
     r = dataclasses.replace(r, model=cost._Cached(r.model))
@@ -224,15 +221,19 @@ def calibrate(r, cluster: Cluster, steps: int = 5, storage: str | None = None):
     facts = cost.model_facts(r)
     runs = [(x, measure_layout(x, steps, storage, data)) for x in reference_layouts(r, cluster)]
     ratio = micro["bf16"] / micro["fp32"]
-    f.overhead_s = 0.0
-    (one, got1), (two, got2) = runs[:2]  # one busy worker, no collective
+    one, got1 = runs[0]  # one busy worker, no collective
     a, _, c0 = _terms(one, facts, work, cluster, f)
     inv_flops = max(got1["step_s"] - c0, 1e-6) / a
     f.flops = {"float32": 1 / inv_flops, "bfloat16": ratio / inv_flops}
     f.reference_samples = one.loop.global_batch_size / one.loop.micro_batches
-    f.microbatch_exponent = _exponent(runs[1], facts, work, cluster, f)
+    # the same layout at half the microbatch; then the LLM over both cores
+    f.microbatch_exponent = _bisect(
+        runs[1], facts, work, cluster, f, "microbatch_exponent", 0.5, 2.0
+    )
     if not cluster.gpu:
-        f.parallel_efficiency = _efficiency(runs[2], facts, work, cluster, f)
+        f.parallel_efficiency = _bisect(
+            runs[2], facts, work, cluster, f, "parallel_efficiency", 0.2, 1.0
+        )
     f.flops["bfloat16"] = _bf16_flops(runs[4], facts, work, cluster, f)
     if len(runs) > 5:
         f.collective_latency_s = _latency(runs[5], facts, work, cluster, f)
@@ -241,16 +242,16 @@ def calibrate(r, cluster: Cluster, steps: int = 5, storage: str | None = None):
     return f, runs
 
 
-def _exponent(run, facts, work, cluster, f) -> float:
-    """The microbatch exponent that makes the prediction of ``run`` (the same layout at
-    half the microbatch) its measurement."""
+def _bisect(run, facts, work, cluster, f, name: str, lo: float, hi: float) -> float:
+    """The value of figure ``name`` in ``[lo, hi]`` that makes the prediction of ``run``
+    its measurement (a larger value predicts a shorter step: a higher microbatch
+    exponent, a higher parallel efficiency)."""
     layout, got = run
-    lo, hi = 0.5, 2.0
     for _ in range(40):
         mid = (lo + hi) / 2
-        g = dataclasses.replace(f, microbatch_exponent=mid)
+        g = dataclasses.replace(f, **{name: mid})
         if cost.predict(layout, facts, work, cluster, g).step_s > got["step_s"]:
-            lo = mid  # higher exponent: smaller microbatches faster
+            lo = mid
         else:
             hi = mid
     return (lo + hi) / 2
@@ -259,23 +260,9 @@ def _exponent(run, facts, work, cluster, f) -> float:
 def _bf16_flops(run, facts, work, cluster, f) -> float:
     """bf16 autocast's achieved FLOP/s from its run (casts included)."""
     layout, got = run
-    a, b, c0 = _terms(layout, facts, work, cluster, dataclasses.replace(f, overhead_s=0.0))
+    a, b, c0 = _terms(layout, facts, work, cluster, f)
     spare = got["step_s"] - c0 - b * f.overhead_s
     return a / spare if spare > 0 else f.flops["bfloat16"]
-
-
-def _efficiency(run, facts, work, cluster, f) -> float:
-    """The parallel efficiency that makes the prediction of ``run`` its measurement."""
-    layout, got = run
-    lo, hi = 0.2, 1.0
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        g = dataclasses.replace(f, parallel_efficiency=mid)
-        if cost.predict(layout, facts, work, cluster, g).step_s > got["step_s"]:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
 
 
 def _latency(run, facts, work, cluster, f) -> float:
@@ -287,19 +274,6 @@ def _latency(run, facts, work, cluster, f) -> float:
     )
     per_call = p1.step_s - p0
     return max(0.0, (got["step_s"] - p0) / per_call) if per_call > 0 else 0.0
-
-
-def _solve(rows, ys) -> tuple[float, float]:
-    """``(1 / F, overhead)`` from ``y = a / F + b overhead`` (both kept positive)."""
-    a = np.asarray(rows, dtype=float)
-    y = np.asarray(ys, dtype=float)
-    if len(rows) == 1 or np.linalg.matrix_rank(a) < 2:
-        return max(y[0], 1e-6) / a[0][0], 0.0
-    x, *_ = np.linalg.lstsq(a, y, rcond=None)
-    inv, overhead = float(x[0]), float(x[1])
-    if inv <= 0 or overhead < 0:  # noise: all of it compute
-        return max(float(y.mean()), 1e-6) / float(a[:, 0].mean()), 0.0
-    return inv, overhead
 
 
 def _memory_fit(runs, idle_mb: float) -> dict:

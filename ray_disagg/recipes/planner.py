@@ -121,12 +121,10 @@ def _group(base, n: int, parallelism, ac: bool, gpu: bool, share: float):
 def _splits(c: Cluster, parts: list[str]):
     """(placement, {part: workers}) over the cluster's devices."""
     d = c.devices
-    if len(parts) == 2:
-        yield "colocated", dict.fromkeys(parts, d)
+    yield "colocated", dict.fromkeys(parts, d)
+    if len(parts) == 2:  # separate: one encoder group beside the LLM only
         for v in range(1, d):
             yield "separate", {parts[0]: v, parts[1]: d - v}
-    else:  # one encoder group beside the LLM only when there are two parts
-        yield "colocated", dict.fromkeys(parts, d)
 
 
 def enumerate_layouts(r, c: Cluster):
