@@ -1,5 +1,6 @@
 """Time from a vision worker's SIGKILL to the next completed step: the failed group
-restarted alone against every group restarted, in one run.
+restarted alone (with and without a standby, ``ModuleGroup(standby=True)``) against
+every group restarted, in one run.
 
 The model is a Qwen2.5-VL whose LLM (``--size``, ~160M parameters by default, loaded
 from a bf16 ``save_pretrained`` directory made once under ``--cache``) takes far longer
@@ -17,8 +18,8 @@ For each mode it prints:
 - ``step``: the median step time of the run (``step_time``), for scale;
 - ``fit``: the whole ``fit()``.
 
-The last line gives group restart / full restart of ``kill -> next step`` (target
-<= 0.5). Both runs train bit-identically (checked: the final losses are printed).
+The last lines give each group restart / full restart of ``kill -> next step`` (target
+<= 0.5). The runs train bit-identically (checked: the final losses are printed).
 
     python benchmarks/recovery.py [--size 150m|tiny] [--cache DIR]
 """
@@ -67,6 +68,13 @@ SIZES = {  # as benchmarks/memory.py's (see its SIZES), and one with fewer LLM l
 }
 
 
+MODES = {
+    "standby": "vision group from its standby",
+    "group": "vision group alone",
+    "full": "every group",
+}
+
+
 class StepTimes(threading.Thread):
     """When each reported step's line appeared in ``metrics.jsonl``."""
 
@@ -88,14 +96,14 @@ class StepTimes(threading.Thread):
             time.sleep(0.02)
 
 
-def timed_fit(spec, data, loop: dict, run_config, drill=None, **trainer_kwargs):
+def timed_fit(spec, data, loop: dict, run_config, drill=None, standby=False, **trainer_kwargs):
     """``fit()`` of vision 1 + text 1 (inside ``drill``, a context manager, if given);
     returns the result, ``(time, step)`` of each line of its ``metrics.jsonl``, when
     ``fit()`` started and how long it took."""
     trainer = DisaggregatedTrainer(
         model=spec,
         groups={
-            "vision": ModuleGroup(scaling_config=ScalingConfig(num_workers=1)),
+            "vision": ModuleGroup(scaling_config=ScalingConfig(num_workers=1), standby=standby),
             "text": ModuleGroup(scaling_config=ScalingConfig(num_workers=1)),
         },
         train_loop_config=loop,
@@ -134,7 +142,7 @@ def run(mode: str, spec, data, storage: str) -> dict:
     marker = os.path.join(storage, f"{name}.killed")
     drill = fault_drill(group="vision", step=KILL_STEP, marker=marker)
     result, seen, t0, fit_s = timed_fit(
-        spec, data, LOOP, run_config, drill, restart_failed_group=mode == "group"
+        spec, data, LOOP, run_config, drill, mode == "standby", restart_failed_group=mode != "full"
     )
     killed = os.path.getmtime(marker)
     # the survivors may still finish the step before the kill (1-based KILL_STEP): not
@@ -147,6 +155,7 @@ def run(mode: str, spec, data, storage: str) -> dict:
         "step": statistics.median(steps) if steps else float("nan"),
         "fit": fit_s,
         "restarts": result.metrics.get("vision_restarts"),
+        "takeovers": result.metrics.get("vision_standby_takeovers", 0),
         "loss": result.metrics["loss"],
     }
 
@@ -166,25 +175,26 @@ def main():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = {}
     with tempfile.TemporaryDirectory(dir=args.cache) as storage:
-        for mode in ("group", "full"):
+        for mode in MODES:
             rows[mode] = run(mode, spec, data, storage)
     ray.shutdown()
     print(
         f"\nQwen2.5-VL, vision {vision_m:.1f}M + LLM {llm_m:.1f}M parameters; "
         f"vision 1 + text 1, vision worker killed at step {KILL_STEP + 1}"
     )
-    print(f"{'restart':<22}{'kill -> next step':>18}{'step':>9}{'fit':>9}  restarts  loss")
-    for mode, label in (("group", "vision group alone"), ("full", "every group")):
+    print(f"{'restart':<30}{'kill -> next step':>18}{'step':>9}{'fit':>9}  restarts  loss")
+    for mode, label in MODES.items():
         r = rows[mode]
         print(
-            f"{label:<22}{r['recovery']:>17.1f}s{r['step']:>8.2f}s{r['fit']:>8.1f}s"
-            f"  {r['restarts']!s:>8}  {r['loss']:.6f}"
+            f"{label:<30}{r['recovery']:>17.1f}s{r['step']:>8.2f}s{r['fit']:>8.1f}s"
+            f"  {r['restarts']!s:>3} ({r['takeovers']} standby)  {r['loss']:.6f}"
         )
-    for mode in ("group", "full"):  # seconds from fit() to each reported step's line
+    for mode in MODES:  # seconds from fit() to each reported step's line
         *lines, (_, kill) = rows[mode]["timeline"]
         print(f"{mode} timeline (s: step), kill at {kill:.1f}s: {lines}")
-    ratio = rows["group"]["recovery"] / rows["full"]["recovery"]
-    print(f"group restart / full restart (kill -> next step): {ratio:.2f}x (target <= 0.5)")
+    for mode in ("standby", "group"):
+        ratio = rows[mode]["recovery"] / rows["full"]["recovery"]
+        print(f"{MODES[mode]} / full restart (kill -> next step): {ratio:.2f}x (target <= 0.5)")
 
 
 if __name__ == "__main__":

@@ -237,6 +237,12 @@ class ModuleGroup:
     lr_multiplier: float = 1.0
     """This group's learning rate is ``lr_multiplier`` times the scheduled ``lr``."""
 
+    standby: bool = False
+    """Keep a started copy of this group's workers (same resources, its own placement
+    group) that takes the group's place when one of its workers fails: the group restart
+    then skips starting workers. Costs the group's resources twice; only for a group that
+    restarts alone (README "Fault tolerance and elasticity")."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.scaling_config, ScalingConfig):
             raise ValueError(
@@ -251,6 +257,8 @@ class ModuleGroup:
         self.parallelism = _normalize_parallelism(self.parallelism)
         if not isinstance(self.trainable, bool):
             raise ValueError(f"ModuleGroup(trainable={self.trainable!r}): must be True or False.")
+        if not isinstance(self.standby, bool):
+            raise ValueError(f"ModuleGroup(standby={self.standby!r}): must be True or False.")
         if isinstance(self.freeze, str):
             self.freeze = (self.freeze,)
         if not isinstance(self.freeze, list | tuple) or not all(

@@ -27,15 +27,16 @@ from ray_disagg.launch.checks import (
     validate_transfer,
 )
 from ray_disagg.launch.controller import DisaggregatedController
-from ray_disagg.launch.elastic import ElasticGroup, Launch, elastic_ranges, elastic_sizes
+from ray_disagg.launch.elastic import ElasticGroup, elastic_ranges, elastic_sizes
 from ray_disagg.launch.group_restart import restartable_groups
+from ray_disagg.launch.launches import GroupLaunch, Launch, Transfers
 from ray_disagg.launch.resources import (
     PlacementGroupJanitor,
     check_cluster_capacity,
     colocation_for,
     demand_lines,
 )
-from ray_disagg.launch.worker_groups import GroupLaunch, Transfers
+from ray_disagg.launch.standby import standby_groups
 from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan
@@ -45,6 +46,7 @@ from ray_disagg.worker.encoder import encoder_train_loop
 from ray_disagg.worker.faults_hook import FAULT_DRILL_ENV
 from ray_disagg.worker.ingest import is_stream
 from ray_disagg.worker.llm import llm_train_loop
+from ray_disagg.worker.standby import StandbyLoop
 
 __all__ = ["DisaggregatedTrainer", "load_metrics"]
 
@@ -77,6 +79,16 @@ def load_metrics(source) -> pd.DataFrame:
         rows = [json.loads(line) for line in f if line.strip()]
     by_step = {r["step"]: r for r in rows}  # a restart redoes steps: keep the last
     return pd.DataFrame([by_step[s] for s in sorted(by_step)])
+
+
+def _train_fn(loop, backend) -> rc.ObjectRefWrapper:
+    fn = rc.construct_train_func(
+        loop,
+        config=None,
+        train_func_context=backend.train_func_context,
+        fn_arg_name="train_loop_per_worker",
+    )
+    return rc.ObjectRefWrapper(fn)
 
 
 def _not_called(*_args, **_kwargs):
@@ -173,6 +185,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         self.placement, self.transfer = placement, validate_transfer(transfer, self.groups)
         self.loop_config = TrainLoopConfig.from_any(train_loop_config)
         self.loop_config, self._legacy_drill = self._take_legacy_drill(self.loop_config)
+        self.standby = standby_groups(self.groups, placement, restartable, self.loop_config)
         if resume_from_checkpoint is not None:
             with resume_from_checkpoint.as_directory() as root:
                 check_compatible(root, model.load_config(), self.loop_config.max_steps)
@@ -333,17 +346,15 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
     def _launch(self, args: LoopArgs) -> Launch:
         launches = {}
         for name, (loop, backend) in self.group_loops(args).items():
-            fn = rc.construct_train_func(
-                loop,
-                config=None,
-                train_func_context=backend.train_func_context,
-                fn_arg_name="train_loop_per_worker",
-            )
+            standby = None
+            if name in self.standby:  # its standby builds the model, then waits
+                standby = StandbyLoop(loop)
             launches[name] = GroupLaunch(
                 name=name,
                 scaling_config=args.groups[name].scaling_config,
                 backend_config=backend,
-                train_fn_ref=rc.ObjectRefWrapper(fn),
+                train_fn_ref=_train_fn(loop, backend),
+                standby_fn_ref=standby and _train_fn(standby, backend),
             )
         return Launch(launches, Transfers(self._transfer_pairs(args), self.transfer))
 

@@ -1,6 +1,7 @@
-"""Elastic encoder groups and a failure during a group restart (tier 3, a real Ray
-cluster; placeholder actors take and free the cluster's CPUs)."""
+"""Elastic encoder groups, a standby group and a failure during a group restart (tier 3,
+a real Ray cluster; placeholder actors take and free the cluster's CPUs)."""
 
+import dataclasses
 import itertools
 import json
 import time
@@ -124,6 +125,25 @@ def test_failure_while_the_group_restarts_falls_back_to_the_full_restart(
     lines = _history(history, 1, lambda lines: True)
     assert lines[-1]["placement"]["text rank 0"][0] != text_pg  # every group restarted
     assert result.metrics["vision_restarts"] == 0  # the group restart did not complete
+    clean = fit(spec, data, LOOP, vt(group(1), group(1)), tmp_path, "clean", local=True)
+    assert losses(result) == losses(clean)  # bit-identical on CPU
+    got, ref = checkpoint_state(result.checkpoint), checkpoint_state(clean.checkpoint)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_standby_takes_the_failed_groups_place(ray_start_4_cpus, setup, tmp_path):
+    """Vision 1 with a standby + text 1: the vision worker dies at step 3; the standby
+    (started in the background once the groups ran) takes its place and continues from
+    checkpoint 2 with the text group, which kept its workers; a new standby starts
+    meanwhile. The result equals an uninterrupted run bit for bit."""
+    _, spec, data = setup
+    marker = tmp_path / "killed"
+    vision = dataclasses.replace(group(1), standby=True)
+    with fault_drill(group="vision", step=2, marker=marker):
+        result = fit(spec, data, LOOP, vt(vision, group(1)), tmp_path, "standby", failures=1)
+    assert marker.exists()
+    m = result.metrics
+    assert (m["vision_restarts"], m["vision_standby_takeovers"], m["text_restarts"]) == (1, 1, 0)
     clean = fit(spec, data, LOOP, vt(group(1), group(1)), tmp_path, "clean", local=True)
     assert losses(result) == losses(clean)  # bit-identical on CPU
     got, ref = checkpoint_state(result.checkpoint), checkpoint_state(clean.checkpoint)

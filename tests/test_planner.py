@@ -14,7 +14,7 @@ from ray_disagg.config import (
     TensorParallel,
 )
 from ray_disagg.recipes import cost
-from ray_disagg.recipes.calibrate import _bisect, _terms
+from ray_disagg.recipes.calibrate import _bisect, _encoder_speed, _terms
 from ray_disagg.recipes.cli import main
 from ray_disagg.recipes.cluster import NOMINAL, Cluster, load_figures, parse_cluster, save_figures
 from ray_disagg.recipes.planner import _group, enumerate_layouts, plan_auto, render_auto
@@ -111,6 +111,9 @@ def test_cost_model_terms():
     start = dataclasses.replace(true, microbatch_exponent=1.0)
     got = _bisect(run, facts, work, GPU4, start, "microbatch_exponent", 0.5, 2.0)
     assert got == pytest.approx(1.3, rel=1e-6)
+    slow = cost.predict(one, facts, work, GPU4, dataclasses.replace(true, encoder_speed=0.4))
+    seconds = {f"{p}_compute_s": t for p, t in slow.compute_s.items()}
+    assert _encoder_speed(one, seconds, facts, work, GPU4, true) == pytest.approx(0.4, rel=1e-6)
 
 
 def test_plan_ranks_valid_layouts_and_writes_the_best(tmp_path):

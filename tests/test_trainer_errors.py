@@ -63,6 +63,33 @@ def test_elastic_ranges_only_on_data_parallel_encoder_groups():
         )
 
 
+def test_standby_only_for_a_fixed_size_group_that_restarts_alone():
+    def standby(n=1, **kw):
+        return ModuleGroup(scaling_config=ScalingConfig(num_workers=n), standby=True, **kw)
+
+    loop = dict(LOOP, checkpoint_every=1)
+    t = make({"vision": standby(), "text": g()}, loop=loop)
+    assert t.standby == {"vision"}
+    assert t._launch(t.loop_args(put=lambda x: x)).groups["vision"].standby_fn_ref is not None
+    with pytest.raises(ValueError, match=r"on the 'text' group: it cannot restart alone here "):
+        make({"vision": g(), "text": standby()}, loop=loop)
+    with pytest.raises(ValueError, match="set checkpoint_every"):
+        make({"vision": standby(), "text": g()})
+    elastic = ModuleGroup(scaling_config=ScalingConfig(num_workers=(1, 2)), standby=True)
+    with pytest.raises(ValueError, match="an elastic group restarts at a size known only"):
+        make({"vision": elastic, "text": g()}, loop=loop)
+    with pytest.raises(ValueError, match="colocated groups restart into the bundles"):
+        DisaggregatedTrainer(
+            model=HFModelSpec(config=CFG),
+            groups={"vision": standby(), "text": g()},
+            train_loop_config=loop,
+            datasets={"train": DATA},
+            placement="colocated",
+        )
+    with pytest.raises(ValueError, match=r"standby='yes'\): must be True or False"):
+        ModuleGroup(scaling_config=ScalingConfig(num_workers=1), standby="yes")
+
+
 def test_unknown_group_name():
     with pytest.raises(ValueError, match=r"Unknown module group\(s\) \['audio'\]"):
         make({"vision": g(), "text": g(), "audio": g()})

@@ -15,15 +15,16 @@ import logging
 import time
 
 from ray_disagg.launch import resize
-from ray_disagg.launch.elastic import ElasticGroup, Launch
+from ray_disagg.launch.elastic import ElasticGroup
 from ray_disagg.launch.group_restart import restart_group
+from ray_disagg.launch.launches import Colocation, Launch
 from ray_disagg.launch.ray_compat import (
     FailureDecision,
     TrainController,
     WorkerGroupStartupTimeoutError,
     WorkerStatus,
 )
-from ray_disagg.launch.worker_groups import Colocation, ModulePollStatus, ModuleWorkerGroups
+from ray_disagg.launch.worker_groups import ModulePollStatus, ModuleWorkerGroups
 
 logger = logging.getLogger(__name__)
 

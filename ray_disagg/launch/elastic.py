@@ -27,26 +27,17 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from ray_disagg.config import DataParallel
+from ray_disagg.launch.launches import Launch
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "ElasticGroup",
-    "Launch",
     "allowed_sizes",
     "elastic_ranges",
     "elastic_sizes",
     "workers_fitting",
 ]
-
-
-@dataclass(frozen=True)
-class Launch:
-    """Starting every group at one set of sizes: each group's ``GroupLaunch`` (LLM group
-    first) and the ``Transfers`` (exchanging pairs) of that layout."""
-
-    groups: dict
-    transfers: object
 
 
 @dataclass

@@ -9,7 +9,8 @@ A worker of an encoder group dies; the coordinator, instead of tearing every gro
 2. waits for every survivor to park, consuming their reports meanwhile (a report blocks
    its worker until polled); reports not yet consolidated are forgotten;
 3. starts a new group of the same shape (Ray Train's callbacks hand it the latest
-   checkpoint, as on a full restart);
+   checkpoint, as on a full restart), or hands that checkpoint to the group's standby
+   (:mod:`ray_disagg.launch.standby`), already started, and starts the next standby;
 4. rebuilds the side channel (a new gloo group over every worker; the survivors' own
    process groups and models stay). The survivors reload that checkpoint in place
    meanwhile (they learn it in step 1).
@@ -142,20 +143,33 @@ def restart_group(groups, failed: str, checkpoint, launch=None, failure=True) ->
             groups.relaunch, launches=launch.groups, transfers=launch.transfers
         )
     r = groups.relaunch
-    shared_pg = groups.shared_placement_group  # colocated: into the freed bundles
-    wg = ModuleWorkerGroups._start_group(
-        r.launches[failed], r.train_run_context, r.run_attempt_id, r.shared, shared_pg
-    )
+    standby = groups.standby.get(failed)
+    wg = standby.take_over(checkpoint, r.side_timeout_s) if standby else None
+    took_over = wg is not None
+    if wg is None:
+        wg = _start(ModuleWorkerGroups, r, failed, groups.shared_placement_group)
     groups.replace_group(failed, wg)
     groups.reset_reports()  # for the union's new size
-    if shared_pg is not None:
+    if groups.shared_placement_group is not None:
         groups._check_pairing()
-    elif r.janitor is not None:
-        pg = wg.get_worker_group_state().placement_group_handle.placement_group
-        ray.get(r.janitor.register.remote(pg))
-    lap("start")
+    lap("standby" if took_over else "start")
     groups.restarts[failed] += int(failure)
+    if took_over:
+        groups.takeovers[failed] += 1
     groups.generation += 1
     groups._connect_channel(r.run_attempt_id, r.side_timeout_s, r.transfers)
     lap("rejoin")
+    if standby is not None:
+        standby.start(r)  # the next one
     return took
+
+
+def _start(cls, r: Relaunch, name: str, shared_pg):
+    """A new worker group for group ``name`` (colocated: into the freed bundles of
+    ``shared_pg``), registered with the janitor."""
+    ctx, attempt = r.train_run_context, r.run_attempt_id
+    wg = cls._start_group(r.launches[name], ctx, attempt, r.shared, shared_pg)
+    if shared_pg is None and r.janitor is not None:
+        pg = wg.get_worker_group_state().placement_group_handle.placement_group
+        ray.get(r.janitor.register.remote(pg))
+    return wg

@@ -8,11 +8,11 @@ import time
 
 from ray_disagg.launch.elastic import (
     ElasticGroup,
-    Launch,
     free_per_node,
     free_total,
     workers_fitting,
 )
+from ray_disagg.launch.launches import Launch
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ PLACEMENTS = ("separate", "colocated")
 def colocation_for(groups, placement: str):
     """``None`` for separate placement; for colocated the shared bundle (``ValueError``
     naming the fix when the groups cannot share bundles)."""
-    from ray_disagg.launch.worker_groups import Colocation
+    from ray_disagg.launch.launches import Colocation
 
     if placement not in PLACEMENTS:
         raise ValueError(f"placement={placement!r}: must be one of {PLACEMENTS}.")

@@ -21,14 +21,13 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import ray
-from ray.train import ScalingConfig
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from ray_disagg.launch.group_restart import Relaunch
+from ray_disagg.launch.launches import Colocation, GroupLaunch, Transfers
 from ray_disagg.launch.ray_compat import (
     AcceleratorSetupCallback,
     BackendSetupCallback,
-    ObjectRefWrapper,
     PreemptionCallback,
     ReportCallbackHandler,
     SharedPlacementWorkerGroup,
@@ -41,6 +40,7 @@ from ray_disagg.launch.ray_compat import (
     WorkerGroupStartupTimeoutError,
     group_train_run_context,
 )
+from ray_disagg.launch.standby import Standby
 from ray_disagg.transport.channel import ChannelSpec
 from ray_disagg.transport.select import group_offsets, pair_tiers
 from ray_disagg.worker import runtime
@@ -62,35 +62,6 @@ _THREAD_SAFE_CALLBACKS = {
     "ControllerMetricsCallback",
     "ValidationManager",
 }
-
-
-@dataclass
-class GroupLaunch:
-    """What the coordinator needs to start one module group (built on the driver)."""
-
-    name: str
-    scaling_config: ScalingConfig
-    backend_config: object
-    train_fn_ref: ObjectRefWrapper
-
-
-@dataclass(frozen=True)
-class Colocation:
-    """One placement group for all groups: ``num_bundles`` bundles of ``bundle`` (the sum
-    of one worker of each group), placed with ``strategy`` (built on the driver)."""
-
-    bundle: dict
-    num_bundles: int
-    strategy: str
-
-
-@dataclass(frozen=True)
-class Transfers:
-    """Which workers exchange tensors (``(group, rank)`` pairs, from the batch plan) and
-    the requested tier (``"auto"`` or a tier name)."""
-
-    pairs: tuple
-    requested: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -123,6 +94,8 @@ class ModuleWorkerGroups:
         self.generation = 0  # channel rebuilds (group restarts) in this attempt
         self.restarts = dict.fromkeys(groups, 0)
         self._store_at: tuple[str, int] | None = None
+        self.standby: dict[str, Standby] = {}  # per group with one (launch.standby)
+        self.takeovers: dict[str, int] = {}  # per such group: restarts its standby took
 
     @classmethod
     def create(
@@ -164,6 +137,7 @@ class ModuleWorkerGroups:
             if shared_pg is not None:
                 groups._check_pairing()
             groups._connect_channel(run_attempt_id, side_timeout_s, transfers)
+            groups._start_standbys(shared)
         except BaseException:
             _shutdown_all(started.values())
             _remove(shared_pg)
@@ -192,12 +166,7 @@ class ModuleWorkerGroups:
                     raise
             return wg
 
-        unsafe = [
-            type(c).__name__
-            for c in shared
-            if isinstance(c, WorkerGroupCallback)  # the others run in the workers
-            and type(c).__name__ not in _THREAD_SAFE_CALLBACKS
-        ]
+        unsafe = _unsafe(shared)
         if unsafe:
             logger.info("Starting the groups one after another (callbacks %s).", unsafe)
         parallel = not unsafe
@@ -242,6 +211,18 @@ class ModuleWorkerGroups:
             train_run_context=ctx, worker_group_context=wg_ctx, callbacks=own + shared
         )
 
+    def _start_standbys(self, shared) -> None:
+        """Start each ``ModuleGroup(standby=True)`` group's standby in the background
+        (:mod:`ray_disagg.launch.standby`), unless a callback is not known thread-safe."""
+        names = [n for n, launch in self.relaunch.launches.items() if launch.standby_fn_ref]
+        if names and _unsafe(shared):
+            logger.warning("No standby for %s: callbacks %s may not be called from two "
+                           "threads.", names, _unsafe(shared))  # fmt: skip
+            return
+        for name in names:
+            self.standby[name], self.takeovers[name] = Standby(name), 0
+            self.standby[name].start(self.relaunch)
+
     def _check_pairing(self) -> None:
         """Colocated: rank ``r`` of every group must sit in the same bundle (Ray Train
         orders ranks by node and GPU id, identically for groups sharing the bundles)."""
@@ -273,6 +254,7 @@ class ModuleWorkerGroups:
         spec = ChannelSpec(
             addr, port, offsets, sizes, timeout_s, prefix, locations, tiers,
             generation=self.generation, restarts=dict(self.restarts),
+            takeovers=dict(self.takeovers),
         )  # fmt: skip
         refs = [
             w.execute_async(runtime.join_channel, spec, name, w.distributed_context.world_rank)
@@ -359,6 +341,8 @@ class ModuleWorkerGroups:
             logger.warning("Closing the workers' channels failed.", exc_info=True)
 
     def shutdown(self) -> None:
+        for s in self.standby.values():
+            s.close()
         for cb in self._union_callbacks:
             cb.before_worker_group_shutdown(self)
         self._close_channels(abort=False)
@@ -373,6 +357,8 @@ class ModuleWorkerGroups:
             raise errors[0]
 
     def abort(self) -> None:
+        for s in self.standby.values():
+            s.close()
         self._close_channels(abort=True, timeout_s=10.0)
         for wg in self._live():
             try:
@@ -380,6 +366,16 @@ class ModuleWorkerGroups:
             except Exception:
                 logger.warning("Aborting a module group failed.", exc_info=True)
         _remove(self._shared_pg)
+
+
+def _unsafe(shared) -> list[str]:
+    """The worker-group callbacks not known to be thread-safe."""
+    return [
+        type(c).__name__
+        for c in shared
+        if isinstance(c, WorkerGroupCallback)  # the others run in the workers
+        and type(c).__name__ not in _THREAD_SAFE_CALLBACKS
+    ]
 
 
 def _shutdown_all(groups) -> None:

@@ -6,7 +6,8 @@ cluster for the planner's cost model (:mod:`ray_disagg.recipes.cost`).
    node (the collective and transfer bandwidths) and an idle worker's resident memory.
 2. Six short runs of the recipe's model on synthetic samples shaped like its workload
    (separate, sequential; :func:`reference_layouts`): tower 1 + LLM 1 with 1 and 2
-   microbatches give the achieved FLOP/s and how compute per sample changes with the
+   microbatches give the achieved FLOP/s (the tower's relative to the LLM's from their
+   compute seconds: ``encoder_speed``) and how compute per sample changes with the
    microbatch size (``microbatch_exponent``); the LLM data parallel over 2 the speed of a worker
    while every core is busy (``parallel_efficiency``); bf16 autocast its FLOP/s (casts
    included; the micro-benchmark's bf16/fp32 ratio until then); the LLM TP2 the seconds per
@@ -145,6 +146,7 @@ def measure_layout(recipe, steps: int, storage: str, data: list[dict] | None = N
     out = {"step_s": float(statistics.median(tail["step_time_s"]))}
     for part in recipe.groups:
         out[f"{part}_peak_mb"] = float(tail[f"{part}_peak_memory_mb"].max())
+        out[f"{part}_compute_s"] = float(statistics.median(tail[f"{part}_compute_s"]))
     return out
 
 
@@ -222,6 +224,7 @@ def calibrate(r, cluster: Cluster, steps: int = 5, storage: str | None = None):
     runs = [(x, measure_layout(x, steps, storage, data)) for x in reference_layouts(r, cluster)]
     ratio = micro["bf16"] / micro["fp32"]
     one, got1 = runs[0]  # one busy worker, no collective
+    f.encoder_speed = _encoder_speed(one, got1, facts, work, cluster, f)
     a, _, c0 = _terms(one, facts, work, cluster, f)
     inv_flops = max(got1["step_s"] - c0, 1e-6) / a
     f.flops = {"float32": 1 / inv_flops, "bfloat16": ratio / inv_flops}
@@ -255,6 +258,19 @@ def _bisect(run, facts, work, cluster, f, name: str, lo: float, hi: float) -> fl
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def _encoder_speed(layout, got, facts, work, cluster, f) -> float:
+    """The encoders' FLOP/s relative to the LLM's: the predicted ratio of their compute
+    seconds over the measured one (mean over the encoders), in the same run."""
+    pred = cost.predict(layout, facts, work, cluster, f).compute_s
+    llm = facts.llm_part
+    ratios = [
+        (pred[p] / pred[llm]) / (got[f"{p}_compute_s"] / got[f"{llm}_compute_s"])
+        for p in pred
+        if p != llm and got[f"{p}_compute_s"] > 0 and pred[llm] > 0
+    ]
+    return float(np.mean(ratios)) if ratios else 1.0
 
 
 def _bf16_flops(run, facts, work, cluster, f) -> float:

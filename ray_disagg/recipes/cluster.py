@@ -139,6 +139,10 @@ class DeviceFigures:
     """Bytes/s of a crossing between groups, per transfer tier."""
     memory_bw: float
     """Bytes/s the optimizer step streams (AdamW reads and writes each state)."""
+    encoder_speed: float = 1.0
+    """An encoder's achieved FLOP/s relative to ``flops`` (the LLM's): below 1 where its
+    smaller matmuls, convolutions and many small ops run slower per FLOP; from the
+    calibration's per-group compute seconds."""
     parallel_efficiency: float = 1.0
     """CPU workers: one worker's speed when every core is busy, relative to alone (shared
     caches, memory bandwidth, hyper-threads); 1 on GPUs."""

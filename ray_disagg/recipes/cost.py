@@ -322,10 +322,11 @@ def predict(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures) 
     k, llm = r.loop.micro_batches, facts.llm_part
     pipelined = sched.schedule == "1f1b"
     flops, speed = _flops(r, facts, work), f.flops[_dtype(r)]
+    rel = {p: 1.0 if p == llm else f.encoder_speed for p in flops}
     compute = {
         p: flops[p]
         * _size_factor(r, p, f)
-        / (r.groups[p].num_workers * speed * _busy(r, p, c, f, pipelined))
+        / (r.groups[p].num_workers * speed * rel[p] * _busy(r, p, c, f, pipelined))
         for p in flops
     }
     comm = {p: k * _layer_comm(r, p, facts, work, c, f) for p in r.groups}

@@ -67,6 +67,8 @@ class ChannelSpec:
     """How many times the channel was rebuilt in this run attempt (a group restarted)."""
     restarts: dict[str, int] = field(default_factory=dict)
     """Group -> how many times it alone was restarted in this run attempt."""
+    takeovers: dict[str, int] = field(default_factory=dict)
+    """Group with a standby -> how many of those restarts its standby took."""
 
     @property
     def world_size(self) -> int:

@@ -91,7 +91,8 @@ def load_sharded(model, optimizer, directory: str) -> bool:
         key = f"optim.{name}"
         if id(p) not in owned or f"{key}.step" not in meta:
             continue  # not this rank's, or never stepped
-        slot = {f: torch.zeros_like(p.detach()) for f in _STATE_KEYS}
+        held = inner.state.get(p) or {}  # a group restart: loaded in place, no new memory
+        slot = {f: _like(held.get(f), p) for f in _STATE_KEYS}
         slot["step"] = torch.zeros(1)
         state.update({f"{key}.{f}": t for f, t in slot.items()})
         slots[p] = slot
@@ -100,6 +101,14 @@ def load_sharded(model, optimizer, directory: str) -> bool:
     for p, slot in slots.items():
         inner.state[p] = {"step": slot["step"][0].clone(), **{f: slot[f] for f in _STATE_KEYS}}
     return True
+
+
+def _like(held, p: torch.Tensor) -> torch.Tensor:
+    """``held`` (optimizer state to overwrite) when it matches ``p``, else new zeros."""
+    same = held is not None and type(held) is type(p.detach())
+    if same and held.shape == p.shape and held.dtype == p.dtype:
+        return held
+    return torch.zeros_like(p.detach())
 
 
 def load_alone(targets: dict[str, torch.Tensor], directory: str) -> None:

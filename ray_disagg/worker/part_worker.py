@@ -12,7 +12,7 @@ from ray_disagg.models import loading
 from ray_disagg.parallel import expert_parallel as ep
 from ray_disagg.parallel import fsdp
 from ray_disagg.parallel import tensor_parallel as tp
-from ray_disagg.worker import checkpoint
+from ray_disagg.worker import checkpoint, standby
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.metrics import StepClock, log_line
 from ray_disagg.worker.runtime import get_runtime
@@ -39,7 +39,7 @@ class PartWorker:
         self.adapter = args.adapter
         self.rt = get_runtime()
         self.device = self.rt.device
-        self.channel = self.rt.wait_channel(self.cfg.collective_timeout_s)
+        self.channel = None  # once the model is built (setup): the other groups may start
         mesh, names = self.rt.mesh, self.rt.mesh.mesh_dim_names
         self.dp_mesh = mesh[names[0]]  # "dp", or "dp_shard" with FSDP2
         self.mp_mesh = mesh[names[1]] if len(names) == 2 else mesh[names[1:]]._flatten()
@@ -86,7 +86,8 @@ class PartWorker:
 
     def setup(self, model: torch.nn.Module) -> int:
         """FSDP2 (when the group uses it), this rank's shards of the weights, the optimizer,
-        the checkpoint writer and the restore; returns the step to start from."""
+        the checkpoint writer, the channel to the other groups and the restore; returns the
+        step to start from."""
         self.model = model
         self.runner = fsdp.PartRunner(model)
         if self.fsdp:  # over the ranks that hold the same tp shard (FSDP2 x TP)
@@ -103,6 +104,8 @@ class PartWorker:
         hf_config = self.args.spec.load_config() if self.is_llm else None
         lead = self.group_rank == 0
         self.writer = checkpoint.ShardWriter(self.part, lead, hf_config, self.cfg)
+        standby.wait_take_over()  # a standby worker: until it takes a failed group's place
+        self.channel = self.rt.wait_channel(self.cfg.collective_timeout_s)
         # data_state: a stream's read position, saved with the LLM's checkpoint
         self.start, self.data_state = checkpoint.restore(
             model, self.opt, self.part, self.args, log=log

@@ -78,10 +78,16 @@ class RaySession:
         wait_reports_queued(timeout_s)
 
     def restart_checkpoint(self):
-        """The latest checkpoint of this run when the workers were restarted, else ``None``."""
+        """The latest checkpoint of this run when the workers were restarted (a standby
+        worker: the one it was handed when taking over), else ``None``."""
         import ray.train
 
+        if self.taken_over_at is not None:
+            return self.taken_over_at
         return ray.train.get_checkpoint()
+
+    taken_over_at = None
+    """A standby worker's checkpoint to continue from (``ray_disagg.worker.standby``)."""
 
 
 def _move_or_copy(checkpoint, name: str):

@@ -175,13 +175,16 @@ def placement_metrics(w, fallbacks: int) -> dict:
     """``transfer_tier``: the tiers that carried tensors between the groups this step
     (e.g. "shm", "cuda_ipc+nccl"; "gloo" joins when messages fell back to it);
     ``<group>_restarts``: how often that group alone was restarted in this attempt;
-    ``<group>_workers``: its current number of workers (an elastic group's size); with
+    ``<group>_standby_takeovers``: how many of those restarts its standby took (a group
+    with ``standby=True``); ``<group>_workers``: its current number of workers (an
+    elastic group's size); with
     ``report_placement`` also ``placement``: each worker's ``[placement group id, bundle
     index]`` as the worker saw it."""
     spec = w.channel.spec
     tiers = set(spec.tiers.values()) | ({"gloo"} if fallbacks else set())
     out = {"transfer_tier": "+".join(sorted(tiers)) or "none"}
     out.update({f"{g}_restarts": spec.restarts.get(g, 0) for g in w.args.groups})
+    out.update({f"{g}_standby_takeovers": n for g, n in spec.takeovers.items()})
     out.update({f"{g}_workers": spec.sizes[g] for g in w.args.groups})
     if w.cfg.report_placement:
         out["placement"] = {

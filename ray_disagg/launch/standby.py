@@ -1,0 +1,148 @@
+"""A standby copy of a group that restarts alone (``ModuleGroup(standby=True)``).
+
+Most of a group restart is Ray starting the new workers (a process each, imports, the
+train context, the group's process group, the train function) and building the model
+(seconds per group, paid while every other group waits). A standby is a second worker
+group of the same shape, started in the background once the groups run, whose workers
+build the group's model, load its weights and build the optimizer, then wait
+(``ray_disagg.worker.standby``). When a worker of the group fails, the coordinator stops
+the group as usual and hands the standby the checkpoint to continue from instead of
+starting a new group; the standby then rejoins the side channel like a restarted group,
+and a new standby starts in the background.
+
+It is best effort: a standby that cannot start (no room for a second copy, a start
+timeout) or that died meanwhile only logs why, and the group restarts the usual way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+import ray
+
+from ray_disagg.worker import standby as standby_worker
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Standby", "standby_groups"]
+
+
+def standby_groups(groups: dict, placement: str, restartable, cfg) -> frozenset[str]:
+    """The groups given ``ModuleGroup(standby=True)``, validated on the driver:
+    ``ValueError`` unless each restarts alone, at a fixed size, in separate placement,
+    from checkpoints."""
+    names = frozenset(n for n, g in groups.items() if g.standby)
+    for n in sorted(names):
+        reason = None
+        if n not in restartable:
+            reason = f"it cannot restart alone here (groups that can: {sorted(restartable)})"
+        elif placement != "separate":
+            reason = "colocated groups restart into the bundles they share"
+        elif groups[n].elastic:
+            reason = "an elastic group restarts at a size known only after the failure"
+        elif cfg.checkpoint_every is None:
+            reason = "a restart continues from a checkpoint: set checkpoint_every"
+        if reason:
+            raise ValueError(
+                f"ModuleGroup(standby=True) on the {n!r} group: {reason}. A standby needs a "
+                "fixed-size encoder group that restarts alone (one encoder group, map-style "
+                "data, restart_failed_group=True, placement='separate') and checkpoint_every."
+            )
+    return names
+
+
+class Standby:
+    """The standby of group ``name``: started with :meth:`start`, used by
+    :meth:`take_over`, stopped by :meth:`close` (with the groups)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._lock = threading.Lock()
+        self._group = None  # the started standby WorkerGroup
+        self._closed = False
+        self._settled = threading.Event()  # the last start finished (or failed)
+        self._settled.set()  # none started yet
+
+    def start(self, relaunch) -> None:
+        """Start a standby in a background thread from ``relaunch`` (the groups'
+        ``Relaunch``: the group's launch, its train function swapped for the standby's)."""
+        self._settled.clear()
+        threading.Thread(
+            target=self._start, args=(relaunch,), name=f"standby-{self.name}", daemon=True
+        ).start()
+
+    def _start(self, relaunch) -> None:
+        try:
+            self._start_group(relaunch)
+        finally:
+            self._settled.set()
+
+    def _start_group(self, relaunch) -> None:
+        from ray_disagg.launch.worker_groups import ModuleWorkerGroups
+
+        launch = relaunch.launches[self.name]
+        launch = dataclasses.replace(launch, train_fn_ref=launch.standby_fn_ref)
+        try:
+            wg = ModuleWorkerGroups._start_group(
+                launch, relaunch.train_run_context, relaunch.run_attempt_id, relaunch.shared, None
+            )
+        except Exception as e:
+            logger.warning(
+                "The %s group's standby did not start (%r); a failure in the group restarts "
+                "it without one.", self.name, e,
+            )  # fmt: skip
+            return
+        try:
+            if relaunch.janitor is not None:  # removed should the coordinator die
+                pg = wg.get_worker_group_state().placement_group_handle.placement_group
+                ray.get(relaunch.janitor.register.remote(pg))
+        except Exception:
+            logger.warning("Registering the %s standby failed.", self.name, exc_info=True)
+        with self._lock:
+            if not self._closed:
+                self._group = wg
+                logger.info("The %s group's standby is ready.", self.name)
+                return
+        _stop(wg)  # the groups stopped while it started
+
+    def take_over(self, checkpoint, timeout_s: float):
+        """The standby worker group, now continuing from ``checkpoint`` (its train
+        function runs the group's loop), or ``None`` when none is ready and alive. A
+        standby still starting is waited for (up to ``timeout_s``): it is ahead of a new
+        group's start."""
+        self._settled.wait(timeout_s)
+        with self._lock:
+            wg, self._group = self._group, None
+        if wg is None:
+            return None
+        try:
+            status = wg.poll_status(timeout=timeout_s)
+            if status.errors or not all(s.running for s in status.worker_statuses.values()):
+                raise RuntimeError(status.get_error_string() or "a worker stopped")
+            refs = [w.execute_async(standby_worker.take_over, checkpoint) for w in wg.get_workers()]
+            ray.get(refs, timeout=timeout_s)
+        except Exception as e:
+            logger.warning("The %s standby cannot take over (%r).", self.name, e)
+            _stop(wg)
+            return None
+        return wg
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop the standby; one still starting is stopped as soon as it started (waited
+        for up to ``timeout_s``, so that no reservation outlives the groups)."""
+        with self._lock:
+            self._closed = True
+            wg, self._group = self._group, None
+        if wg is not None:
+            _stop(wg)
+        if not self._settled.wait(timeout_s):
+            logger.warning("The %s group's standby was still starting.", self.name)
+
+
+def _stop(wg) -> None:
+    try:
+        wg.shutdown()
+    except Exception:
+        logger.warning("Stopping a standby worker group failed.", exc_info=True)
