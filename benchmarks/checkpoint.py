@@ -9,7 +9,8 @@ wall time is the interval between two lines of the run's ``metrics.jsonl`` (poll
 the interval that ends at the next line: ``checkpoint step`` is the mean of those
 intervals, ``normal step`` the median of the others (the first two steps left out:
 warm-up, AdamW state allocation). The last step's checkpoint (always synchronous) is not
-counted.
+counted. Each checkpoint's interval is printed too: the first asynchronous one also
+allocates the staging buffers that the later ones reuse.
 
     python benchmarks/checkpoint.py [--size 300m|tiny] [--steps 8] [--cache DIR]
 """
@@ -55,6 +56,7 @@ def run(async_checkpoint: bool, spec, data, storage: str, steps: int) -> dict:
     return {
         "normal": statistics.median(normal),
         "ckpt": statistics.mean(after_ckpt),
+        "each": after_ckpt,
         "fit": fit_s,
         "loss": result.metrics["loss"],
     }
@@ -86,6 +88,8 @@ def main():
             f"{label:<14}{r['normal']:>11.2f}s{r['ckpt']:>16.2f}s{r['ckpt'] / r['normal']:>7.2f}x"
             f"{r['fit']:>8.1f}s  {r['loss']:.6f}"
         )
+        each = ", ".join(f"{t:.2f}s ({t / r['normal']:.2f}x)" for t in r["each"])
+        print(f"  {label} checkpoint steps, in order: {each}")
     print("target: the asynchronous checkpoint step <= 1.2x a normal step")
 
 

@@ -1,10 +1,10 @@
 """The planner's cost model against measurements, in one run on this machine.
 
 1. Calibrates the device figures on the local Ray cluster
-   (:func:`ray_disagg.recipes.calibrate.calibrate`: micro-benchmarks, then six short
+   (:func:`ray_disagg.recipes.calibrate.calibrate`: micro-benchmarks, then seven short
    runs of the model: tower 1 + LLM 1 with 1 and 2 microbatches, LLM data parallel over
-   2, activation checkpointing, bf16 autocast, LLM TP2). Those runs are the measurements
-   of their layouts below.
+   2, activation checkpointing, bf16 autocast, LLM TP2, LLM FSDP2 over 2). Those runs
+   are the measurements of their layouts below (marked ``*``).
 2. Trains a small Qwen2.5-VL (~55M-parameter LLM, ~5M tower; fp32 AdamW, synthetic
    samples of one 64 px image, 64 LLM tokens) in at least six layouts for a few steps each
    and prints, side by side, the measured and predicted step time (median of the steps
@@ -99,6 +99,9 @@ LAYOUTS = {
     ),  # fmt: skip
     "v2+t1": ("separate", (2, DataParallel(), False), (1, DataParallel(), False), 1, False),
     "v1+t1 bf16": ("separate", (1, DataParallel(), False), (1, DataParallel(), False), 1, True),
+    "v1+t1 1f1b k2": ("separate", (1, DataParallel(), False), (1, DataParallel(), False), 2, False),
+    "v2+t1 ac": ("separate", (2, DataParallel(), True), (1, DataParallel(), True), 1, False),
+    "v1+t2 dp k2": ("separate", (1, DataParallel(), False), (2, DataParallel(), False), 2, False),
     "v1+t2 fsdp2 ac": (
         "separate",
         (1, DataParallel(), True),
@@ -149,8 +152,9 @@ def validate(steps: int, names: list[str], storage: str) -> bool:
         cand = layout(r, LAYOUTS[name])
         pred = cost.predict(cand, facts, work, cluster, figures)
         got = known.get(Candidate(cand).describe())
+        mark = " *" if got else ""  # a calibration run: its time fitted a figure
         got = got or measure_layout(cand, steps, storage, data)
-        cells = [name, f"{got['step_s']:.2f}", f"{pred.step_s:.2f}"]
+        cells = [name + mark, f"{got['step_s']:.2f}", f"{pred.step_s:.2f}"]
         for part in ("vision", "text"):
             have = got[f"{part}_peak_mb"] - figures.idle_mb
             want = pred.memory[part] / 2**20
@@ -165,6 +169,7 @@ def validate(steps: int, names: list[str], storage: str) -> bool:
     print()
     for row in [head, *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    print("* a calibration run (its measured step time fitted one of the figures)")
     rho = spearman(measured_s, predicted_s)
     worst = max(errors)
     print(f"\nSpearman rank correlation of step times: {rho:.3f} (must be >= 0.8)")

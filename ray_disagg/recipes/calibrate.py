@@ -4,15 +4,17 @@ cluster for the planner's cost model (:mod:`ray_disagg.recipes.cost`).
 1. Micro-benchmarks, each in a Ray task of one device: the bf16/fp32 matmul speed ratio,
    the memory bandwidth (a large copy), a gloo all-reduce between two workers of one
    node (the collective and transfer bandwidths) and an idle worker's resident memory.
-2. Six short runs of the recipe's model on synthetic samples shaped like its workload
+2. Seven short runs of the recipe's model on synthetic samples shaped like its workload
    (separate, sequential; :func:`reference_layouts`): tower 1 + LLM 1 with 1 and 2
    microbatches give the achieved FLOP/s (the tower's relative to the LLM's from their
    compute seconds: ``encoder_speed``) and how compute per sample changes with the
    microbatch size (``microbatch_exponent``); the LLM data parallel over 2 the speed of a worker
    while every core is busy (``parallel_efficiency``); bf16 autocast its FLOP/s (casts
    included; the micro-benchmark's bf16/fp32 ratio until then); the LLM TP2 the seconds per
-   collective call; with activation checkpointing, the one-microbatch runs' peak memory
-   over the idle worker's fits each kind of group's fixed bytes and activation scale.
+   collective call; the LLM FSDP2 over 2 the seconds per FSDP2 unit and pass beyond its
+   collectives (``fsdp_unit_s``); with activation checkpointing, the one-microbatch runs'
+   peak memory over the idle worker's fits each kind of group's fixed bytes and
+   activation scale.
 
 On a 2-core CPU machine it takes a few minutes; the figures go to a JSON file that later
 ``plan --auto`` runs read (``--figures``; default ``~/.cache/ray_disagg/``).
@@ -194,6 +196,7 @@ def reference_layouts(r, cluster: Cluster) -> list:
     out.append(cost.with_layout(out[0], bf16=True))
     if t.num_attention_heads % 2 == 0 and t.num_key_value_heads % 2 == 0:
         out.append(at(2, TensorParallel(size=2)))
+    out.append(at(2, DataParallel(fsdp=True)))
     return out
 
 
@@ -238,10 +241,11 @@ def calibrate(r, cluster: Cluster, steps: int = 5, storage: str | None = None):
             runs[2], facts, work, cluster, f, "parallel_efficiency", 0.2, 1.0
         )
     f.flops["bfloat16"] = _bf16_flops(runs[4], facts, work, cluster, f)
-    if len(runs) > 5:
-        f.collective_latency_s = _latency(runs[5], facts, work, cluster, f)
+    if len(runs) > 6:  # the TP2 run
+        f.collective_latency_s = _per_unit(runs[5], facts, work, cluster, f, "collective_latency_s")
+    f.fsdp_unit_s = _per_unit(runs[-1], facts, work, cluster, f, "fsdp_unit_s")
     # one microbatch, no data-parallel buffer: the peak is the state + fixed + activations
-    f.memory_fit = _memory_fit([runs[0], runs[3], *runs[5:]], micro["idle_mb"])
+    f.memory_fit = _memory_fit([runs[0], runs[3], *runs[5:-1]], micro["idle_mb"])
     return f, runs
 
 
@@ -281,13 +285,12 @@ def _bf16_flops(run, facts, work, cluster, f) -> float:
     return a / spare if spare > 0 else f.flops["bfloat16"]
 
 
-def _latency(run, facts, work, cluster, f) -> float:
-    """Seconds per collective call that make the prediction of ``run`` its measurement."""
+def _per_unit(run, facts, work, cluster, f, name: str) -> float:
+    """The seconds per call of figure ``name`` (collective calls, FSDP2 units) that make
+    the prediction of ``run`` its measurement."""
     layout, got = run
     p0 = cost.predict(layout, facts, work, cluster, f).step_s
-    p1 = cost.predict(
-        layout, facts, work, cluster, dataclasses.replace(f, collective_latency_s=1.0)
-    )
+    p1 = cost.predict(layout, facts, work, cluster, dataclasses.replace(f, **{name: 1.0}))
     per_call = p1.step_s - p0
     return max(0.0, (got["step_s"] - p0) / per_call) if per_call > 0 else 0.0
 

@@ -153,6 +153,10 @@ class DeviceFigures:
     """Samples per microbatch per worker at which ``flops`` was measured (0: any)."""
     overhead_s: float = 0.0
     """Fixed seconds per microbatch and group (launches, Python, messages)."""
+    fsdp_unit_s: float = 0.0
+    """Seconds per FSDP2 unit and pass (forward gather, backward gather, reduce-scatter)
+    beyond its collective: copies in and out of the flat buffers, hooks, the sharded
+    optimizer step; from the calibration's FSDP2 run."""
     collective_latency_s: float = 0.0
     """Fixed seconds per collective call (synchronising the ranks, launching it)."""
     memory_fit: dict[str, list] = field(

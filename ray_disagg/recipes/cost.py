@@ -266,7 +266,7 @@ def _sync(r, part: str, facts: ModelFacts, c: Cluster, f: DeviceFigures) -> floa
             calls = 3 * (_count_blocks(r, part) + 3) * r.loop.micro_batches
         else:
             calls = math.ceil(local / (1 << 24)) + getattr(g.parallelism, "zero1", False)
-        seconds += calls * f.collective_latency_s
+        seconds += calls * (f.collective_latency_s + g.fsdp * f.fsdp_unit_s)
     shard = dp if (g.fsdp or getattr(g.parallelism, "zero1", False)) else 1
     return seconds + local / shard * 28 / f.memory_bw
 

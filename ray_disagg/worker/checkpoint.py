@@ -16,23 +16,19 @@ tensors read (``read_full``) and merged or split.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import threading
 import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ray_disagg.lr_schedule import lr_at
 from ray_disagg.models import hf_param_name
 from ray_disagg.models.loading import fill, merge_row_blocks, part_tensor
+from ray_disagg.worker import background_save
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 DATA_STATE = "data_state.json"  # a conversation stream's position, in the LLM's directory
@@ -240,34 +236,6 @@ def check_compatible(root: str, config, max_steps: int) -> int:
     return step
 
 
-def _background_kind(state: dict, group) -> AsyncCheckpointerType:
-    """A writer process of DCP's (the write never holds the training process's GIL) when
-    /dev/shm holds twice every rank's staged shard, else a thread of this process. Every
-    rank of the group chooses alike (a collective: the two kinds' setups differ)."""
-    try:
-        free = shutil.disk_usage("/dev/shm").free
-    except OSError:
-        free = 0
-    need = sum(_local(t).numel() * _local(t).element_size() for t in state.values())
-    fits = torch.tensor([int(free >= 2 * need)], dtype=torch.int64)
-    dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=group)
-    return AsyncCheckpointerType.PROCESS if int(fits) else AsyncCheckpointerType.THREAD
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-class _BackgroundWriter(dcp.FileSystemWriter):
-    """DCP's file writer, run by ``async_save`` in the background at the lowest CPU
-    priority (Linux: per thread), so the training steps it overlaps keep the cores."""
-
-    def write_data(self, plan, planner):
-        with contextlib.suppress(Exception):  # best effort (a platform without it)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        return super().write_data(plan, planner)
-
-
 @dataclass
 class ShardWriter:
     """Writes this rank's part of a checkpoint into ``<root>/<module>/``: its DCP shard
@@ -281,6 +249,8 @@ class ShardWriter:
     data_state: dict | None = None  # a stream's position, written with the next checkpoint
 
     pending: object = None  # an asynchronous checkpoint not yet reported (worker.metrics)
+    stager: object = None  # the staging buffers in shared memory, reused by each checkpoint
+    staging: object = None  # the future of a staging copy still running (see wait_staged)
 
     def write(self, root: str, step: int, model, optimizer, background=None):
         """Write this rank's part; with ``background`` (a gloo group over the group) the
@@ -292,14 +262,7 @@ class ShardWriter:
         if background is None:
             save_sharded(model, optimizer, d)
         else:
-            state = sharded_state(model, optimizer)
-            kind = _background_kind(state, background)
-            future = dcp.async_save(
-                state,
-                storage_writer=_BackgroundWriter(d),
-                process_group=background,
-                async_checkpointer_type=kind,
-            )
+            future = background_save.start(self, sharded_state(model, optimizer), d, background)
         if self.lead:
             state = {"step": step + 1}
             if self.cfg is not None:  # the schedule is a function of the step

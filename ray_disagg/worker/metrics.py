@@ -199,9 +199,9 @@ def drop_checkpoint(writer) -> None:
     if writer.pending is None:
         return
     future, tmp, _, _ = writer.pending
-    writer.pending = None
+    writer.pending, writer.staging = None, None
     with contextlib.suppress(Exception):  # its peers may have gone: nothing of it is kept
-        future.result()
+        future.result()  # (after its staging copy: the state may be reloaded next)
     shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -17,7 +17,7 @@ from ray_disagg.lr_schedule import lr_at
 from ray_disagg.parallel import expert_parallel as ep
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.parallel.data_parallel import all_reduce_gradients
-from ray_disagg.worker import memory, metrics, recovery
+from ray_disagg.worker import background_save, memory, metrics, recovery
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,7 @@ def apply_update(w, step: int, total_norm: float) -> None:
     """Clip to the global norm, set the scheduled learning rate, step the optimizer."""
     scale_grads(w.params, clip_coef(total_norm, w.cfg.max_grad_norm))
     set_lr(w.opt, w.cfg, step, w.group.lr_multiplier)
+    background_save.wait_staged(w.writer)  # a checkpoint's copy of the state, still running
     w.opt.step()
 
 
