@@ -55,31 +55,50 @@ def standby_groups(groups: dict, placement: str, restartable, cfg) -> frozenset[
 
 class Standby:
     """The standby of group ``name``: started with :meth:`start`, used by
-    :meth:`take_over`, stopped by :meth:`close` (with the groups)."""
+    :meth:`take_over`, stopped by :meth:`close` (with the groups). One start at a time;
+    a start that is no longer wanted (closed, or given up on by :meth:`take_over`) stops
+    its group as soon as it has started."""
+
+    SETTLE_S = 60.0  # the most take_over waits for a standby still starting
 
     def __init__(self, name: str):
         self.name = name
         self._lock = threading.Lock()
         self._group = None  # the started standby WorkerGroup
         self._closed = False
-        self._settled = threading.Event()  # the last start finished (or failed)
-        self._settled.set()  # none started yet
+        self._wanted = 0  # the start whose group is kept (a counter: older ones are not)
+        self._settled = threading.Event()  # no start in flight
+        self._settled.set()
 
     def start(self, relaunch) -> None:
         """Start a standby in a background thread from ``relaunch`` (the groups'
-        ``Relaunch``: the group's launch, its train function swapped for the standby's)."""
-        self._settled.clear()
+        ``Relaunch``: the group's launch, its train function swapped for the standby's);
+        nothing when one is starting or ready."""
+        with self._lock:
+            if self._closed or self._group is not None or not self._settled.is_set():
+                return
+            self._settled.clear()
+            self._wanted += 1
+            token = self._wanted
         threading.Thread(
-            target=self._start, args=(relaunch,), name=f"standby-{self.name}", daemon=True
+            target=self._start, args=(relaunch, token), name=f"standby-{self.name}", daemon=True
         ).start()
 
-    def _start(self, relaunch) -> None:
+    def _start(self, relaunch, token: int) -> None:
         try:
-            self._start_group(relaunch)
+            wg = self._start_group(relaunch)
+            if wg is None:
+                return
+            with self._lock:
+                if not self._closed and token == self._wanted and self._group is None:
+                    self._group = wg
+                    logger.info("The %s group's standby is ready.", self.name)
+                    return
+            _stop(wg)  # closed, or given up on, while it started
         finally:
             self._settled.set()
 
-    def _start_group(self, relaunch) -> None:
+    def _start_group(self, relaunch):
         from ray_disagg.launch.worker_groups import ModuleWorkerGroups
 
         launch = relaunch.launches[self.name]
@@ -93,26 +112,25 @@ class Standby:
                 "The %s group's standby did not start (%r); a failure in the group restarts "
                 "it without one.", self.name, e,
             )  # fmt: skip
-            return
+            return None
         try:
             if relaunch.janitor is not None:  # removed should the coordinator die
                 pg = wg.get_worker_group_state().placement_group_handle.placement_group
                 ray.get(relaunch.janitor.register.remote(pg))
         except Exception:
             logger.warning("Registering the %s standby failed.", self.name, exc_info=True)
-        with self._lock:
-            if not self._closed:
-                self._group = wg
-                logger.info("The %s group's standby is ready.", self.name)
-                return
-        _stop(wg)  # the groups stopped while it started
+        return wg
 
     def take_over(self, checkpoint, timeout_s: float):
         """The standby worker group, now continuing from ``checkpoint`` (its train
         function runs the group's loop), or ``None`` when none is ready and alive. A
-        standby still starting is waited for (up to ``timeout_s``): it is ahead of a new
-        group's start."""
-        self._settled.wait(timeout_s)
+        standby still starting is waited for (up to ``SETTLE_S``): it is ahead of a new
+        group's start; past that it is given up on."""
+        if not self._settled.wait(min(timeout_s, self.SETTLE_S)):
+            with self._lock:
+                self._wanted += 1  # its group is stopped once started
+            logger.warning("The %s group's standby is still starting: not used.", self.name)
+            return None
         with self._lock:
             wg, self._group = self._group, None
         if wg is None:
@@ -121,23 +139,27 @@ class Standby:
             status = wg.poll_status(timeout=timeout_s)
             if status.errors or not all(s.running for s in status.worker_statuses.values()):
                 raise RuntimeError(status.get_error_string() or "a worker stopped")
-            refs = [w.execute_async(standby_worker.take_over, checkpoint) for w in wg.get_workers()]
-            ray.get(refs, timeout=timeout_s)
+            refs = [
+                w.execute_async(standby_worker.take_over, checkpoint, timeout_s)
+                for w in wg.get_workers()
+            ]
+            ray.get(refs, timeout=timeout_s + 5)
         except Exception as e:
             logger.warning("The %s standby cannot take over (%r).", self.name, e)
             _stop(wg)
             return None
         return wg
 
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Stop the standby; one still starting is stopped as soon as it started (waited
-        for up to ``timeout_s``, so that no reservation outlives the groups)."""
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop the standby; one still starting is stopped as soon as it has started
+        (waited for up to ``wait_s``, so that its reservation does not outlive the
+        groups)."""
         with self._lock:
             self._closed = True
             wg, self._group = self._group, None
         if wg is not None:
             _stop(wg)
-        if not self._settled.wait(timeout_s):
+        if wait_s and not self._settled.wait(wait_s):
             logger.warning("The %s group's standby was still starting.", self.name)
 
 

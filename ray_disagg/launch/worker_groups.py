@@ -342,7 +342,7 @@ class ModuleWorkerGroups:
 
     def shutdown(self) -> None:
         for s in self.standby.values():
-            s.close()
+            s.close(wait_s=60.0)
         for cb in self._union_callbacks:
             cb.before_worker_group_shutdown(self)
         self._close_channels(abort=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import threading
 
 import torch
@@ -57,15 +58,20 @@ def wait_staged(writer) -> None:
 
 def _background_kind(state: dict, group, staged: bool) -> AsyncCheckpointerType:
     """A writer process of DCP's (the write never holds the training process's GIL) when
-    /dev/shm holds twice every rank's staged shard (``staged``: one copy is there already,
-    the previous checkpoint's staging buffers), else a thread of this process. Every rank
-    of the group chooses alike (a collective: the two kinds' setups differ)."""
+    /dev/shm holds twice the staged shards of the group's ranks on this node (``staged``:
+    one copy is there already, the previous checkpoint's staging buffers, kept for the
+    run), else a thread of this process. Every rank of the group chooses alike (a
+    collective: the two kinds' setups differ). Other groups' shared memory on the node
+    is only seen as used space."""
     try:
         free = shutil.disk_usage("/dev/shm").free
     except OSError:
         free = 0
     need = sum(_local(t).numel() * _local(t).element_size() for t in state.values())
-    fits = torch.tensor([int(free + staged * need >= 2 * need)], dtype=torch.int64)
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, (socket.gethostname(), need), group=group)
+    here = sum(n for host, n in every if host == socket.gethostname())
+    fits = torch.tensor([int(free + staged * here >= 2 * here)], dtype=torch.int64)
     dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=group)
     return AsyncCheckpointerType.PROCESS if int(fits) else AsyncCheckpointerType.THREAD
 

@@ -39,7 +39,9 @@ class PartWorker:
         self.adapter = args.adapter
         self.rt = get_runtime()
         self.device = self.rt.device
-        self.channel = None  # once the model is built (setup): the other groups may start
+        # a standby joins the channel only once it takes a group's place (setup)
+        timeout = self.cfg.collective_timeout_s
+        self.channel = None if standby.is_standby() else self.rt.wait_channel(timeout)
         mesh, names = self.rt.mesh, self.rt.mesh.mesh_dim_names
         self.dp_mesh = mesh[names[0]]  # "dp", or "dp_shard" with FSDP2
         self.mp_mesh = mesh[names[1]] if len(names) == 2 else mesh[names[1:]]._flatten()
@@ -86,8 +88,8 @@ class PartWorker:
 
     def setup(self, model: torch.nn.Module) -> int:
         """FSDP2 (when the group uses it), this rank's shards of the weights, the optimizer,
-        the checkpoint writer, the channel to the other groups and the restore; returns the
-        step to start from."""
+        the checkpoint writer and the restore (a standby first waits to take over, then
+        joins the channel); returns the step to start from."""
         self.model = model
         self.runner = fsdp.PartRunner(model)
         if self.fsdp:  # over the ranks that hold the same tp shard (FSDP2 x TP)
@@ -104,8 +106,9 @@ class PartWorker:
         hf_config = self.args.spec.load_config() if self.is_llm else None
         lead = self.group_rank == 0
         self.writer = checkpoint.ShardWriter(self.part, lead, hf_config, self.cfg)
-        standby.wait_take_over()  # a standby worker: until it takes a failed group's place
-        self.channel = self.rt.wait_channel(self.cfg.collective_timeout_s)
+        if self.channel is None:  # a standby: until it takes a failed group's place
+            standby.wait_take_over()
+            self.channel = self.rt.wait_channel(self.cfg.collective_timeout_s)
         # data_state: a stream's read position, saved with the LLM's checkpoint
         self.start, self.data_state = checkpoint.restore(
             model, self.opt, self.part, self.args, log=log
