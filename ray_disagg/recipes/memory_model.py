@@ -39,13 +39,15 @@ def memory_per_worker(r, c: Cluster, f: DeviceFigures) -> tuple[dict, dict]:
 def _held(r, part: str) -> float:
     """Microbatches of activations a tower holds at its peak, over the estimate's count:
     under 1F1B one more than the schedule keeps in flight (measured: its backward's
-    temporaries while the next forwards wait)."""
+    temporaries while the next forwards wait), at most every microbatch."""
     from ray_disagg.recipes.estimate import _schedule
 
     if part == r.model.adapter.llm_part:
         return 1.0
     sched = _schedule(r)
-    return (sched.max_in_flight + 1) / sched.max_in_flight if sched.schedule == "1f1b" else 1.0
+    if sched.schedule != "1f1b":
+        return 1.0
+    return min(sched.max_in_flight + 1, r.loop.micro_batches) / sched.max_in_flight
 
 
 def worker_terms(r, part: str) -> tuple[float, float, float]:

@@ -35,6 +35,7 @@ from ray_disagg.config import (
 )
 from ray_disagg.recipes import cost
 from ray_disagg.recipes.cluster import Cluster, DeviceFigures
+from ray_disagg.recipes.estimate import _schedule
 
 __all__ = ["Candidate", "PlanResult", "enumerate_layouts", "plan_auto", "render_auto"]
 
@@ -51,7 +52,9 @@ class Candidate:
     def describe(self) -> str:
         r = self.recipe
         parts = [f"{p}: {g.num_workers}x {_short(g)}" for p, g in r.groups.items()]
-        loop = f"mb={r.loop.micro_batches}" + (" bf16" if r.loop.bf16 else "")
+        k = r.loop.micro_batches
+        loop = f"mb={k}" + (f" {_schedule(r).schedule}" if k > 1 else "")
+        loop += " bf16" if r.loop.bf16 else ""
         return f"{r.placement}; " + "; ".join(parts) + f"; {loop}"
 
 

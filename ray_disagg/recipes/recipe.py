@@ -16,7 +16,7 @@ Schema (``model``, ``data.train``, ``groups`` and ``train_loop_config`` are requ
     groups:                      # one entry per part of the model (vision, text, ...)
       vision: {num_workers: 1, use_gpu: false, resources_per_worker: null,
                placement_strategy: PACK, parallelism: none, activation_checkpointing: false,
-               trainable: true, freeze: [], lr_multiplier: 1.0}
+               trainable: true, freeze: [], lr_multiplier: 1.0, standby: false}
       text: {num_workers: 2, parallelism: {type: tensor, size: 2}}
       # parallelism: none | {type: data, zero1, fsdp} | {type: sequence, size, zero1, fsdp}
       #              | {type: tensor, size, fsdp} | {type: context, size, tp, fsdp}
@@ -106,6 +106,7 @@ GROUP = {
     "trainable": True,
     "freeze": [],
     "lr_multiplier": 1.0,
+    "standby": False,
 }
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 PARALLELISM = {  # type -> (class, allowed keys)
@@ -245,7 +246,7 @@ def _group(name: str, value) -> ModuleGroup:
     ):
         fail(f"{p}.resources_per_worker={res!r}: must be a mapping like {{CPU: 1, GPU: 0.5}}.")
     choice(g["placement_strategy"], f"{p}.placement_strategy", STRATEGIES)
-    for key in ("activation_checkpointing", "trainable"):
+    for key in ("activation_checkpointing", "trainable", "standby"):
         check(g[key], f"{p}.{key}", bool, "true or false")
     with at(p):
         scaling = ScalingConfig(
@@ -261,6 +262,7 @@ def _group(name: str, value) -> ModuleGroup:
             trainable=g["trainable"],
             freeze=g["freeze"] or (),
             lr_multiplier=g["lr_multiplier"],
+            standby=g["standby"],
         )
 
 
