@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ray_disagg.launch import resize
+from ray_disagg.launch import resize, standby
 from ray_disagg.launch.elastic import ElasticGroup
 from ray_disagg.launch.group_restart import restart_group
 from ray_disagg.launch.launches import Colocation, Launch
@@ -92,6 +92,7 @@ class DisaggregatedController(TrainController):
             return status
         if status.errors:
             return self._maybe_restart_group(status)
+        standby.replenish(self._worker_group, self._checkpoint_manager.latest_checkpoint_result)
         running = all(s.running for s in status.worker_statuses.values())
         if self._elastic is not None and running and not status.finished:
             return self._maybe_grow() or status

@@ -10,7 +10,8 @@ A worker of an encoder group dies; the coordinator, instead of tearing every gro
    its worker until polled); reports not yet consolidated are forgotten;
 3. starts a new group of the same shape (Ray Train's callbacks hand it the latest
    checkpoint, as on a full restart), or hands that checkpoint to the group's standby
-   (:mod:`ray_disagg.launch.standby`), already started, and starts the next standby;
+   (:mod:`ray_disagg.launch.standby`), already started (the next standby starts once a
+   later checkpoint is registered);
 4. rebuilds the side channel (a new gloo group over every worker; the survivors' own
    process groups and models stay). The survivors reload that checkpoint in place
    meanwhile (they learn it in step 1).
@@ -159,8 +160,8 @@ def restart_group(groups, failed: str, checkpoint, launch=None, failure=True) ->
     groups.generation += 1
     groups._connect_channel(r.run_attempt_id, r.side_timeout_s, r.transfers)
     lap("rejoin")
-    if standby is not None:
-        standby.start(r)  # the next one
+    if standby is not None:  # the next one, once a later checkpoint shows progress
+        groups.standby_after[failed] = checkpoint.path  # (its start would slow recovery)
     return took
 
 

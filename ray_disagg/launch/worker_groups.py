@@ -40,7 +40,7 @@ from ray_disagg.launch.ray_compat import (
     WorkerGroupStartupTimeoutError,
     group_train_run_context,
 )
-from ray_disagg.launch.standby import Standby
+from ray_disagg.launch.standby import Standby, start_standbys
 from ray_disagg.transport.channel import ChannelSpec
 from ray_disagg.transport.select import group_offsets, pair_tiers
 from ray_disagg.worker import runtime
@@ -96,6 +96,7 @@ class ModuleWorkerGroups:
         self._store_at: tuple[str, int] | None = None
         self.standby: dict[str, Standby] = {}  # per group with one (launch.standby)
         self.takeovers: dict[str, int] = {}  # per such group: restarts its standby took
+        self.standby_after: dict[str, str] = {}  # group -> checkpoint its standby took over at
 
     @classmethod
     def create(
@@ -137,7 +138,7 @@ class ModuleWorkerGroups:
             if shared_pg is not None:
                 groups._check_pairing()
             groups._connect_channel(run_attempt_id, side_timeout_s, transfers)
-            groups._start_standbys(shared)
+            start_standbys(groups, _unsafe(shared))
         except BaseException:
             _shutdown_all(started.values())
             _remove(shared_pg)
@@ -210,18 +211,6 @@ class ModuleWorkerGroups:
         return WorkerGroup.create(
             train_run_context=ctx, worker_group_context=wg_ctx, callbacks=own + shared
         )
-
-    def _start_standbys(self, shared) -> None:
-        """Start each ``ModuleGroup(standby=True)`` group's standby in the background
-        (:mod:`ray_disagg.launch.standby`), unless a callback is not known thread-safe."""
-        names = [n for n, launch in self.relaunch.launches.items() if launch.standby_fn_ref]
-        if names and _unsafe(shared):
-            logger.warning("No standby for %s: callbacks %s may not be called from two "
-                           "threads.", names, _unsafe(shared))  # fmt: skip
-            return
-        for name in names:
-            self.standby[name], self.takeovers[name] = Standby(name), 0
-            self.standby[name].start(self.relaunch)
 
     def _check_pairing(self) -> None:
         """Colocated: rank ``r`` of every group must sit in the same bundle (Ray Train
