@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import threading
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -68,9 +69,11 @@ def _background_kind(state: dict, group, staged: bool) -> AsyncCheckpointerType:
     except OSError:
         free = 0
     need = sum(_local(t).numel() * _local(t).element_size() for t in state.values())
-    every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, (socket.gethostname(), need), group=group)
-    here = sum(n for host, n in every if host == socket.gethostname())
+    host = zlib.crc32(socket.gethostname().encode())
+    mine = torch.tensor([host, need], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)  # (node, bytes) of every rank
+    here = sum(int(n) for h, n in every if int(h) == host)
     fits = torch.tensor([int(free + staged * here >= 2 * here)], dtype=torch.int64)
     dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=group)
     return AsyncCheckpointerType.PROCESS if int(fits) else AsyncCheckpointerType.THREAD
