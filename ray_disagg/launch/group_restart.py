@@ -147,8 +147,11 @@ def restart_group(groups, failed: str, checkpoint, launch=None, failure=True) ->
     standby = groups.standby.get(failed)
     wg = standby.take_over(checkpoint, r.side_timeout_s) if standby else None
     took_over = wg is not None
-    if wg is None:
-        wg = _start(ModuleWorkerGroups, r, failed, groups.shared_placement_group)
+    if wg is None:  # colocated: into the freed bundles of the shared placement group
+        wg = ModuleWorkerGroups._start_registered(
+            r.launches[failed], r.train_run_context, r.run_attempt_id, r.shared,
+            groups.shared_placement_group, r.janitor,
+        )  # fmt: skip
     groups.replace_group(failed, wg)
     groups.reset_reports()  # for the union's new size
     if groups.shared_placement_group is not None:
@@ -163,14 +166,3 @@ def restart_group(groups, failed: str, checkpoint, launch=None, failure=True) ->
     if standby is not None:  # the next one, once a later checkpoint shows progress
         groups.standby_after[failed] = checkpoint.path  # (its start would slow recovery)
     return took
-
-
-def _start(cls, r: Relaunch, name: str, shared_pg):
-    """A new worker group for group ``name`` (colocated: into the freed bundles of
-    ``shared_pg``), registered with the janitor."""
-    ctx, attempt = r.train_run_context, r.run_attempt_id
-    wg = cls._start_group(r.launches[name], ctx, attempt, r.shared, shared_pg)
-    if shared_pg is None and r.janitor is not None:
-        pg = wg.get_worker_group_state().placement_group_handle.placement_group
-        ray.get(r.janitor.register.remote(pg))
-    return wg

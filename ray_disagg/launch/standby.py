@@ -128,22 +128,16 @@ class Standby:
         launch = relaunch.launches[self.name]
         launch = dataclasses.replace(launch, train_fn_ref=launch.standby_fn_ref)
         try:
-            wg = ModuleWorkerGroups._start_group(
-                launch, relaunch.train_run_context, relaunch.run_attempt_id, relaunch.shared, None
-            )
+            return ModuleWorkerGroups._start_registered(
+                launch, relaunch.train_run_context, relaunch.run_attempt_id, relaunch.shared,
+                None, relaunch.janitor,
+            )  # fmt: skip
         except Exception as e:
             logger.warning(
                 "The %s group's standby did not start (%r); a failure in the group restarts "
                 "it without one.", self.name, e,
             )  # fmt: skip
             return None
-        try:
-            if relaunch.janitor is not None:  # removed should the coordinator die
-                pg = wg.get_worker_group_state().placement_group_handle.placement_group
-                ray.get(relaunch.janitor.register.remote(pg))
-        except Exception:
-            logger.warning("Registering the %s standby failed.", self.name, exc_info=True)
-        return wg
 
     def take_over(self, checkpoint, timeout_s: float):
         """The standby worker group, now continuing from ``checkpoint`` (its train

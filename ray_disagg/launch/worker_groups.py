@@ -157,15 +157,9 @@ class ModuleWorkerGroups:
         logged, and a non-retryable one is raised before a start timeout."""
 
         def start(launch: GroupLaunch) -> WorkerGroup:
-            wg = cls._start_group(launch, base_ctx, run_attempt_id, shared, shared_pg)
-            if janitor is not None and shared_pg is None:  # removed should we die
-                try:
-                    pg = wg.get_worker_group_state().placement_group_handle.placement_group
-                    ray.get(janitor.register.remote(pg))
-                except BaseException:
-                    _shutdown_all([wg])
-                    raise
-            return wg
+            return cls._start_registered(
+                launch, base_ctx, run_attempt_id, shared, shared_pg, janitor
+            )
 
         unsafe = _unsafe(shared)
         if unsafe:
@@ -186,6 +180,22 @@ class ModuleWorkerGroups:
             errors.sort(key=lambda e: isinstance(e, WorkerGroupStartupTimeoutError))
             raise errors[0]
         return started
+
+    @classmethod
+    def _start_registered(
+        cls, launch: GroupLaunch, base_ctx, run_attempt_id, shared, shared_pg, janitor
+    ) -> WorkerGroup:
+        """:meth:`_start_group`, its own placement group registered with ``janitor`` (to
+        be removed should the coordinator die); stopped again when that fails."""
+        wg = cls._start_group(launch, base_ctx, run_attempt_id, shared, shared_pg)
+        if janitor is not None and shared_pg is None:
+            try:
+                pg = wg.get_worker_group_state().placement_group_handle.placement_group
+                ray.get(janitor.register.remote(pg))
+            except BaseException:
+                _shutdown_all([wg])
+                raise
+        return wg
 
     @staticmethod
     def _start_group(
