@@ -14,7 +14,7 @@ from ray_disagg.config import (
     TensorParallel,
 )
 from ray_disagg.recipes import cost
-from ray_disagg.recipes.calibrate import _bisect, _encoder_speed, _terms
+from ray_disagg.recipes.calibrate import _bisect, _bisect_bw, _encoder_speed, _per_unit, _terms
 from ray_disagg.recipes.cli import main
 from ray_disagg.recipes.cluster import NOMINAL, Cluster, load_figures, parse_cluster, save_figures
 from ray_disagg.recipes.planner import _group, enumerate_layouts, plan_auto, render_auto
@@ -45,6 +45,10 @@ def test_cluster_descriptions_and_figure_files(tmp_path):
     measured = dataclasses.replace(NOMINAL["cpu"], calibrated=True, overhead_s=0.5)
     path = save_figures(measured, str(tmp_path / "figures.json"))
     assert load_figures(CPU2, path) == measured
+    old = tmp_path / "old.json"  # written by a version with other figures
+    old.write_text('{"name": "x", "parallel_efficiency": 0.6}')
+    with pytest.raises(ValueError, match=r"parallel_efficiency.*calibrate again"):
+        load_figures(CPU2, str(old))
 
 
 def test_enumeration_covers_every_parallelism():
@@ -114,6 +118,28 @@ def test_cost_model_terms():
     slow = cost.predict(one, facts, work, GPU4, dataclasses.replace(true, encoder_speed=0.4))
     seconds = {f"{p}_compute_s": t for p, t in slow.compute_s.items()}
     assert _encoder_speed(one, seconds, facts, work, GPU4, true) == pytest.approx(0.4, rel=1e-6)
+
+
+def test_cpu_cores_and_the_sync_figures():
+    r = recipe()
+    r = dataclasses.replace(r, model=cost._Cached(r.model))
+    facts, work = cost.model_facts(r), cost.workload(r)
+    f = dataclasses.replace(NOMINAL["cpu"], overhead_s=0.0, collective_latency_s=0.01)
+    # 1F1B with three busy workers on two cores: at least the core-seconds over the cores
+    three = _at(r, (1, DataParallel()), (2, DataParallel()), k=2)
+    p = cost.predict(three, facts, work, CPU2, f)
+    core_s = p.compute_s["vision"] + 2 * p.compute_s["text"]
+    assert p.step_s >= core_s / 2 + p.sync_s - 1e-9
+    # the calibration's fits recover the gradient sync bandwidth and the per-call latency
+    true = dataclasses.replace(f, grad_sync_bw=2e8)
+    dp = _at(r, (1, DataParallel()), (2, DataParallel()))
+    run = (dp, {"step_s": cost.predict(dp, facts, work, CPU2, true).step_s})
+    assert _bisect_bw(run, facts, work, CPU2, f) == pytest.approx(2e8, rel=1e-6)
+    tp = _at(r, (1, DataParallel()), (2, TensorParallel(size=2)))
+    run = (tp, {"step_s": cost.predict(tp, facts, work, CPU2, true).step_s})
+    start = dataclasses.replace(true, collective_latency_s=0.5)  # any start: the same fit
+    got = _per_unit(run, facts, work, CPU2, start, "collective_latency_s")
+    assert got == pytest.approx(0.01, rel=1e-6)
 
 
 def test_plan_ranks_valid_layouts_and_writes_the_best(tmp_path):

@@ -110,3 +110,25 @@ def test_messages_are_typed_checked_and_picklable():
         expect(Grads(key=key, mb=0), Grads, StepKey(2, val_batch=0), 0, receiver="vision")
     with pytest.raises(RuntimeError, match="expected Grads"):
         expect(Crossings(key=key, mb=0), Grads, key, 0, receiver="vision group")
+
+
+def test_pipeline_seconds_replays_the_lists():
+    from ray_disagg.pipeline.timing import pipeline_seconds
+
+    f, b, t = 0.1, 0.2, 0.5
+    for k in (1, 3):  # sequential: each microbatch crosses and comes back before the next
+        got = pipeline_seconds(k=k, max_in_flight=1, forward=f, backward=b, train=t)
+        assert got == pytest.approx(k * (f + b + t))
+    # every crossing received up front, then the LLM trains while the encoder backwards
+    got = pipeline_seconds(k=2, max_in_flight=2, forward=f, backward=b, train=t, transfer=0.01)
+    assert got == pytest.approx(2 * f + 0.01 + 2 * t + 0.01 + b)
+    # more microbatches than in flight: the LLM waits for the encoder's backward and
+    # forward after each of the first k - max_in_flight gradients
+    got = pipeline_seconds(k=4, max_in_flight=2, forward=f, backward=b, train=t)
+    assert got == pytest.approx(2 * f + 4 * t + 2 * (b + f) + b)
+    ahead = pipeline_seconds(k=4, max_in_flight=4, forward=f, backward=b, train=t)
+    assert ahead == pytest.approx(4 * f + 4 * t + b) and ahead < got
+    frozen = pipeline_seconds(
+        k=2, max_in_flight=2, forward=f, backward=0.0, train=t, encoder_trains=False
+    )
+    assert frozen == pytest.approx(f + 2 * t)  # no gradients: each crossing just before

@@ -143,9 +143,12 @@ class DeviceFigures:
     """An encoder's achieved FLOP/s relative to ``flops`` (the LLM's): below 1 where its
     smaller matmuls, convolutions and many small ops run slower per FLOP; from the
     calibration's per-group compute seconds."""
-    parallel_efficiency: float = 1.0
-    """CPU workers: one worker's speed when every core is busy, relative to alone (shared
-    caches, memory bandwidth, hyper-threads); 1 on GPUs."""
+    grad_sync_bw: float | None = None
+    """Bytes/s of the data-parallel gradient sync within a node (DDP's all-reduce,
+    FSDP2's gathers and reduce-scatters) as a training step runs it: below
+    ``collective_bw`` where it competes with the backward (CPU workers share their cores
+    with gloo's reductions); from the calibration's data-parallel run (None:
+    ``collective_bw``)."""
     microbatch_exponent: float = 1.0
     """Compute time grows as (samples per microbatch per worker) ** this: above 1 when
     smaller microbatches run faster per sample (caches), 1 on a GPU's nominal figures."""
@@ -205,7 +208,15 @@ def load_figures(cluster: Cluster, path: str | None = None) -> DeviceFigures:
     path = path or default_figures_path(cluster)
     if os.path.exists(path):
         with open(path) as f:
-            return DeviceFigures(**json.load(f))
+            stored = json.load(f)
+        unknown = sorted(set(stored) - {f.name for f in dataclasses.fields(DeviceFigures)})
+        if unknown:
+            raise ValueError(
+                f"device figures {path}: {unknown} are not figures of this version's cost "
+                "model (written by another version of ray_disagg); calibrate again with "
+                "`ray-disagg plan --auto RECIPE --calibrate`, or delete the file."
+            )
+        return DeviceFigures(**stored)
     return NOMINAL["gpu" if cluster.gpu else "cpu"]
 
 

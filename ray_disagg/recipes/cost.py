@@ -10,23 +10,29 @@ Per step, for a recipe ``r`` (one candidate layout) on a :class:`Cluster` with
   block: ``4 d p w``). Training is 3 forwards (4 with activation checkpointing); a
   frozen part runs 1.
 - **collectives** from their volumes over the group's bandwidth (within a node or
-  across): DP gradient all-reduce ``2 (n-1)/n`` of the gradients, FSDP2
-  ``3 (n-1)/n`` of the parameters, ZeRO-1's all-gather, TP's 4 (6 with checkpointing)
-  activation all-reduces per layer, Ulysses' 8 all-to-alls per block, context
-  parallelism's K/V all-gathers, expert parallelism's 4 all-to-alls per MoE layer.
+  across; the gradient sync at most ``f.grad_sync_bw``): DP gradient all-reduce
+  ``2 (n-1)/n`` of the gradients, FSDP2 ``3 (n-1)/n`` of the parameters, ZeRO-1's
+  all-gather, TP's 4 (6 with checkpointing) activation all-reduces per layer,
+  Ulysses' 8 all-to-alls per block, context parallelism's K/V all-gathers, expert
+  parallelism's 4 all-to-alls per MoE layer.
 - **crossings**: the tower's output (and its gradient) per microbatch at the tier's
   bandwidth (``cuda_ipc`` colocated, ``nccl`` between GPUs, ``shm`` between CPU
   processes, ``gloo`` across nodes).
-- **schedule**: with ``k`` microbatches of tower time ``v`` and LLM time ``l``,
-  colocated or sequential ``k (v + l + c)``; 1F1B ``k max(v, l) + min(v, l) + c``
-  (its bubble is the difference to ``k max(v, l)``). Then the slowest group's gradient
-  sync and optimizer step (AdamW streams ~28 bytes per local trainable parameter at
+- **schedule**: the groups' action lists replayed with each microbatch's tower forward
+  and backward and LLM seconds (:func:`ray_disagg.pipeline.timing.pipeline_seconds`):
+  colocated or sequential ``k (v + l + c)``; 1F1B overlaps them, and its bubble is what
+  the replay takes beyond ``k max(v, l)``. Then the slowest group's gradient sync and
+  optimizer step (AdamW streams ~28 bytes per local trainable parameter at
   ``f.memory_bw``) and ``k x f.overhead_s`` per group.
 - **microbatch size**: compute per sample scales as (samples per microbatch per worker)
   to the power ``f.microbatch_exponent - 1`` relative to the calibration's (caches: on
   this CPU smaller microbatches run faster per sample).
-- **CPU workers** share the node's cores: when more processes are busy at once than
-  there are cores, each computes at ``cores / busy`` of a core.
+- **CPU workers** share the node's cores: a group with more workers than cores
+  computes at ``cores / workers`` of a core each; under 1F1B, where the groups compute
+  at the same time, the pipeline takes at least the step's core-seconds over the cores.
+  Their data-parallel gradient sync runs at ``f.grad_sync_bw`` (gloo's reductions share
+  the cores with the backward), and colocated CPU workers keep their own cores (their
+  syncs overlap; a GPU's colocated groups take turns).
 - **collective calls** each cost ``f.collective_latency_s`` on top of their volume:
   per microbatch ``4 L + 4`` for TP (``6 L + 4`` checkpointed), ``8 x depth`` for
   Ulysses, ``4 L`` for CP and EP, ``3 (L + 3)`` for FSDP2 units; per step one per 16M
@@ -49,6 +55,7 @@ import math
 from dataclasses import dataclass
 
 from ray_disagg.config import ExpertParallel
+from ray_disagg.pipeline.timing import pipeline_seconds
 from ray_disagg.recipes.cluster import Cluster, DeviceFigures
 from ray_disagg.recipes.memory_model import _count_blocks, _depth, memory_per_worker
 
@@ -164,12 +171,19 @@ def _dtype(r) -> str:
     return "bfloat16" if r.loop.bf16 or r.loop.param_dtype == "bfloat16" else "float32"
 
 
+def _passes(r, part: str, facts: ModelFacts) -> int:
+    """Forward-sized passes of a part per microbatch: 1 forward, 2 backward, 1 more
+    forward under activation checkpointing; 1 when frozen."""
+    if not facts.parts[part].trainable:
+        return 1
+    return 4 if r.groups[part].activation_checkpointing else 3
+
+
 def _flops(r, facts: ModelFacts, work: Workload) -> dict[str, float]:
     """Training FLOPs of one global batch per part."""
     b, out = r.loop.global_batch_size, {}
     for part, pf in facts.parts.items():
-        ac = r.groups[part].activation_checkpointing
-        passes = (4 if ac else 3) if pf.trainable else 1
+        passes = _passes(r, part, facts)
         if part == facts.llm_part:
             t = facts.text
             d = t.num_attention_heads * (
@@ -258,6 +272,7 @@ def _sync(r, part: str, facts: ModelFacts, c: Cluster, f: DeviceFigures) -> floa
     seconds = 0.0
     if dp > 1:
         bw = _bw(g, c, f, g.num_workers)
+        bw = min(bw, f.grad_sync_bw or bw)
         volume = 3 * local * p_bytes if g.fsdp else 2 * local * p_bytes
         if getattr(g.parallelism, "zero1", False):
             volume += local * p_bytes
@@ -303,16 +318,21 @@ def _size_factor(r, part: str, f: DeviceFigures) -> float:
     return (samples / f.reference_samples) ** (f.microbatch_exponent - 1.0)
 
 
-def _busy(r, part: str, c: Cluster, f: DeviceFigures, pipelined: bool) -> float:
+def _busy(r, part: str, c: Cluster, f: DeviceFigures) -> float:
     """CPU workers: the share of a core each worker of ``part`` gets while it computes
-    (1 on GPUs): the node's cores shared by the workers busy at once (its own group's;
-    every group's under 1F1B across separate groups), each at ``f.parallel_efficiency``
-    when more than one is."""
+    (1 on GPUs): the node's cores shared by its own group's workers. Other groups
+    computing at the same time (1F1B) are bounded by the cores as a whole
+    (:func:`_core_bound`)."""
+    return 1.0 if c.gpu else min(1.0, c.devices / r.groups[part].num_workers)
+
+
+def _core_bound(r, compute: dict, c: Cluster) -> float:
+    """CPU workers: the step's compute cannot take less than its core-seconds over the
+    cores (0 on GPUs, where each worker has its own device)."""
     if c.gpu:
-        return 1.0
-    together = pipelined and r.placement == "separate"
-    busy = sum(g.num_workers for g in r.groups.values()) if together else r.groups[part].num_workers
-    return min(1.0, c.devices / busy) * (f.parallel_efficiency if busy > 1 else 1.0)
+        return 0.0
+    used = {p: min(r.groups[p].num_workers, c.devices) for p in compute}
+    return sum(compute[p] * used[p] for p in compute) / c.devices
 
 
 def predict(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures) -> Prediction:
@@ -320,27 +340,33 @@ def predict(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures) 
 
     sched = _schedule(r)
     k, llm = r.loop.micro_batches, facts.llm_part
-    pipelined = sched.schedule == "1f1b"
     flops, speed = _flops(r, facts, work), f.flops[_dtype(r)]
     rel = {p: 1.0 if p == llm else f.encoder_speed for p in flops}
     compute = {
         p: flops[p]
         * _size_factor(r, p, f)
-        / (r.groups[p].num_workers * speed * rel[p] * _busy(r, p, c, f, pipelined))
+        / (r.groups[p].num_workers * speed * rel[p] * _busy(r, p, c, f))
         for p in flops
     }
     comm = {p: k * _layer_comm(r, p, facts, work, c, f) for p in r.groups}
     cross = k * _crossing(r, facts, work, c, f)
     per_mb = {p: (compute[p] + comm[p]) / k + f.overhead_s for p in r.groups}
     lm = per_mb[llm]
-    v = sum(t for p, t in per_mb.items() if p != llm)
-    if r.placement == "colocated" or not pipelined:
-        pipe, bubble = k * (v + lm) + cross, 0.0
-    else:
-        pipe = k * max(v, lm) + min(v, lm) + cross / k
-        bubble = pipe - k * max(v, lm)
+    encoders = [p for p in r.groups if p != llm]
+    v = sum(per_mb[p] for p in encoders)
+    fwd = sum(per_mb[p] / _passes(r, p, facts) for p in encoders)
+    trains = any(facts.parts[p].trainable for p in encoders)
+    in_flight = 1 if r.placement == "colocated" else sched.max_in_flight
+    pipe = pipeline_seconds(
+        k=k, max_in_flight=in_flight, forward=fwd, backward=v - fwd, train=lm,
+        transfer=cross / k / (2 if trains else 1), encoder_trains=trains,
+    )  # fmt: skip
+    bubble = max(0.0, pipe - cross - k * max(v, lm)) if in_flight > 1 else 0.0
+    if in_flight > 1:  # the groups compute at the same time
+        pipe = max(pipe, _core_bound(r, compute, c) + cross / k)
     syncs = {p: _sync(r, p, facts, c, f) for p in r.groups}
-    sync = sum(syncs.values()) if r.placement == "colocated" else max(syncs.values())
+    shared = r.placement == "colocated" and c.gpu  # CPU workers keep their own cores
+    sync = sum(syncs.values()) if shared else max(syncs.values())
     memory, per_device = memory_per_worker(r, c, f)
     return Prediction(
         step_s=pipe + sync, compute_s=compute, comm_s=comm, crossing_s=cross,
