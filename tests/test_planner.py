@@ -64,6 +64,7 @@ def test_enumeration_covers_every_parallelism():
         r.loop.bf16 for r in layouts
     } == {False, True}
     assert any(g.fsdp for r in layouts for g in r.groups.values())
+    assert any(r.loop.max_in_flight == r.loop.micro_batches == 4 for r in layouts)
     assert all(
         sum(g.num_workers for g in r.groups.values()) <= 4
         for r in layouts
@@ -100,6 +101,8 @@ def test_cost_model_terms():
         sequential, loop=dataclasses.replace(sequential.loop, schedule="sequential")
     )
     assert piped.step_s < cost.predict(sequential, facts, work, GPU4, f).step_s
+    ahead = cost.predict(cost.with_layout(seq, max_in_flight=4), facts, work, GPU4, f)
+    assert ahead.step_s < piped.step_s and ahead.memory["vision"] > piped.memory["vision"]
     dp2 = cost.predict(_at(r, (1, DataParallel()), (2, DataParallel())), facts, work, GPU4, f)
     fsdp = cost.predict(
         _at(r, (1, DataParallel()), (2, DataParallel(fsdp=True))), facts, work, GPU4, f

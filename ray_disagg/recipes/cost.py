@@ -383,10 +383,11 @@ def fits(pred: Prediction, c: Cluster) -> tuple[bool, str, float]:
 
 def with_layout(r, **changes):
     """A copy of recipe ``r`` with ``groups``/``placement`` and loop fields
-    (``micro_batches``, ``bf16``, ``schedule``; the schedule's default otherwise)
-    replaced."""
-    loop = {k: changes.pop(k) for k in ("micro_batches", "bf16", "schedule") if k in changes}
+    (``micro_batches``, ``bf16``, ``schedule``, ``max_in_flight``; their defaults
+    otherwise) replaced."""
+    names = ("micro_batches", "bf16", "schedule", "max_in_flight")
+    loop = {k: changes.pop(k) for k in names if k in changes}
     if loop:
-        loop = {"schedule": None, **loop}
-        changes["loop"] = dataclasses.replace(r.loop, **loop, max_in_flight=None)
+        loop = {"schedule": None, "max_in_flight": None, **loop}
+        changes["loop"] = dataclasses.replace(r.loop, **loop)
     return dataclasses.replace(r, **changes)

@@ -58,7 +58,8 @@ def worker_terms(r, part: str) -> tuple[float, float, float]:
 
     g, loop = r.groups[part], r.loop
     key = (part, g.num_workers, g.parallelism, g.activation_checkpointing, g.trainable,
-           g.freeze, loop.micro_batches, loop.bf16, loop.param_dtype, r.placement)  # fmt: skip
+           g.freeze, loop.micro_batches, loop.bf16, loop.param_dtype, r.placement,
+           loop.schedule, loop.max_in_flight)  # fmt: skip
     cache = getattr(r.model, "memory_cache", None)
     if cache is not None and key in cache:
         return cache[key]

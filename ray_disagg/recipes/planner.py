@@ -6,7 +6,8 @@ Enumerated per layout: placement (separate: the tower and LLM groups on disjoint
 of every split; colocated: both on every device), the tower's parallelism (data
 parallel, Ulysses ``SequenceParallel``), the LLM's (data parallel, ZeRO-1, FSDP2,
 ``TensorParallel`` within a node, with FSDP2 over the rest, ``ContextParallel``, and
-``ExpertParallel`` for an MoE LLM), ``micro_batches``, activation checkpointing per group
+``ExpertParallel`` for an MoE LLM), ``micro_batches`` (with 1F1B across separate groups,
+the default 2 microbatches in flight or all of them), activation checkpointing per group
 and bf16 autocast.
 
 Example:
@@ -53,7 +54,10 @@ class Candidate:
         r = self.recipe
         parts = [f"{p}: {g.num_workers}x {_short(g)}" for p, g in r.groups.items()]
         k = r.loop.micro_batches
-        loop = f"mb={k}" + (f" {_schedule(r).schedule}" if k > 1 else "")
+        sched = _schedule(r)
+        loop = f"mb={k}" + (f" {sched.schedule}" if k > 1 else "")
+        if sched.schedule == "1f1b" and sched.max_in_flight != min(2, k):
+            loop += f" ({sched.max_in_flight} in flight)"
         loop += " bf16" if r.loop.bf16 else ""
         return f"{r.placement}; " + "; ".join(parts) + f"; {loop}"
 
@@ -155,9 +159,13 @@ def enumerate_layouts(r, c: Cluster):
                 for k in (1, 2, 4, 8, 16):
                     if any(b % (dp * k) for dp in dps):
                         continue
-                    for bf16 in sorted({r.loop.bf16, True}):
+                    # 1F1B: the default 2 in flight, or every microbatch (fewer waits,
+                    # more of the tower's activations held)
+                    ahead = [None] + ([k] if placement == "separate" and k > 2 else [])
+                    for bf16, m in itertools.product(sorted({r.loop.bf16, True}), ahead):
                         yield cost.with_layout(r, groups=groups, placement=placement,
-                                               micro_batches=k, bf16=bf16)  # fmt: skip
+                                               micro_batches=k, bf16=bf16,
+                                               max_in_flight=m)  # fmt: skip
 
 
 def _check(cand: Candidate) -> str | None:
@@ -239,6 +247,9 @@ def recipe_dict(cand: Candidate) -> dict:
         }
     loop = dict(raw.get("train_loop_config") or {})
     loop.update(micro_batches=r.loop.micro_batches, bf16=r.loop.bf16)
+    loop.pop("max_in_flight", None)
+    if r.loop.max_in_flight is not None:
+        loop["max_in_flight"] = r.loop.max_in_flight
     return {**raw, "groups": groups, "placement": r.placement, "train_loop_config": loop}
 
 
