@@ -17,7 +17,14 @@ from ray_disagg.recipes import cost
 from ray_disagg.recipes.calibrate import _bisect, _bisect_bw, _encoder_speed, _per_unit, _terms
 from ray_disagg.recipes.cli import main
 from ray_disagg.recipes.cluster import NOMINAL, Cluster, load_figures, parse_cluster, save_figures
-from ray_disagg.recipes.planner import _group, enumerate_layouts, plan_auto, render_auto
+from ray_disagg.recipes.planner import (
+    Candidate,
+    _group,
+    enumerate_layouts,
+    plan_auto,
+    recipe_dict,
+    render_auto,
+)
 from ray_disagg.recipes.recipe import load_recipe
 
 CPU2 = Cluster(cpus_per_node=2, host_memory_gib=24, interconnect="loopback")
@@ -143,6 +150,30 @@ def test_cpu_cores_and_the_sync_figures():
     start = dataclasses.replace(true, collective_latency_s=0.5)  # any start: the same fit
     got = _per_unit(run, facts, work, CPU2, start, "collective_latency_s")
     assert got == pytest.approx(0.01, rel=1e-6)
+
+
+def test_colocated_and_frozen_towers_and_the_written_schedule():
+    r = recipe(schedule="sequential")
+    r = dataclasses.replace(r, model=cost._Cached(r.model))
+    facts, work, f = cost.model_facts(r), cost.workload(r), NOMINAL["gpu"]
+    for placement in ("colocated", "separate"):
+        x = _at(r, (1, DataParallel()), (1, DataParallel()), placement=placement, k=4)
+        frozen = dict(x.groups, vision=dataclasses.replace(x.groups["vision"], trainable=False))
+        x = dataclasses.replace(x, groups=frozen)
+        p = cost.predict(x, cost.model_facts(x), work, GPU4, f)
+        turns = sum(p.compute_s.values()) + sum(p.comm_s.values()) + p.crossing_s
+        turns += 4 * 2 * f.overhead_s  # per microbatch and group
+        if placement == "colocated":  # the pair shares a GPU: no overlap, frozen or not
+            assert p.step_s - p.sync_s == pytest.approx(turns)
+        else:  # a frozen tower forwards ahead of the LLM
+            assert p.step_s - p.sync_s < turns
+    # the layout's schedule replaces the original recipe's
+    one = _at(r, (1, DataParallel()), (1, DataParallel()), k=4)
+    ahead = cost.with_layout(one, micro_batches=4, max_in_flight=4)
+    loop = recipe_dict(Candidate(ahead))["train_loop_config"]
+    assert "schedule" not in loop and loop["max_in_flight"] == 4
+    assert "max_in_flight" not in recipe_dict(Candidate(one))["train_loop_config"]
+    assert facts.parts["vision"].trainable
 
 
 def test_plan_ranks_valid_layouts_and_writes_the_best(tmp_path):

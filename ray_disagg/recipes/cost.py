@@ -18,10 +18,12 @@ Per step, for a recipe ``r`` (one candidate layout) on a :class:`Cluster` with
 - **crossings**: the tower's output (and its gradient) per microbatch at the tier's
   bandwidth (``cuda_ipc`` colocated, ``nccl`` between GPUs, ``shm`` between CPU
   processes, ``gloo`` across nodes).
-- **schedule**: the groups' action lists replayed with each microbatch's tower forward
-  and backward and LLM seconds (:func:`ray_disagg.pipeline.timing.pipeline_seconds`):
-  colocated or sequential ``k (v + l + c)``; 1F1B overlaps them, and its bubble is what
-  the replay takes beyond ``k max(v, l)``. Then the slowest group's gradient sync and
+- **schedule**: colocated groups take turns, ``k (v + l + c)``; separate groups run
+  their action lists, replayed with each microbatch's tower forward and backward and LLM
+  seconds (:func:`ray_disagg.pipeline.timing.pipeline_seconds`): sequential
+  ``k (v + l + c)``; 1F1B (and a frozen tower, which forwards ahead) overlaps them, and
+  the bubble is what the replay takes beyond ``k max(v, l)``. Then the slowest group's
+  gradient sync and
   optimizer step (AdamW streams ~28 bytes per local trainable parameter at
   ``f.memory_bw``) and ``k x f.overhead_s`` per group.
 - **microbatch size**: compute per sample scales as (samples per microbatch per worker)
@@ -31,8 +33,8 @@ Per step, for a recipe ``r`` (one candidate layout) on a :class:`Cluster` with
   computes at ``cores / workers`` of a core each; under 1F1B, where the groups compute
   at the same time, the pipeline takes at least the step's core-seconds over the cores.
   Their data-parallel gradient sync runs at ``f.grad_sync_bw`` (gloo's reductions share
-  the cores with the backward), and colocated CPU workers keep their own cores (their
-  syncs overlap; a GPU's colocated groups take turns).
+  the cores with the backward). Colocated groups' syncs add up on GPUs and on
+  oversubscribed cores (they overlap where each CPU worker has a core).
 - **collective calls** each cost ``f.collective_latency_s`` on top of their volume:
   per microbatch ``4 L + 4`` for TP (``6 L + 4`` checkpointed), ``8 x depth`` for
   Ulysses, ``4 L`` for CP and EP, ``3 (L + 3)`` for FSDP2 units; per step one per 16M
@@ -57,6 +59,7 @@ from dataclasses import dataclass
 from ray_disagg.config import ExpertParallel
 from ray_disagg.pipeline.timing import pipeline_seconds
 from ray_disagg.recipes.cluster import Cluster, DeviceFigures
+from ray_disagg.recipes.flops import _flops, _passes
 from ray_disagg.recipes.memory_model import _count_blocks, _depth, memory_per_worker
 
 __all__ = ["ModelFacts", "Prediction", "Workload", "model_facts", "predict", "workload"]
@@ -169,49 +172,6 @@ class Prediction:
 
 def _dtype(r) -> str:
     return "bfloat16" if r.loop.bf16 or r.loop.param_dtype == "bfloat16" else "float32"
-
-
-def _passes(r, part: str, facts: ModelFacts) -> int:
-    """Forward-sized passes of a part per microbatch: 1 forward, 2 backward, 1 more
-    forward under activation checkpointing; 1 when frozen."""
-    if not facts.parts[part].trainable:
-        return 1
-    return 4 if r.groups[part].activation_checkpointing else 3
-
-
-def _flops(r, facts: ModelFacts, work: Workload) -> dict[str, float]:
-    """Training FLOPs of one global batch per part."""
-    b, out = r.loop.global_batch_size, {}
-    for part, pf in facts.parts.items():
-        passes = _passes(r, part, facts)
-        if part == facts.llm_part:
-            t = facts.text
-            d = t.num_attention_heads * (
-                getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-            )
-            attn = 2 * d * work.tokens**2 * t.num_hidden_layers  # causal: half of 4 d s^2
-            fwd = 2 * pf.params * work.tokens + attn
-        elif part == "vision" and facts.vision is not None:
-            fwd = 2 * pf.params * work.patches + _tower_attention(facts.vision, work)
-        else:
-            fwd = 2 * pf.params * work.tokens * 0.1  # other encoders: a small share
-        out[part] = passes * fwd * b
-    return out
-
-
-def _tower_attention(v, work: Workload) -> float:
-    h = getattr(v, "embed_dim", None) or v.hidden_size
-    if not work.images:
-        return 0.0
-    p = work.patches / work.images
-    full = getattr(v, "fullatt_block_indexes", None)
-    window = getattr(v, "window_size", None)
-    if full is not None and window:
-        w = (window // v.patch_size) ** 2
-        per = len(full) * 4 * h * p * p + (_depth(v) - len(full)) * 4 * h * p * min(w, p)
-    else:
-        per = _depth(v) * 4 * h * p * p
-    return per * work.images
 
 
 def _bw(group, cluster: Cluster, f: DeviceFigures, span: int) -> float:
@@ -351,27 +311,44 @@ def predict(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures) 
     comm = {p: k * _layer_comm(r, p, facts, work, c, f) for p in r.groups}
     cross = k * _crossing(r, facts, work, c, f)
     per_mb = {p: (compute[p] + comm[p]) / k + f.overhead_s for p in r.groups}
-    lm = per_mb[llm]
-    encoders = [p for p in r.groups if p != llm]
-    v = sum(per_mb[p] for p in encoders)
-    fwd = sum(per_mb[p] / _passes(r, p, facts) for p in encoders)
-    trains = any(facts.parts[p].trainable for p in encoders)
-    in_flight = 1 if r.placement == "colocated" else sched.max_in_flight
-    pipe = pipeline_seconds(
-        k=k, max_in_flight=in_flight, forward=fwd, backward=v - fwd, train=lm,
-        transfer=cross / k / (2 if trains else 1), encoder_trains=trains,
-    )  # fmt: skip
-    bubble = max(0.0, pipe - cross - k * max(v, lm)) if in_flight > 1 else 0.0
-    if in_flight > 1:  # the groups compute at the same time
-        pipe = max(pipe, _core_bound(r, compute, c) + cross / k)
+    pipe, bubble = _pipeline(r, sched, facts, per_mb, compute, cross, c)
     syncs = {p: _sync(r, p, facts, c, f) for p in r.groups}
-    shared = r.placement == "colocated" and c.gpu  # CPU workers keep their own cores
+    workers = sum(g.num_workers for g in r.groups.values())
+    shared = r.placement == "colocated" and (c.gpu or workers > c.devices)
     sync = sum(syncs.values()) if shared else max(syncs.values())
     memory, per_device = memory_per_worker(r, c, f)
     return Prediction(
         step_s=pipe + sync, compute_s=compute, comm_s=comm, crossing_s=cross,
         bubble_s=bubble, sync_s=sync, memory=memory, per_device=per_device,
     )  # fmt: skip
+
+
+def _pipeline(r, sched, facts, per_mb, compute, cross, c) -> tuple[float, float]:
+    """Seconds of the step's microbatches (crossings included) and the bubble in them:
+    colocated groups take turns on their devices; separate ones run the action lists
+    (replayed), at least the core-seconds over the cores where they overlap (CPUs)."""
+    k, llm = r.loop.micro_batches, facts.llm_part
+    lm = per_mb[llm]
+    encoders = [p for p in r.groups if p != llm]
+    v = sum(per_mb[p] for p in encoders)
+    if r.placement == "colocated":
+        return k * (v + lm) + cross, 0.0
+    fwd = sum(per_mb[p] / _passes(r, p, facts) for p in encoders)
+    trains = any(facts.parts[p].trainable for p in encoders)
+    vision = facts.parts.get("vision")
+    ways = 2 if vision is not None and vision.trainable else 1  # as _crossing counts
+
+    def replay(transfer: float) -> float:
+        return pipeline_seconds(
+            k=k, max_in_flight=sched.max_in_flight, forward=fwd, backward=v - fwd,
+            train=lm, transfer=transfer, encoder_trains=trains,
+        )  # fmt: skip
+
+    pipe = replay(cross / k / ways)
+    if sched.max_in_flight == 1 and trains:  # sequential: one group computes at a time
+        return pipe, 0.0
+    bubble = max(0.0, replay(0.0) - k * max(v, lm))
+    return max(pipe, _core_bound(r, compute, c) + cross / k), bubble
 
 
 def fits(pred: Prediction, c: Cluster) -> tuple[bool, str, float]:

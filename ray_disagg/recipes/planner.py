@@ -247,9 +247,10 @@ def recipe_dict(cand: Candidate) -> dict:
         }
     loop = dict(raw.get("train_loop_config") or {})
     loop.update(micro_batches=r.loop.micro_batches, bf16=r.loop.bf16)
-    loop.pop("max_in_flight", None)
-    if r.loop.max_in_flight is not None:
-        loop["max_in_flight"] = r.loop.max_in_flight
+    for name in ("schedule", "max_in_flight"):  # the layout's (None: the default)
+        loop.pop(name, None)
+        if getattr(r.loop, name) is not None:
+            loop[name] = getattr(r.loop, name)
     return {**raw, "groups": groups, "placement": r.placement, "train_loop_config": loop}
 
 
