@@ -15,6 +15,7 @@ from ray_disagg import (
     tiny_qwen2_5_vl_config,
 )
 from ray_disagg.data.examples import synthetic_samples
+from ray_disagg.worker.standby import StandbyLoop
 
 CFG = tiny_qwen2_5_vl_config()
 DATA = synthetic_samples(CFG, 8)
@@ -63,13 +64,18 @@ def test_elastic_ranges_only_on_data_parallel_encoder_groups():
         )
 
 
-def test_standby_only_for_a_fixed_size_group_that_restarts_alone():
+def test_standby_only_for_a_fixed_size_group_that_restarts_alone(monkeypatch):
     def standby(n=1, **kw):
         return ModuleGroup(scaling_config=ScalingConfig(num_workers=n), standby=True, **kw)
 
     loop = dict(LOOP, checkpoint_every=1)
     t = make({"vision": standby(), "text": g()}, loop=loop)
     assert t.standby == {"vision"}
+    # the launch carries the standby's loop (kept out of Ray: no object is put)
+    monkeypatch.setattr("ray_disagg.trainer._train_fn", lambda loop, backend: loop)
+    launches = t._launch(t.loop_args(put=lambda x: x)).groups
+    assert isinstance(launches["vision"].standby_fn_ref, StandbyLoop)
+    assert launches["text"].standby_fn_ref is None
     with pytest.raises(ValueError, match=r"on the 'text' group: it cannot restart alone here "):
         make({"vision": g(), "text": standby()}, loop=loop)
     with pytest.raises(ValueError, match="set checkpoint_every"):
