@@ -14,7 +14,7 @@ from ray_disagg.config import (
     TensorParallel,
 )
 from ray_disagg.recipes import cost
-from ray_disagg.recipes.calibrate import _bisect, _bisect_bw, _encoder_speed, _per_unit, _terms
+from ray_disagg.recipes.calibrate import _bisect, _encoder_speed, _per_unit, _terms
 from ray_disagg.recipes.cli import main
 from ray_disagg.recipes.cluster import NOMINAL, Cluster, load_figures, parse_cluster, save_figures
 from ray_disagg.recipes.planner import (
@@ -144,7 +144,8 @@ def test_cpu_cores_and_the_sync_figures():
     true = dataclasses.replace(f, grad_sync_bw=2e8)
     dp = _at(r, (1, DataParallel()), (2, DataParallel()))
     run = (dp, {"step_s": cost.predict(dp, facts, work, CPU2, true).step_s})
-    assert _bisect_bw(run, facts, work, CPU2, f) == pytest.approx(2e8, rel=1e-6)
+    got = _bisect(run, facts, work, CPU2, f, "grad_sync_bw", 1e6, f.collective_bw, log=True)
+    assert got == pytest.approx(2e8, rel=1e-6)
     tp = _at(r, (1, DataParallel()), (2, TensorParallel(size=2)))
     run = (tp, {"step_s": cost.predict(tp, facts, work, CPU2, true).step_s})
     start = dataclasses.replace(true, collective_latency_s=0.5)  # any start: the same fit

@@ -249,7 +249,9 @@ def fit_figures(r, cluster: Cluster, micro: dict, runs: list, work: cost.Workloa
         f.microbatch_exponent = _bisect(
             runs[1], facts, work, cluster, f, "microbatch_exponent", 0.5, 2.0
         )
-        f.grad_sync_bw = _bisect_bw(runs[2], facts, work, cluster, f)
+        f.grad_sync_bw = _bisect(  # 1 MB/s to the micro-benchmark's bandwidth
+            runs[2], facts, work, cluster, f, "grad_sync_bw", 1e6, f.collective_bw, log=True
+        )
         f.flops["bfloat16"] = _bf16_flops(runs[4], facts, work, cluster, f)
         if len(runs) > 6:  # the TP2 run
             latency = _per_unit(runs[5], facts, work, cluster, f, "collective_latency_s")
@@ -260,37 +262,24 @@ def fit_figures(r, cluster: Cluster, micro: dict, runs: list, work: cost.Workloa
     return f
 
 
-def _bisect(run, facts, work, cluster, f, name: str, lo: float, hi: float) -> float:
+def _bisect(
+    run, facts, work, cluster, f, name: str, lo: float, hi: float, log: bool = False
+) -> float:
     """The value of figure ``name`` in ``[lo, hi]`` that makes the prediction of ``run``
     its measurement (a larger value predicts a shorter step: a higher microbatch
-    exponent, a higher parallel efficiency)."""
+    exponent, a higher bandwidth), ``hi`` when even that predicts too long a step;
+    ``log``: bisected on the logarithm (figures spanning orders of magnitude)."""
     layout, got = run
+    to, back = (math.log, math.exp) if log else (float, float)
+    lo, hi = to(lo), to(hi)
     for _ in range(40):
         mid = (lo + hi) / 2
-        g = dataclasses.replace(f, **{name: mid})
+        g = dataclasses.replace(f, **{name: back(mid)})
         if cost.predict(layout, facts, work, cluster, g).step_s > got["step_s"]:
             lo = mid
         else:
             hi = mid
-    return (lo + hi) / 2
-
-
-def _bisect_bw(run, facts, work, cluster, f) -> float:
-    """``grad_sync_bw`` that makes the prediction of the data-parallel ``run`` its
-    measurement (bisected on its logarithm, 1 MB/s to ``collective_bw``)."""
-    hi = math.log(f.collective_bw)
-    g = dataclasses.replace(f, grad_sync_bw=math.exp(hi))
-    if cost.predict(run[0], facts, work, cluster, g).step_s >= run[1]["step_s"]:
-        return f.collective_bw  # the sync runs at the micro-benchmark's bandwidth
-    lo = math.log(1e6)
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        g = dataclasses.replace(f, grad_sync_bw=math.exp(mid))
-        if cost.predict(run[0], facts, work, cluster, g).step_s > run[1]["step_s"]:
-            lo = mid
-        else:
-            hi = mid
-    return math.exp((lo + hi) / 2)
+    return back((lo + hi) / 2)
 
 
 def _encoder_speed(layout, got, facts, work, cluster, f) -> float:
