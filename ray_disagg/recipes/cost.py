@@ -278,7 +278,7 @@ def _size_factor(r, part: str, f: DeviceFigures) -> float:
     return (samples / f.reference_samples) ** (f.microbatch_exponent - 1.0)
 
 
-def _busy(r, part: str, c: Cluster, f: DeviceFigures) -> float:
+def _busy(r, part: str, c: Cluster) -> float:
     """CPU workers: the share of a core each worker of ``part`` gets while it computes
     (1 on GPUs): the node's cores shared by its own group's workers. Other groups
     computing at the same time (1F1B) are bounded by the cores as a whole
@@ -305,7 +305,7 @@ def predict(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures) 
     compute = {
         p: flops[p]
         * _size_factor(r, p, f)
-        / (r.groups[p].num_workers * speed * rel[p] * _busy(r, p, c, f))
+        / (r.groups[p].num_workers * speed * rel[p] * _busy(r, p, c))
         for p in flops
     }
     comm = {p: k * _layer_comm(r, p, facts, work, c, f) for p in r.groups}
