@@ -42,8 +42,8 @@ from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.checkpoint import check_compatible
+from ray_disagg.worker.drill_env import FAULT_DRILL_ENV
 from ray_disagg.worker.encoder import encoder_train_loop
-from ray_disagg.worker.faults_hook import FAULT_DRILL_ENV
 from ray_disagg.worker.ingest import is_stream
 from ray_disagg.worker.llm import llm_train_loop
 from ray_disagg.worker.standby import StandbyLoop
@@ -95,7 +95,7 @@ def _not_called(*_args, **_kwargs):
     raise RuntimeError("DisaggregatedTrainer runs its own per-group training loops.")
 
 
-class DisaggregatedTrainer(rc.DataParallelTrainer):
+class DisaggregatedTrainer(rc.TrainerBase):
     """Train a multimodal model with one Ray Train worker group per part of the model.
 
     The groups are the family adapter's parts (``ray_disagg.models``): encoder groups
@@ -178,8 +178,8 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             raise ValueError("resume_from_checkpoint must be a ray.train.Checkpoint.")
         self.resume_from_checkpoint = resume_from_checkpoint
         self.groups = validate_groups(groups, adapter)
-        self._train_data = dsc.train_set(datasets)
-        restartable = restartable_groups(adapter, self._train_data) if restart_failed_group else ()
+        self.train_data = dsc.train_set(datasets)
+        restartable = restartable_groups(adapter, self.train_data) if restart_failed_group else ()
         elastic = elastic_ranges(self.groups, adapter, placement, restartable)
         self.colocation = colocation_for(self.groups, placement)
         self.placement, self.transfer = placement, validate_transfer(transfer, self.groups)
@@ -196,19 +196,19 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         validate_layout(adapter, self.groups)
         model.check_weights()
         self.frozen_parts = frozen_parts(model, self.groups)
-        self._samples_validated = validate_samples and not is_stream(self._train_data)
+        self._samples_validated = validate_samples and not is_stream(self.train_data)
         self.loop_config = resolve_schedule(
-            self.loop_config, placement, self._train_data, self._samples_validated
+            self.loop_config, placement, self.train_data, self._samples_validated
         )
         validate_loop(adapter, self.loop_config)
         llm_p = self.groups[adapter.llm_part].parallelism
         cp_size = llm_p.size if isinstance(llm_p, ContextParallel) else 1
         costs = dsc.scan(
-            self._train_data, adapter, self.loop_config, self._samples_validated, cp_size
+            self.train_data, adapter, self.loop_config, self._samples_validated, cp_size
         )
         llm_dp = self.groups[adapter.llm_part].dp_size
         self.plan = BatchPlan(
-            num_samples=dsc.num_samples(self._train_data, llm_dp),
+            num_samples=dsc.num_samples(self.train_data, llm_dp),
             global_batch_size=self.loop_config.global_batch_size,
             dp_sizes={name: g.dp_size for name, g in self.groups.items()},
             seed=self.loop_config.seed,
@@ -243,13 +243,13 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             raise ValueError(f"train_loop_config extra['inject_failure_once']: {e}") from e
         return dataclasses.replace(cfg, extra=extra), drill
 
-    def _worker_env_vars(self) -> dict[str, str]:
+    def worker_env_vars(self) -> dict[str, str]:
         """Environment variables every worker gets on top of Ray Train's: a fault drill
         armed in the driver's environment (or by the deprecated ``inject_failure_once``)."""
         drill = os.environ.get(FAULT_DRILL_ENV) or self._legacy_drill
         return {FAULT_DRILL_ENV: drill} if drill else {}
 
-    def _transfer_pairs(self, args: LoopArgs | None = None) -> tuple:
+    def transfer_pairs(self, args: LoopArgs | None = None) -> tuple:
         """``((encoder, rank), (llm, rank))`` for every pair of replica leaders that may
         exchange tensors under the plan (overlapping slices, or every pair when balanced);
         ``args``: at an elastic group's size (default: the initial one)."""
@@ -264,7 +264,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
 
     # ---- Ray Train hooks ------------------------------------------------------------
 
-    def _create_default_callbacks(self):
+    def default_callbacks(self, callbacks: list) -> list:
         # Backend/accelerator setup is per group (added by the coordinator); the LLM group
         # reads the data (no DatasetsCallback); the driver's PlacementGroupJanitor tracks
         # every group's reservation without the dashboard Ray Train's cleaner needs.
@@ -274,7 +274,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             rc.DatasetsCallback,
             rc.PlacementGroupCleanerCallback,
         )
-        return [c for c in super()._create_default_callbacks() if not isinstance(c, dropped)]
+        return [c for c in callbacks if not isinstance(c, dropped)]
 
     def loop_args(self, put=None) -> LoopArgs:
         """What every worker's loop gets; ``put`` stores the datasets for the workers
@@ -285,7 +285,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             cfg=self.loop_config,
             groups=self.groups,
             plan=self.plan,
-            dataset_ref=[put(self._train_data)],
+            dataset_ref=[put(self.train_data)],
             resume_from_checkpoint=self.resume_from_checkpoint,
             samples_validated=self._samples_validated,
             metrics_path=metrics_path(self.run_config),
@@ -301,7 +301,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
             return frozenset()
         gpus = all(g.scaling_config.use_gpu for g in self.groups.values())  # cuda_ipc possible
         ipc = self.colocation is not None and gpus and self.transfer in ("auto", "cuda_ipc")
-        return restartable_groups(self.adapter, self._train_data, ipc)
+        return restartable_groups(self.adapter, self.train_data, ipc)
 
     def group_loops(self, args: LoopArgs) -> dict[str, tuple]:
         """Per group, the LLM group first: ``(train loop, backend config)``. (The union's
@@ -336,7 +336,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
         group = ElasticGroup(
             name=name,
             launches={n: self._launch(args.at_sizes({name: n})) for n in sizes},
-            per_worker=dict(sc._resources_per_worker_not_none),
+            per_worker=rc.resources_per_worker(sc),
             strategy=sc.placement_strategy,
             interval_s=sc.elastic_resize_monitor_interval_s,
             max_steps=self.loop_config.max_steps,
@@ -356,12 +356,12 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
                 train_fn_ref=_train_fn(loop, backend),
                 standby_fn_ref=standby and _train_fn(standby, backend),
             )
-        return Launch(launches, Transfers(self._transfer_pairs(args), self.transfer))
+        return Launch(launches, Transfers(self.transfer_pairs(args), self.transfer))
 
-    def _initialize_and_run_controller(self, **controller_init_kwargs) -> Result:
+    def run_controller(self, **controller_init_kwargs) -> Result:
         check_cluster_capacity(self.groups, self.wait_for_resources, self.colocation)
         ctx = controller_init_kwargs.pop("train_run_context")
-        ctx = rc.with_worker_env_vars(ctx, self._worker_env_vars())
+        ctx = rc.with_worker_env_vars(ctx, self.worker_env_vars())
         janitor = PlacementGroupJanitor.remote()  # the driver's: outlives a dead coordinator
         launch, elastic = self._launches()
         try:
@@ -379,7 +379,7 @@ class DisaggregatedTrainer(rc.DataParallelTrainer):
                 **controller_init_kwargs,
             )
             if threading.current_thread() is threading.main_thread():
-                self._register_sigint_handler(controller)
+                self.register_sigint_handler(controller)
             ray.get(controller.run.remote())
             return ray.get(controller.get_result.remote())
         finally:  # success, failure, a dead coordinator or an interrupt

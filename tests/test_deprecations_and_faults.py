@@ -24,7 +24,7 @@ from ray_disagg import (
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.launch import ray_compat as rc
 from ray_disagg.testing import faults
-from ray_disagg.worker.faults_hook import FAULT_DRILL_ENV
+from ray_disagg.worker.drill_env import FAULT_DRILL_ENV
 
 CFG = tiny_qwen2_5_vl_config()
 LOOP = {"max_steps": 1, "global_batch_size": 4}
@@ -179,9 +179,9 @@ def test_driver_copies_its_drill_into_the_workers_env(no_drill, tmp_path):
     trainer = _trainer(
         LOOP, RunConfig(name="r", storage_path=str(tmp_path), worker_runtime_env=user_env)
     )
-    assert trainer._worker_env_vars() == {}
+    assert trainer.worker_env_vars() == {}
     with faults.fault_drill(group="text", step=1, marker=tmp_path / "m") as value:
-        env = trainer._worker_env_vars()
+        env = trainer.worker_env_vars()
     assert env == {FAULT_DRILL_ENV: value}
     base = trainer.train_run_context
     ctx = rc.with_worker_env_vars(base, env)
@@ -200,7 +200,7 @@ def test_legacy_inject_failure_once_warns_and_becomes_the_workers_env(no_drill, 
     with pytest.warns(DeprecationWarning, match=r"inject_failure_once.*RAY_DISAGG_FAULT_DRILL"):
         trainer = _trainer(loop)
     assert trainer.loop_config.extra == {"mine": 1}  # out of the workers' config
-    env = trainer._worker_env_vars()
+    env = trainer.worker_env_vars()
     assert json.loads(env[FAULT_DRILL_ENV]) == drill
     assert loop["extra"]["inject_failure_once"] == drill  # the caller's dict untouched
 

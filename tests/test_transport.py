@@ -101,13 +101,13 @@ def test_colocated_bundle_sums_one_worker_of_each_group():
     assert t.colocation.bundle == {"CPU": 1.5} and t.colocation.num_bundles == 2
     # colocated pairs keep contiguous slices (each talks to its own bundle's peer)
     assert t.loop_config.assignment == "contiguous"
-    assert t._transfer_pairs() == ((("vision", 0), ("text", 0)), (("vision", 1), ("text", 1)))
+    assert t.transfer_pairs() == ((("vision", 0), ("text", 0)), (("vision", 1), ("text", 1)))
     assert make(g(2), g(2)).loop_config.assignment == "balanced"
     t = make(g(2, GPU=0.5), g(2, GPU=0.5), placement="colocated")
     assert t.colocation.bundle["GPU"] == 1.0
     assert make(g(2), g(1)).colocation is None  # separate (the default)
     # the pairs that exchange tensors: every vision leader with the text leaders it feeds
-    pairs = make(g(2), g(1), train_loop_config={"assignment": "contiguous"})._transfer_pairs()
+    pairs = make(g(2), g(1), train_loop_config={"assignment": "contiguous"}).transfer_pairs()
     assert pairs == ((("vision", 0), ("text", 0)), (("vision", 1), ("text", 0)))
 
 

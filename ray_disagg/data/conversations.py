@@ -208,7 +208,8 @@ class ConversationProcessor:
         self.feature_extractor = feature_extractor
         self.video_processor = video_processor
 
-    def _path(self, rel: str) -> str:
+    def media_path(self, rel: str) -> str:
+        """Where the media file ``rel`` of a record is (under ``media_root`` if set)."""
         return rel if self.media_root is None else os.path.join(self.media_root, rel)
 
     def _video(self, path: str) -> tuple[np.ndarray, np.ndarray, Any]:
@@ -229,7 +230,7 @@ class ConversationProcessor:
         """Per kind, the processed items in order: ``(pixels, grid[, seconds per grid])``."""
         out = {kind: [] for kind in MEDIA}
         for kind, rel in media:
-            path = self._path(rel)
+            path = self.media_path(rel)
             try:
                 if kind == "image":
                     out[kind].append(image_patches(path, self.image_processor))

@@ -105,7 +105,7 @@ def tile_sample(proc, record: dict, messages: list[dict], media: list) -> dict[s
     rid, adapter, tok = record.get("id"), get_adapter(proc.config), proc.tokenizer
     images = []
     for _, rel in media:
-        path = proc._path(rel)
+        path = proc.media_path(rel)
         try:
             enc = _encode(path, proc.image_processor)
         except (OSError, ValueError) as e:

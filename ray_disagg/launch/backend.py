@@ -1,6 +1,6 @@
 """Ray Train backends of the module groups.
 
-Like Ray Train's ``TorchConfig``/``_TorchBackend`` (which they extend), each sets up the
+Like Ray Train's ``TorchConfig``/``TorchBackend`` (which they extend), each sets up the
 group's own default ``torch.distributed`` process group (gloo on CPU, NCCL on GPU); in
 addition they build the group's named device mesh on every worker.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from ray_disagg.launch.ray_compat import TorchConfig, _TorchBackend
+from ray_disagg.launch.ray_compat import TorchBackend, TorchConfig
 from ray_disagg.worker import runtime
 
 __all__ = ["ModuleBackendConfig"]
@@ -89,7 +89,7 @@ class TextBackendConfig(ModuleBackendConfig):
         super().__post_init__()
 
 
-class _ModuleBackend(_TorchBackend):
+class _ModuleBackend(TorchBackend):
     # Backend is a per-process singleton: all per-group state lives in backend_config.
 
     def on_start(self, worker_group, backend_config: ModuleBackendConfig):

@@ -19,8 +19,8 @@ from ray_disagg.launch.elastic import ElasticGroup
 from ray_disagg.launch.group_restart import restart_group
 from ray_disagg.launch.launches import Colocation, Launch
 from ray_disagg.launch.ray_compat import (
+    ControllerBase,
     FailureDecision,
-    TrainController,
     WorkerGroupStartupTimeoutError,
     WorkerStatus,
 )
@@ -29,7 +29,7 @@ from ray_disagg.launch.worker_groups import ModulePollStatus, ModuleWorkerGroups
 logger = logging.getLogger(__name__)
 
 
-class DisaggregatedController(TrainController):
+class DisaggregatedController(ControllerBase):
     def __init__(
         self,
         *,
@@ -53,18 +53,18 @@ class DisaggregatedController(TrainController):
         self._waiting_since: float | None = None
         super().__init__(**kwargs)
 
-    def _start_worker_group(self, num_workers: int, resources_per_worker: dict) -> None:
+    def start_worker_group(self) -> None:
         # The union scaling config only sizes autoscaler requests; each group uses its own.
         if self._waiting_since is None:
             self._waiting_since = time.monotonic()
         if self._elastic is not None:
             self._launch = resize.initial_launch(self._elastic, self._launch)
         try:
-            self._worker_group = ModuleWorkerGroups.create(
+            groups = ModuleWorkerGroups.create(
                 launches=self._launch.groups,
-                train_run_context=self._train_run_context,
-                run_attempt_id=self._get_run_attempt_id(),
-                callbacks=self._worker_group_callbacks_to_propagate,
+                train_run_context=self.train_run_context,
+                run_attempt_id=self.run_attempt_id(),
+                callbacks=self.worker_group_callbacks,
                 side_timeout_s=self._side_timeout_s,
                 transfers=self._launch.transfers,
                 colocation=self._colocation,
@@ -84,15 +84,15 @@ class DisaggregatedController(TrainController):
                 "Waiting for resources (%.0fs so far): %s", waited, "; ".join(self._demand)
             )
             raise
+        self.set_worker_group(groups)
         self._waiting_since = None
 
-    async def _poll_workers(self):
-        status = await super()._poll_workers()
-        if not isinstance(self._worker_group, ModuleWorkerGroups):
+    def after_poll(self, status):
+        if not isinstance(self.get_worker_group(), ModuleWorkerGroups):
             return status
         if status.errors:
             return self._maybe_restart_group(status)
-        standby.replenish(self._worker_group, self._checkpoint_manager.latest_checkpoint_result)
+        standby.replenish(self.get_worker_group(), self.latest_checkpoint_result)
         running = all(s.running for s in status.worker_statuses.values())
         if self._elastic is not None and running and not status.finished:
             return self._maybe_grow() or status
@@ -101,18 +101,18 @@ class DisaggregatedController(TrainController):
     def _maybe_restart_group(self, status):
         """Restart the one failed group alone when it may be, else return ``status`` (Ray
         Train then restarts every group, or raises)."""
-        groups = self._worker_group
+        groups = self.get_worker_group()
         failed = groups.failed_groups(status)
         if len(failed) != 1 or not failed <= self._restartable:
             return status
         (name,) = failed
-        latest = self._checkpoint_manager.latest_checkpoint_result
+        latest = self.latest_checkpoint_result
         if latest is None:
             logger.warning("The %s group failed before any checkpoint: every group restarts.", name)
             return status
         error = status.get_worker_group_error()
-        if self._failure_policy.make_decision(training_failed_error=error) != FailureDecision.RETRY:
-            self._uncount()  # the controller decides (and counts) it again
+        if self.failure_policy.make_decision(training_failed_error=error) != FailureDecision.RETRY:
+            self.uncount_failure()  # the controller decides (and counts) it again
             return status
         logger.warning("The %s group failed: restarting it alone.\n%s", name, error)
         try:
@@ -120,7 +120,7 @@ class DisaggregatedController(TrainController):
         except Exception:
             logger.warning("Restarting the %s group alone failed; every group restarts.",
                            name, exc_info=True)  # fmt: skip
-            self._uncount()
+            self.uncount_failure()
             return status
         phases = ", ".join(f"{k} {v:.1f}s" for k, v in took.items())
         logger.warning(
@@ -128,7 +128,7 @@ class DisaggregatedController(TrainController):
             "their workers and continue from %s.", name, sum(took.values()), phases,
             groups.restarts[name], latest.checkpoint.path,
         )  # fmt: skip
-        return groups.poll_status(timeout=self._health_check_interval_s)
+        return groups.poll_status(timeout=self.health_check_interval_s)
 
     def _sized(self, name: str):
         """For an elastic group: a function giving the launch to restart with once the
@@ -147,7 +147,7 @@ class DisaggregatedController(TrainController):
         """Grow the elastic group when resources for a larger size appeared, right after
         the next checkpoint is registered; returns the poll status after growing (one
         with an error, for a full restart, when growing failed), else ``None``."""
-        latest = self._checkpoint_manager.latest_checkpoint_result
+        latest = self.latest_checkpoint_result
         old, name = self._elastic.size, self._elastic.name
         try:
             launch = resize.grow_launch(self._elastic, latest)
@@ -157,11 +157,11 @@ class DisaggregatedController(TrainController):
         if launch is None:
             return None
         try:
-            took = restart_group(self._worker_group, name, latest.checkpoint, launch, False)
+            took = restart_group(self.get_worker_group(), name, latest.checkpoint, launch, False)
         except Exception as e:
             logger.warning("Growing the %s group failed; every group restarts (not counted "
                            "as a failure).", name, exc_info=True)  # fmt: skip
-            self._uncount(ahead=True)
+            self.uncount_failure(ahead=True)
             err = RuntimeError(f"growing the {name} group from {old} workers failed: {e!r}")
             return ModulePollStatus(worker_statuses={0: WorkerStatus(running=False, error=err)})
         self._launch = launch
@@ -170,13 +170,4 @@ class DisaggregatedController(TrainController):
             "other groups kept their workers and continue from %s.", name, old,
             self._elastic.size, sum(took.values()), latest.checkpoint.path,
         )  # fmt: skip
-        return self._worker_group.poll_status(timeout=self._health_check_interval_s)
-
-    def _uncount(self, ahead: bool = False) -> None:
-        """Take back one counted failure (it is counted again by the full restart);
-        ``ahead``: the next one the controller counts (a failed grow, not a failure)."""
-        policy = self._failure_policy
-        if hasattr(policy, "_worker_group_failures") and (
-            ahead or policy._worker_group_failures > 0
-        ):
-            policy._worker_group_failures -= 1
+        return self.get_worker_group().poll_status(timeout=self.health_check_interval_s)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import ray
 
+from ray_disagg.launch.group_start import start_group
 from ray_disagg.worker import runtime
 
 logger = logging.getLogger(__name__)
@@ -120,8 +121,6 @@ def restart_group(groups, failed: str, checkpoint, launch=None, failure=True) ->
     group's launch at the sizes to continue with (an elastic group's new size), or a
     function giving it once the group stopped; default: the same sizes. ``failure``:
     counted in ``<group>_restarts`` (a resize is not)."""
-    from ray_disagg.launch.worker_groups import ModuleWorkerGroups
-
     took, t0 = {}, time.monotonic()
 
     def lap(name: str) -> None:
@@ -148,20 +147,20 @@ def restart_group(groups, failed: str, checkpoint, launch=None, failure=True) ->
     wg = standby.take_over(checkpoint, r.side_timeout_s) if standby else None
     took_over = wg is not None
     if wg is None:  # colocated: into the freed bundles of the shared placement group
-        wg = ModuleWorkerGroups._start_registered(
+        wg = start_group(
             r.launches[failed], r.train_run_context, r.run_attempt_id, r.shared,
             groups.shared_placement_group, r.janitor,
         )  # fmt: skip
     groups.replace_group(failed, wg)
     groups.reset_reports()  # for the union's new size
     if groups.shared_placement_group is not None:
-        groups._check_pairing()
+        groups.check_pairing()
     lap("standby" if took_over else "start")
     groups.restarts[failed] += int(failure)
     if took_over:
         groups.takeovers[failed] += 1
     groups.generation += 1
-    groups._connect_channel(r.run_attempt_id, r.side_timeout_s, r.transfers)
+    groups.connect_channel(r.run_attempt_id, r.side_timeout_s, r.transfers)
     lap("rejoin")
     if standby is not None:  # the next one, once a later checkpoint shows progress
         groups.standby_after[failed] = checkpoint.path  # (its start would slow recovery)

@@ -13,6 +13,7 @@ from ray_disagg.launch.elastic import (
     workers_fitting,
 )
 from ray_disagg.launch.launches import Launch
+from ray_disagg.launch.ray_compat import resources_per_worker
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ def initial_launch(elastic: ElasticGroup, launch: Launch) -> Launch:
     for name, g in launch.groups.items():
         if name != elastic.name:
             sc = g.scaling_config
-            for k, v in sc._resources_per_worker_not_none.items():
+            for k, v in resources_per_worker(sc).items():
                 others[k] = others.get(k, 0.0) + v * sc.num_workers
     elastic.size = elastic.initial_size(free_total(), others, free_per_node())
     elastic.checked_at, elastic.grow_to = time.monotonic(), None

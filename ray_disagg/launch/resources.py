@@ -10,6 +10,8 @@ from collections import defaultdict
 import ray
 from ray.util.placement_group import remove_placement_group
 
+from ray_disagg.launch.ray_compat import resources_per_worker
+
 logger = logging.getLogger(__name__)
 
 
@@ -47,14 +49,13 @@ def colocation_for(groups, placement: str):
         )
     bundle: dict[str, float] = defaultdict(float)
     for g in groups.values():
-        for k, v in g.scaling_config._resources_per_worker_not_none.items():
+        for k, v in resources_per_worker(g.scaling_config).items():
             bundle[k] += v
     if "GPU" in bundle and abs(bundle["GPU"] - 1) > 1e-9:
         # above 1 a bundle spans GPUs; below 1 two bundles (two ranks of one group) could
         # share a GPU, which the group's own NCCL process group refuses
         shares = {
-            n: g.scaling_config._resources_per_worker_not_none.get("GPU", 0)
-            for n, g in groups.items()
+            n: resources_per_worker(g.scaling_config).get("GPU", 0) for n, g in groups.items()
         }
         raise ValueError(
             f"placement='colocated' shares each GPU between the groups, but their GPU shares "
@@ -77,7 +78,7 @@ def _check_whole_gpus(groups) -> None:
     make the group's NCCL process group fail ("Duplicate GPU detected")."""
     for name, g in groups.items():
         sc = g.scaling_config
-        gpu = sc._resources_per_worker_not_none.get("GPU", 0) if sc.use_gpu else 0
+        gpu = resources_per_worker(sc).get("GPU", 0) if sc.use_gpu else 0
         if sc.max_workers > 1 and gpu and gpu != int(gpu):
             raise ValueError(
                 f"The {name} group asks for resources_per_worker={{'GPU': {gpu:g}}} with "
@@ -97,7 +98,7 @@ def demand_lines(groups, colocation=None) -> list[str]:
     lines = []
     for name, g in groups.items():
         sc = g.scaling_config
-        per = dict(sc._resources_per_worker_not_none)
+        per = resources_per_worker(sc)
         lines.append(f"{name}: {sc.num_workers} x {per} ({sc.placement_strategy})")
     return lines
 
@@ -122,7 +123,7 @@ def check_cluster_capacity(groups, wait_for_resources: bool, colocation=None) ->
         units = [
             (
                 f"{name} worker",
-                dict(g.scaling_config._resources_per_worker_not_none),
+                resources_per_worker(g.scaling_config),
                 g.scaling_config.num_workers,
                 g.scaling_config.placement_strategy,
             )

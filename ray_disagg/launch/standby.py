@@ -22,6 +22,7 @@ import threading
 
 import ray
 
+from ray_disagg.launch.group_start import start_group
 from ray_disagg.worker import standby as standby_worker
 
 logger = logging.getLogger(__name__)
@@ -105,10 +106,10 @@ class Standby:
             self._wanted += 1
             token = self._wanted
         threading.Thread(
-            target=self._start, args=(relaunch, token), name=f"standby-{self.name}", daemon=True
+            target=self._starting, args=(relaunch, token), name=f"standby-{self.name}", daemon=True
         ).start()
 
-    def _start(self, relaunch, token: int) -> None:
+    def _starting(self, relaunch, token: int) -> None:
         try:
             wg = self._start_group(relaunch)
             if wg is None:
@@ -123,12 +124,10 @@ class Standby:
             self._settled.set()
 
     def _start_group(self, relaunch):
-        from ray_disagg.launch.worker_groups import ModuleWorkerGroups
-
         launch = relaunch.launches[self.name]
         launch = dataclasses.replace(launch, train_fn_ref=launch.standby_fn_ref)
         try:
-            return ModuleWorkerGroups._start_registered(
+            return start_group(
                 launch, relaunch.train_run_context, relaunch.run_attempt_id, relaunch.shared,
                 None, relaunch.janitor,
             )  # fmt: skip

@@ -24,21 +24,17 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from ray_disagg.launch.group_restart import Relaunch
+from ray_disagg.launch.group_start import shutdown_all, start_group
 from ray_disagg.launch.launches import Colocation, GroupLaunch, Transfers
 from ray_disagg.launch.ray_compat import (
-    AcceleratorSetupCallback,
-    BackendSetupCallback,
     PreemptionCallback,
     ReportCallbackHandler,
-    SharedPlacementWorkerGroup,
     TrainRunContext,
     UserCallbackHandler,
     WorkerGroup,
     WorkerGroupCallback,
-    WorkerGroupContext,
     WorkerGroupPollStatus,
     WorkerGroupStartupTimeoutError,
-    group_train_run_context,
 )
 from ray_disagg.launch.standby import Standby, start_standbys
 from ray_disagg.transport.channel import ChannelSpec
@@ -136,11 +132,11 @@ class ModuleWorkerGroups:
                 transfers,
             )  # fmt: skip
             if shared_pg is not None:
-                groups._check_pairing()
-            groups._connect_channel(run_attempt_id, side_timeout_s, transfers)
+                groups.check_pairing()
+            groups.connect_channel(run_attempt_id, side_timeout_s, transfers)
             start_standbys(groups, _unsafe(shared))
         except BaseException:
-            _shutdown_all(started.values())
+            shutdown_all(started.values())
             _remove(shared_pg)
             raise
         for cb in union:
@@ -157,9 +153,7 @@ class ModuleWorkerGroups:
         logged, and a non-retryable one is raised before a start timeout."""
 
         def start(launch: GroupLaunch) -> WorkerGroup:
-            return cls._start_registered(
-                launch, base_ctx, run_attempt_id, shared, shared_pg, janitor
-            )
+            return start_group(launch, base_ctx, run_attempt_id, shared, shared_pg, janitor)
 
         unsafe = _unsafe(shared)
         if unsafe:
@@ -176,53 +170,12 @@ class ModuleWorkerGroups:
                 errors.append(fut.exception())
                 logger.warning("Starting the %s group failed: %r", name, fut.exception())
         if errors:
-            _shutdown_all(started.values())
+            shutdown_all(started.values())
             errors.sort(key=lambda e: isinstance(e, WorkerGroupStartupTimeoutError))
             raise errors[0]
         return started
 
-    @classmethod
-    def _start_registered(
-        cls, launch: GroupLaunch, base_ctx, run_attempt_id, shared, shared_pg, janitor
-    ) -> WorkerGroup:
-        """:meth:`_start_group`, its own placement group registered with ``janitor`` (to
-        be removed should the coordinator die); stopped again when that fails."""
-        wg = cls._start_group(launch, base_ctx, run_attempt_id, shared, shared_pg)
-        if janitor is not None and shared_pg is None:
-            try:
-                pg = wg.get_worker_group_state().placement_group_handle.placement_group
-                ray.get(janitor.register.remote(pg))
-            except BaseException:
-                _shutdown_all([wg])
-                raise
-        return wg
-
-    @staticmethod
-    def _start_group(
-        launch: GroupLaunch, base_ctx, run_attempt_id, shared, shared_pg
-    ) -> WorkerGroup:
-        sc = launch.scaling_config
-        ctx = group_train_run_context(base_ctx, sc, launch.backend_config)
-        wg_ctx = WorkerGroupContext(
-            run_attempt_id=run_attempt_id,
-            train_fn_ref=launch.train_fn_ref,
-            num_workers=sc.num_workers,
-            resources_per_worker=sc._resources_per_worker_not_none,
-            placement_strategy=sc.placement_strategy,
-            label_selector=sc._label_selector_per_worker(sc.num_workers),
-        )
-        own = [
-            AcceleratorSetupCallback(launch.backend_config, sc),
-            BackendSetupCallback(launch.backend_config),
-        ]
-        logger.info("Starting %s group: %d workers", launch.name, sc.num_workers)
-        if shared_pg is not None:
-            return SharedPlacementWorkerGroup.create_in(shared_pg, ctx, wg_ctx, own + shared)
-        return WorkerGroup.create(
-            train_run_context=ctx, worker_group_context=wg_ctx, callbacks=own + shared
-        )
-
-    def _check_pairing(self) -> None:
+    def check_pairing(self) -> None:
         """Colocated: rank ``r`` of every group must sit in the same bundle (Ray Train
         orders ranks by node and GPU id, identically for groups sharing the bundles)."""
         bundles = {
@@ -232,7 +185,7 @@ class ModuleWorkerGroups:
         if len({tuple(b) for b in bundles.values()}) != 1:
             raise RuntimeError(f"colocated groups' ranks are not paired by bundle: {bundles}")
 
-    def _connect_channel(self, run_attempt_id: str, timeout_s: float, transfers) -> None:
+    def connect_channel(self, run_attempt_id: str, timeout_s: float, transfers) -> None:
         """Every worker joins the side channel (its store hosted by the first group's
         rank 0: the LLM group, which a group restart never replaces)."""
         if self._store_at is None:
@@ -375,14 +328,6 @@ def _unsafe(shared) -> list[str]:
         if isinstance(c, WorkerGroupCallback)  # the others run in the workers
         and type(c).__name__ not in _THREAD_SAFE_CALLBACKS
     ]
-
-
-def _shutdown_all(groups) -> None:
-    for wg in groups:
-        try:
-            wg.shutdown()
-        except Exception:
-            logger.warning("Shutting down a partially started group failed.", exc_info=True)
 
 
 def _remove(pg) -> None:

@@ -80,10 +80,12 @@ def _ensure_ray(groups) -> None:
     (the fractional-CPU layouts of small machines)."""
     import ray
 
+    from ray_disagg.launch.ray_compat import resources_per_worker
+
     if ray.is_initialized():
         return
     cpus = sum(
-        g.scaling_config.num_workers * g.scaling_config._resources_per_worker_not_none.get("CPU", 0)
+        g.scaling_config.num_workers * resources_per_worker(g.scaling_config).get("CPU", 0)
         for g in groups.values()
     )
     if os.environ.get("RAY_ADDRESS") or math.ceil(cpus) <= (os.cpu_count() or 1):

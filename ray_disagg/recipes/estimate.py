@@ -61,6 +61,7 @@ import os
 import re
 
 from ray_disagg.freezing import is_frozen
+from ray_disagg.launch.ray_compat import resources_per_worker
 
 __all__ = ["WorkerMemory", "estimate", "image_patches", "mesh", "render"]
 
@@ -281,7 +282,7 @@ def per_gpu(r, memory: dict[str, WorkerMemory]) -> dict[str, float]:
         return {"bundle": sum(m.total for m in memory.values())}
     out = {}
     for part, g in r.groups.items():
-        share = g.scaling_config._resources_per_worker_not_none.get("GPU", 0)
+        share = resources_per_worker(g.scaling_config).get("GPU", 0)
         if g.scaling_config.use_gpu and share:
             out[part] = memory[part].total * max(1, math.floor(1 / share + 1e-9))
     return out
@@ -345,7 +346,7 @@ def render(r) -> str:
             [
                 part,
                 str(g.num_workers),
-                f"{dict(sc._resources_per_worker_not_none)} {sc.placement_strategy}",
+                f"{resources_per_worker(sc)} {sc.placement_strategy}",
                 _parallelism(g.parallelism),
                 f"({', '.join(f'{a!r}' for a in axes)}) = {shape}".replace("'", '"'),
                 "yes" if g.activation_checkpointing else "no",

@@ -20,7 +20,7 @@ import os
 import time
 from collections.abc import Iterator
 
-from ray_disagg.worker.faults_hook import FAULT_DRILL_ENV
+from ray_disagg.worker.drill_env import FAULT_DRILL_ENV
 
 __all__ = ["FAULT_DRILL_ENV", "drill_json", "fault_drill", "maybe_inject_failure", "parse"]
 

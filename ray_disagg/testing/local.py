@@ -97,7 +97,7 @@ def _worker(loop, backend, name, rank, spec, env, run_dir, messages, lead) -> No
     import torch.distributed as dist
 
     from ray_disagg.worker import runtime, session
-    from ray_disagg.worker.faults_hook import FAULT_DRILL_ENV
+    from ray_disagg.worker.drill_env import FAULT_DRILL_ENV
 
     faulthandler.enable()
     os.environ.pop(FAULT_DRILL_ENV, None)  # the fork server's environment is not the run's
@@ -135,7 +135,7 @@ def _channel_spec(trainer, sizes: dict[str, int], timeout_s: float):
 
     offsets = group_offsets(sizes)
     where = [Location(node="local", pid=i, device="cpu") for i in range(sum(sizes.values()))]
-    tiers = pair_tiers(offsets, trainer._transfer_pairs(), where, trainer.transfer)
+    tiers = pair_tiers(offsets, trainer.transfer_pairs(), where, trainer.transfer)
     store, port = sg.host_store("127.0.0.1", timeout_s)
     spec = sg.ChannelSpec("127.0.0.1", port, offsets, sizes, timeout_s, "side/local", where, tiers)
     return store, spec
@@ -148,7 +148,7 @@ def fit_local(trainer, timeout_s: float = 600.0):
     worker."""
     from ray_disagg.worker.ingest import is_ray_dataset
 
-    if is_ray_dataset(trainer._train_data):
+    if is_ray_dataset(trainer.train_data):
         raise ValueError("fit_local reads map-style datasets only; Ray Data needs Ray.")
     run = trainer.run_config
     run_dir = os.path.join(os.path.expanduser(run.storage_path), run.name)
@@ -158,7 +158,7 @@ def fit_local(trainer, timeout_s: float = 600.0):
     loops = trainer.group_loops(trainer.loop_args(put=pickle.dumps))
     sizes = {name: trainer.groups[name].num_workers for name in loops}
     store, spec = _channel_spec(trainer, sizes, trainer.loop_config.collective_timeout_s)
-    env = trainer._worker_env_vars()
+    env = trainer.worker_env_vars()
     ctx = process_context()
     messages = ctx.SimpleQueue()  # put() writes at once: no message is lost to a kill
     procs = {}

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 
-FAULT_DRILL_ENV = "RAY_DISAGG_FAULT_DRILL"
+from ray_disagg.worker.drill_env import FAULT_DRILL_ENV
+
+__all__ = ["FAULT_DRILL_ENV", "drill"]
 
 
 def drill(module: str, group_rank: int, step: int, micro_batch: int | None = None) -> None:

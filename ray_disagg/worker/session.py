@@ -100,16 +100,18 @@ def _move_or_copy(checkpoint, name: str):
     import pyarrow.fs
     import ray.train
 
-    storage = ray.train.get_context().get_storage()
-    if not isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem):
-        return storage.persist_current_checkpoint(checkpoint, name)
-    dest = storage.build_checkpoint_path_from_name(name)
+    from ray_disagg.launch import ray_compat as rc
+
+    filesystem = rc.storage_filesystem()
+    if not isinstance(filesystem, pyarrow.fs.LocalFileSystem):
+        return rc.persist_checkpoint(checkpoint, name)
+    dest = rc.checkpoint_path(name)
     for root, _, files in os.walk(checkpoint.path):
         out = os.path.join(dest, os.path.relpath(root, checkpoint.path))
         os.makedirs(out, exist_ok=True)
         for f in files:  # every rank adds its own files, as Ray Train's copy merges them
             shutil.move(os.path.join(root, f), os.path.join(out, f))  # a rename when it can
-    return ray.train.Checkpoint(dest, filesystem=storage.storage_filesystem)
+    return ray.train.Checkpoint(dest, filesystem=filesystem)
 
 
 _session = RaySession()

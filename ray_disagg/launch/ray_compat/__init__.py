@@ -1,7 +1,14 @@
-"""Every Ray private / developer API that ray_disagg touches, in one place.
+"""Every Ray private / developer API that ray_disagg touches, in one package.
 
-``tests/test_ray_contract.py`` checks each name and the signatures we rely on, so that a
-Ray upgrade breaks that one test rather than the package. Tested with Ray 2.60.
+Ray's private names (``_``-prefixed attributes and methods, ``ray._private``, the
+``_internal`` modules) are used here only, each behind a wrapper with a public name:
+the subclasses of Ray's controller, trainer and worker group
+(:mod:`~ray_disagg.launch.ray_compat.subclasses`) turn the private hooks we override
+into public ones; :mod:`~ray_disagg.launch.ray_compat.privates` reads private state and
+lists in ``RAY_PRIVATES`` every private attribute touched here. ``tests/test_ray_contract.py``
+asserts that each exists in the installed Ray and that no module outside this package
+names one, so that a Ray upgrade breaks that one test rather than the package. Tested
+with Ray 2.60.
 """
 
 from __future__ import annotations
@@ -10,7 +17,8 @@ import copy
 import logging
 
 import ray
-from ray.train.torch.config import TorchConfig, _TorchBackend
+from ray.train.torch.config import TorchConfig
+from ray.train.torch.config import _TorchBackend as TorchBackend
 from ray.train.v2._internal.callbacks import (
     AcceleratorSetupCallback,
     BackendSetupCallback,
@@ -45,6 +53,20 @@ from ray.train.v2._internal.util import ObjectRefWrapper, construct_train_func
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.train.v2.api.exceptions import WorkerGroupError
 
+from ray_disagg.launch.ray_compat.privates import (
+    RAY_PRIVATES,
+    checkpoint_path,
+    label_selector_per_worker,
+    persist_checkpoint,
+    resources_per_worker,
+    storage_filesystem,
+)
+from ray_disagg.launch.ray_compat.subclasses import (
+    ControllerBase,
+    SharedPlacementWorkerGroup,
+    TrainerBase,
+)
+
 TESTED_RAY_VERSIONS = ("2.60",)
 DEFAULT_POLL_INTERVAL_S = 0.2
 
@@ -53,6 +75,10 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "AcceleratorSetupCallback",
     "BackendSetupCallback",
+    "ControllerBase",
+    "RAY_PRIVATES",
+    "TorchBackend",
+    "TrainerBase",
     "DataParallelTrainer",
     "DatasetsCallback",
     "FailureDecision",
@@ -73,7 +99,11 @@ __all__ = [
     "WorkerStatus",
     "WorkingDirectorySetupCallback",
     "available_resources_per_node",
-    "_TorchBackend",
+    "checkpoint_path",
+    "label_selector_per_worker",
+    "persist_checkpoint",
+    "resources_per_worker",
+    "storage_filesystem",
     "construct_train_func",
     "create_failure_policy",
     "create_scaling_policy",
@@ -160,46 +190,6 @@ def current_placement() -> tuple[str | None, int | None]:
         if m:
             return m[2], int(m[1])
     return ray.get_runtime_context().get_placement_group_id(), None
-
-
-class _SharedPlacementGroupHandle:
-    """A placement group owned by someone else: the group schedules into it, never removes
-    it (the owner does, after every group sharing it has stopped)."""
-
-    def __init__(self, pg):
-        self._pg = pg
-
-    @property
-    def placement_group(self):
-        return self._pg
-
-    def ready(self):
-        return self._pg.ready()
-
-    def wait(self, timeout_seconds=30) -> bool:
-        try:
-            return self._pg.wait(timeout_seconds)
-        except Exception:  # e.g. removed meanwhile: not ready (the start is retried)
-            logger.warning("Shared placement group wait failed.", exc_info=True)
-            return False
-
-    def shutdown(self) -> None:
-        pass
-
-
-class SharedPlacementWorkerGroup(WorkerGroup):
-    """A ``WorkerGroup`` whose worker ``i`` runs in bundle ``i`` of a given placement group
-    shared with other groups (colocation), instead of a placement group of its own."""
-
-    @classmethod
-    def create_in(cls, placement_group, train_run_context, worker_group_context, callbacks):
-        wg = cls(train_run_context, worker_group_context, callbacks)
-        wg._shared_pg = placement_group
-        wg._start()
-        return wg
-
-    def _create_placement_group(self, scaling_config, worker_group_context):
-        return _SharedPlacementGroupHandle(self._shared_pg)
 
 
 def available_resources_per_node() -> list[dict]:

@@ -1,0 +1,100 @@
+"""Every private attribute of Ray that ray_compat touches (:data:`RAY_PRIVATES`, checked
+against the installed Ray by ``tests/test_ray_contract.py``), and the readers of Ray's
+private state."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import ray
+from ray.train import ScalingConfig
+from ray.train.torch.config import TorchConfig
+from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+from ray.train.v2._internal.execution.controller import TrainController
+from ray.train.v2._internal.execution.failure_handling.default import DefaultFailurePolicy
+from ray.train.v2._internal.execution.storage import StorageContext
+from ray.train.v2._internal.execution.worker_group import WorkerGroup
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+__all__ = [
+    "RAY_PRIVATES",
+    "Private",
+    "checkpoint_path",
+    "label_selector_per_worker",
+    "persist_checkpoint",
+    "resources_per_worker",
+    "storage_filesystem",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Private:
+    """One private attribute of Ray that a wrapper here touches: ``owner.name`` exists
+    (``instance=False``: a class or module attribute, method or property) or is assigned
+    as ``self.name`` in ``owner``'s source (``instance=True``)."""
+
+    owner: object
+    name: str
+    instance: bool = False
+
+
+RAY_PRIVATES = (
+    Private(ScalingConfig, "_resources_per_worker_not_none"),
+    Private(ScalingConfig, "_label_selector_per_worker"),
+    Private(TrainController, "_start_worker_group"),
+    Private(TrainController, "_poll_workers"),
+    Private(TrainController, "_get_run_attempt_id"),
+    Private(TrainController, "_train_run_context", instance=True),
+    Private(TrainController, "_worker_group", instance=True),
+    Private(TrainController, "_worker_group_callbacks_to_propagate", instance=True),
+    Private(TrainController, "_health_check_interval_s", instance=True),
+    Private(TrainController, "_failure_policy", instance=True),
+    Private(TrainController, "_checkpoint_manager", instance=True),
+    Private(CheckpointManager, "latest_checkpoint_result"),
+    Private(DefaultFailurePolicy, "_worker_group_failures", instance=True),
+    Private(DataParallelTrainer, "_create_default_callbacks"),
+    Private(DataParallelTrainer, "_initialize_and_run_controller"),
+    Private(DataParallelTrainer, "_register_sigint_handler"),
+    Private(WorkerGroup, "_start"),
+    Private(WorkerGroup, "_create_placement_group"),
+    Private(StorageContext, "storage_filesystem", instance=True),
+    Private(StorageContext, "persist_current_checkpoint"),
+    Private(StorageContext, "build_checkpoint_path_from_name"),
+    Private(sys.modules[TorchConfig.__module__], "_TorchBackend"),
+    Private(ray, "_raylet"),
+    Private(ray, "_private"),
+    Private(ray, "_common"),
+)
+
+
+def resources_per_worker(sc: ScalingConfig) -> dict[str, float]:
+    """A group's resources per worker with Ray Train's defaults filled in (``{"CPU": 1}``,
+    plus ``{"GPU": 1}`` with ``use_gpu``): a copy."""
+    return dict(sc._resources_per_worker_not_none)
+
+
+def label_selector_per_worker(sc: ScalingConfig, num_workers: int):
+    """``ScalingConfig.label_selector`` as one selector per worker (or ``None``)."""
+    return sc._label_selector_per_worker(num_workers)
+
+
+def _storage() -> StorageContext:
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    return get_train_context().get_storage()
+
+
+def storage_filesystem():
+    """In a worker: the run's ``pyarrow`` filesystem."""
+    return _storage().storage_filesystem
+
+
+def checkpoint_path(name: str) -> str:
+    """In a worker: the path of the run's checkpoint directory ``name`` on its filesystem."""
+    return _storage().build_checkpoint_path_from_name(name)
+
+
+def persist_checkpoint(checkpoint, name: str):
+    """In a worker: Ray Train's own upload of ``checkpoint`` into the run's ``name``."""
+    return _storage().persist_current_checkpoint(checkpoint, name)
