@@ -7,13 +7,13 @@ driver, before any Ray worker starts.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from ray.train import ScalingConfig
 
 from ray_disagg.loop_config import TrainLoopConfig
+from ray_disagg.settings import check_settings, setting
 
 __all__ = [
     "DataParallel",
@@ -27,9 +27,13 @@ __all__ = [
 ]
 
 
+def _label(obj):
+    """Error messages name the setting as it is written: ``Cls(name=value)``."""
+    return lambda name, value: f"{type(obj).__name__}({name}={value!r})"
+
+
 def _check_sharding(p) -> None:
-    if not isinstance(p.fsdp, bool):
-        raise ValueError(f"{type(p).__name__}(fsdp={p.fsdp!r}): fsdp must be True or False.")
+    check_settings(p, _label(p))
     if p.fsdp and getattr(p, "zero1", False):
         raise ValueError(
             f"{type(p).__name__}(zero1=True, fsdp=True): FSDP2 already shards the optimizer "
@@ -46,10 +50,10 @@ class DataParallel:
         DataParallel(zero1=True, fsdp=False)
     """
 
-    zero1: bool = False
+    zero1: bool = setting(False)
     """Shard the AdamW state across the group's workers (ZeRO stage 1)."""
 
-    fsdp: bool = False
+    fsdp: bool = setting(False)
     """Shard parameters, gradients and AdamW state across the group's workers with FSDP2
     (``torch.distributed.fsdp.fully_shard``; ZeRO stage 3). Mesh axes
     ``("dp_shard", "mp")``."""
@@ -70,19 +74,17 @@ class SequenceParallel:
         SequenceParallel(size=2, zero1=False, fsdp=False)
     """
 
-    size: int
+    size: int = setting(ge=1)
     """Number of workers that split one image's patch sequence."""
 
-    zero1: bool = False
+    zero1: bool = setting(False)
     """Shard the AdamW state across all ``dp x sp`` workers of the group (ZeRO stage 1)."""
 
-    fsdp: bool = False
+    fsdp: bool = setting(False)
     """Shard parameters, gradients and AdamW state across all ``dp x sp`` workers of the
     group with FSDP2 (mesh axes ``("dp_shard", "sp")``)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.size, int) or self.size < 1:
-            raise ValueError(f"SequenceParallel(size={self.size!r}): size must be an int >= 1.")
         _check_sharding(self)
 
 
@@ -97,16 +99,14 @@ class TensorParallel:
         TensorParallel(size=2, fsdp=True)
     """
 
-    size: int
+    size: int = setting(ge=1)
     """Number of workers that shard each weight matrix."""
 
-    fsdp: bool = False
+    fsdp: bool = setting(False)
     """Also shard every parameter, gradient and AdamW state over the data-parallel axis with
     FSDP2 (FSDP2 x TP on the 2-D mesh ``("dp_shard", "tp")``)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.size, int) or self.size < 1:
-            raise ValueError(f"TensorParallel(size={self.size!r}): size must be an int >= 1.")
         _check_sharding(self)
 
 
@@ -126,22 +126,18 @@ class ContextParallel:
         ContextParallel(size=2, tp=2, fsdp=False)
     """
 
-    size: int
+    size: int = setting(ge=1)
     """Number of workers that split each sequence."""
 
-    tp: int = 1
+    tp: int = setting(1, ge=1)
     """Tensor-parallel degree inside each context-parallel rank (Megatron-style, as
     :class:`TensorParallel`): a replica is ``size x tp`` workers."""
 
-    fsdp: bool = False
+    fsdp: bool = setting(False)
     """Also shard parameters, gradients and AdamW state with FSDP2 over every worker that
     holds the same tensor-parallel shard (all ``dp x cp`` workers of one tp rank)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.size, int) or self.size < 1:
-            raise ValueError(f"ContextParallel(size={self.size!r}): size must be an int >= 1.")
-        if not isinstance(self.tp, int) or self.tp < 1:
-            raise ValueError(f"ContextParallel(tp={self.tp!r}): tp must be an int >= 1.")
         _check_sharding(self)
 
 
@@ -161,22 +157,18 @@ class ExpertParallel:
         ExpertParallel(size=2, tp=2, fsdp=False)
     """
 
-    size: int
+    size: int = setting(ge=1)
     """Data-parallel replicas that split the experts of every MoE layer."""
 
-    tp: int = 1
+    tp: int = setting(1, ge=1)
     """Tensor-parallel degree of the attention inside each replica (as
     :class:`TensorParallel`); the experts stay whole on every tp rank of a replica."""
 
-    fsdp: bool = False
+    fsdp: bool = setting(False)
     """Also shard the dense weights (attention, embeddings, router, shared experts) with
     FSDP2 over every worker of the group; the experts stay sharded over ``size``."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.size, int) or self.size < 1:
-            raise ValueError(f"ExpertParallel(size={self.size!r}): size must be an int >= 1.")
-        if not isinstance(self.tp, int) or self.tp < 1:
-            raise ValueError(f"ExpertParallel(tp={self.tp!r}): tp must be an int >= 1.")
         _check_sharding(self)
 
 
@@ -222,22 +214,24 @@ class ModuleGroup:
     :class:`DataParallel`, :class:`SequenceParallel`, :class:`TensorParallel`,
     :class:`ContextParallel` or :class:`ExpertParallel` (the MoE LLM)."""
 
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = setting(False)
     """Recompute each transformer block's activations in backward to save memory."""
 
-    trainable: bool = True
+    trainable: bool = setting(True)
     """``False`` freezes the whole group: it runs forward only (under ``no_grad``), gets no
     gradients back, keeps no optimizer state and is left out of gradient clipping."""
 
-    freeze: tuple[str, ...] = ()
+    freeze: tuple[str, ...] = setting(
+        (), what="a list of parameter-name prefixes, e.g. ['model.visual.blocks']"
+    )
     """Parameter-name prefixes (HF names, e.g. ``"model.visual.blocks"``) frozen inside the
     group; each must match at least one of the group's parameters. Freezing every
     parameter of an encoder group is the same as ``trainable=False``."""
 
-    lr_multiplier: float = 1.0
+    lr_multiplier: float = setting(1.0, ge=0)
     """This group's learning rate is ``lr_multiplier`` times the scheduled ``lr``."""
 
-    standby: bool = False
+    standby: bool = setting(False)
     """Keep a started copy of this group's workers (same resources, its own placement
     group) that takes the group's place when one of its workers fails: the group restart
     then skips starting workers. Costs the group's resources twice; only for a group that
@@ -255,25 +249,7 @@ class ModuleGroup:
                 f"ScalingConfig(num_workers={n!r}): each module group needs num_workers >= 1."
             )
         self.parallelism = _normalize_parallelism(self.parallelism)
-        if not isinstance(self.trainable, bool):
-            raise ValueError(f"ModuleGroup(trainable={self.trainable!r}): must be True or False.")
-        if not isinstance(self.standby, bool):
-            raise ValueError(f"ModuleGroup(standby={self.standby!r}): must be True or False.")
-        if isinstance(self.freeze, str):
-            self.freeze = (self.freeze,)
-        if not isinstance(self.freeze, list | tuple) or not all(
-            isinstance(f, str) and f for f in self.freeze
-        ):
-            raise ValueError(
-                f"ModuleGroup(freeze={self.freeze!r}): must be a list of parameter-name "
-                "prefixes, e.g. ['model.visual.blocks']."
-            )
-        self.freeze = tuple(self.freeze)
-        lm = self.lr_multiplier
-        if isinstance(lm, bool) or not isinstance(lm, int | float) or not (math.isfinite(lm)):
-            raise ValueError(f"ModuleGroup(lr_multiplier={lm!r}): must be a finite float >= 0.")
-        if lm < 0:
-            raise ValueError(f"ModuleGroup(lr_multiplier={lm!r}): must be a finite float >= 0.")
+        check_settings(self, _label(self))
         p = self.parallelism
         if isinstance(p, ExpertParallel) and n % (p.size * p.tp):
             what = f"size x tp={p.size * p.tp}" if p.tp > 1 else f"size={p.size}"

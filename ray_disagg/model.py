@@ -13,12 +13,14 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Literal
 
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from ray_disagg.models import IGNORE_INDEX, get_adapter, loading, tiny_qwen2_5_vl_config
 from ray_disagg.models.base import ModelAdapter
+from ray_disagg.settings import check_settings, setting
 
 __all__ = ["HFModelSpec", "tiny_qwen2_5_vl_config", "IGNORE_INDEX"]
 
@@ -56,13 +58,14 @@ class HFModelSpec:
     pretrained_path: str | os.PathLike | None = None
     """Local directory with ``config.json`` + safetensors weights (``save_pretrained`` layout)."""
 
-    seed: int = 0
+    seed: int = setting(0)
     """Seed of the random initialisation (every group builds the same weights)."""
 
-    attn_implementation: str = "sdpa"
+    attn_implementation: Literal["sdpa", "eager"] = setting("sdpa")
     """Attention kernel passed to ``transformers`` (``"sdpa"`` or ``"eager"``)."""
 
     def __post_init__(self) -> None:
+        check_settings(self, lambda name, value: f"{type(self).__name__}({name}={value!r})")
         if (self.config is None) == (self.pretrained_path is None):
             raise ValueError(
                 f"{type(self).__name__} needs exactly one of config= or pretrained_path=."

@@ -8,38 +8,30 @@ import json
 import os
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import pandas as pd
 import ray
 from ray.train import Checkpoint, Result, RunConfig, ScalingConfig
 
 from ray_disagg.config import ContextParallel, ModuleGroup
-from ray_disagg.freezing import frozen_parts
 from ray_disagg.launch import datasets as dsc
 from ray_disagg.launch import ray_compat as rc
 from ray_disagg.launch.backend import ModuleBackendConfig
-from ray_disagg.launch.checks import (
-    resolve_schedule,
-    validate_groups,
-    validate_layout,
-    validate_loop,
-    validate_transfer,
-)
 from ray_disagg.launch.controller import DisaggregatedController
-from ray_disagg.launch.elastic import ElasticGroup, elastic_ranges, elastic_sizes
-from ray_disagg.launch.group_restart import restartable_groups
+from ray_disagg.launch.elastic import ElasticGroup
 from ray_disagg.launch.launches import GroupLaunch, Launch, Transfers
 from ray_disagg.launch.resources import (
+    Placement,
     PlacementGroupJanitor,
     check_cluster_capacity,
-    colocation_for,
     demand_lines,
 )
-from ray_disagg.launch.standby import standby_groups
+from ray_disagg.layout import DataSpec, resolve
 from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan
+from ray_disagg.transport.base import Tier
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.checkpoint import check_compatible
 from ray_disagg.worker.drill_env import FAULT_DRILL_ENV
@@ -157,8 +149,8 @@ class DisaggregatedTrainer(rc.TrainerBase):
         validate_samples: bool = True,
         wait_for_resources: bool = False,
         start_timeout_s: float = 600.0,
-        placement: str = "separate",
-        transfer: str = "auto",
+        placement: Placement = "separate",
+        transfer: Literal["auto"] | Tier = "auto",
         restart_failed_group: bool = True,
     ):
         if not isinstance(model, HFModelSpec):
@@ -177,48 +169,23 @@ class DisaggregatedTrainer(rc.TrainerBase):
         ):
             raise ValueError("resume_from_checkpoint must be a ray.train.Checkpoint.")
         self.resume_from_checkpoint = resume_from_checkpoint
-        self.groups = validate_groups(groups, adapter)
-        self.train_data = dsc.train_set(datasets)
-        restartable = restartable_groups(adapter, self.train_data) if restart_failed_group else ()
-        elastic = elastic_ranges(self.groups, adapter, placement, restartable)
-        self.colocation = colocation_for(self.groups, placement)
-        self.placement, self.transfer = placement, validate_transfer(transfer, self.groups)
-        self.loop_config = TrainLoopConfig.from_any(train_loop_config)
-        self.loop_config, self._legacy_drill = self._take_legacy_drill(self.loop_config)
-        self.standby = standby_groups(self.groups, placement, restartable, self.loop_config)
+        loop = TrainLoopConfig.from_any(train_loop_config)
+        loop, self._legacy_drill = self._take_legacy_drill(loop)
+        self.layout = layout = resolve(
+            model, groups, loop, placement=placement, transfer=transfer,
+            restart_failed_group=restart_failed_group,
+            data=DataSpec.of(datasets, validate_samples),
+        )  # fmt: skip
+        self.train_data = datasets["train"]
+        self.groups, self.loop_config = dict(layout.groups), layout.loop
+        self.placement, self.transfer = placement, layout.transfer
+        self.colocation, self.standby = layout.colocation, layout.standby
+        self.elastic_sizes = layout.elastic_sizes
+        self.frozen_parts, self._samples_validated = layout.frozen_parts, layout.samples_validated
         if resume_from_checkpoint is not None:
             with resume_from_checkpoint.as_directory() as root:
                 check_compatible(root, model.load_config(), self.loop_config.max_steps)
-        # per elastic group, the sizes it may take (ascending), logged on the driver
-        self.elastic_sizes = elastic_sizes(elastic, self.loop_config)
-        for name, sizes in self.elastic_sizes.items():
-            self.groups[name] = self.groups[name].at_size(sizes[0])
-        validate_layout(adapter, self.groups)
-        model.check_weights()
-        self.frozen_parts = frozen_parts(model, self.groups)
-        self._samples_validated = validate_samples and not is_stream(self.train_data)
-        self.loop_config = resolve_schedule(
-            self.loop_config, placement, self.train_data, self._samples_validated
-        )
-        validate_loop(adapter, self.loop_config)
-        llm_p = self.groups[adapter.llm_part].parallelism
-        cp_size = llm_p.size if isinstance(llm_p, ContextParallel) else 1
-        costs = dsc.scan(
-            self.train_data, adapter, self.loop_config, self._samples_validated, cp_size
-        )
-        llm_dp = self.groups[adapter.llm_part].dp_size
-        self.plan = BatchPlan(
-            num_samples=dsc.num_samples(self.train_data, llm_dp),
-            global_batch_size=self.loop_config.global_batch_size,
-            dp_sizes={name: g.dp_size for name, g in self.groups.items()},
-            seed=self.loop_config.seed,
-            shuffle=self.loop_config.shuffle,
-            micro_batches=self.loop_config.micro_batches,
-            reader=adapter.llm_part,
-            costs=costs,
-            streamed_costs=self.loop_config.assignment == "balanced"
-            and is_stream(datasets["train"]),
-        )
+        self.plan = self._batch_plan()
         self._val_data, self.val_plan = dsc.validation_set(
             datasets, adapter, self.loop_config, self.groups, validate_samples
         )
@@ -228,6 +195,24 @@ class DisaggregatedTrainer(rc.TrainerBase):
             train_loop_config={"ray_disagg": True},
             scaling_config=ScalingConfig(num_workers=total),
             run_config=run_config,
+        )
+
+    def _batch_plan(self) -> BatchPlan:
+        """The plan of every step's samples (map-style samples checked and costed here)."""
+        adapter, cfg = self.adapter, self.loop_config
+        llm = self.groups[adapter.llm_part]
+        cp_size = llm.parallelism.size if isinstance(llm.parallelism, ContextParallel) else 1
+        costs = dsc.scan(self.train_data, adapter, cfg, self._samples_validated, cp_size)
+        return BatchPlan(
+            num_samples=dsc.num_samples(self.train_data, llm.dp_size),
+            global_batch_size=cfg.global_batch_size,
+            dp_sizes={name: g.dp_size for name, g in self.groups.items()},
+            seed=cfg.seed,
+            shuffle=cfg.shuffle,
+            micro_batches=cfg.micro_batches,
+            reader=adapter.llm_part,
+            costs=costs,
+            streamed_costs=cfg.assignment == "balanced" and is_stream(self.train_data),
         )
 
     @staticmethod
@@ -297,11 +282,8 @@ class DisaggregatedTrainer(rc.TrainerBase):
         )
 
     def restartable_groups(self) -> frozenset[str]:
-        if not self.restart_failed_group:
-            return frozenset()
-        gpus = all(g.scaling_config.use_gpu for g in self.groups.values())  # cuda_ipc possible
-        ipc = self.colocation is not None and gpus and self.transfer in ("auto", "cuda_ipc")
-        return restartable_groups(self.adapter, self.train_data, ipc)
+        """The groups a worker failure restarts alone (``ray_disagg.layout``)."""
+        return self.layout.restartable
 
     def group_loops(self, args: LoopArgs) -> dict[str, tuple]:
         """Per group, the LLM group first: ``(train loop, backend config)``. (The union's

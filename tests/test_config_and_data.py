@@ -32,7 +32,7 @@ def test_module_group_defaults_and_degrees():
         ModuleGroup(scaling_config=ScalingConfig(num_workers=3), parallelism=TensorParallel(size=2))
     with pytest.raises(ValueError, match="parallelism='fsdp' is not understood"):
         ModuleGroup(scaling_config=ScalingConfig(num_workers=1), parallelism="fsdp")
-    with pytest.raises(ValueError, match="size must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"SequenceParallel\(size=0\): must be an int >= 1"):
         SequenceParallel(size=0)
 
 

@@ -109,7 +109,7 @@ def test_context_parallel_degrees_and_short_sequences_are_checked():
         validate_layout(adapter, groups(3))
     with pytest.raises(ValueError, match="ContextParallel is not supported for the 'text'"):
         validate_layout(get_adapter(tiny_qwen3_vl_config()), groups(2))
-    with pytest.raises(ValueError, match="size must be an int"):
+    with pytest.raises(ValueError, match=r"ContextParallel\(size=0\): must be an int"):
         ContextParallel(size=0)
 
 

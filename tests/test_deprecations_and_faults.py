@@ -96,7 +96,7 @@ def test_report_options_are_typed_fields_without_warnings():
     assert cfg.report_sample_ids and cfg.report_placement and cfg.extra == {}
     default = TrainLoopConfig(**LOOP)
     assert not default.report_sample_ids and not default.report_placement
-    with pytest.raises(ValueError, match=r"\['report_placement'\]=1: must be a bool"):
+    with pytest.raises(ValueError, match=r"\['report_placement'\]=1: must be True or False"):
         TrainLoopConfig(**LOOP, report_placement=1)
 
 

@@ -17,7 +17,6 @@ from ray_disagg.config import (
 from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.models import moe
 from ray_disagg.transport import TIERS
-from ray_disagg.worker.ingest import is_ray_dataset, is_stream
 
 
 def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
@@ -171,19 +170,20 @@ def validate_transfer(transfer: str, groups) -> str:
     return transfer
 
 
-def resolve_schedule(cfg: TrainLoopConfig, placement: str, data, validated: bool):
+def resolve_schedule(cfg: TrainLoopConfig, placement: str, kind: str, validated: bool):
     """Defaults that depend on the run: the schedule (1F1B for separate placement with
     several microbatches), ``max_in_flight`` and the assignment (``auto``: balanced
     when the driver reads every sample anyway to validate it, contiguous for Ray Data,
-    unvalidated data and colocated placement, whose pairs share a device)."""
+    unvalidated data and colocated placement, whose pairs share a device). ``kind``: the
+    data's (``"map"``, ``"ray"`` or ``"stream"``, as ``layout.DataSpec``)."""
     k = cfg.micro_batches
     schedule = cfg.schedule or ("1f1b" if k > 1 and placement == "separate" else "sequential")
     in_flight = 1 if schedule == "sequential" else (cfg.max_in_flight or min(2, k))
     assignment = cfg.assignment
     if assignment == "auto":
-        balanced = validated and placement == "separate" and not is_stream(data)
+        balanced = validated and placement == "separate" and kind == "map"
         assignment = "balanced" if balanced else "contiguous"
-    elif assignment == "balanced" and is_ray_dataset(data):
+    elif assignment == "balanced" and kind == "ray":
         raise ValueError(
             "train_loop_config['assignment']='balanced' needs a map-style dataset (costs "
             "estimated before the run) or a ConversationStream (costs computed with each "

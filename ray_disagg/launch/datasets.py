@@ -20,12 +20,7 @@ def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups, validate: bo
     """The validation samples (map-style; a Ray Dataset is materialized) and their
     plan: global batches of ``global_batch_size`` in order, split like training."""
     data = datasets.get("validation")
-    if data is None:
-        if cfg.eval_every is not None:
-            raise ValueError(
-                "train_loop_config['eval_every'] is set but there is no validation set: "
-                'pass datasets={"train": ..., "validation": ...}.'
-            )
+    if data is None:  # eval_every without one is refused by ray_disagg.layout.resolve
         return None, None
     if is_ray_dataset(data):
         data = [_from_row(r) for r in data.take_all()]

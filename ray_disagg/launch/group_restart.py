@@ -38,15 +38,13 @@ logger = logging.getLogger(__name__)
 __all__ = ["Relaunch", "restart_group", "restartable_groups"]
 
 
-def restartable_groups(adapter, train_data, cuda_ipc: bool = False) -> frozenset[str]:
+def restartable_groups(adapter, streamed: bool, cuda_ipc: bool = False) -> frozenset[str]:
     """The groups a worker failure restarts alone (the others keep their workers and
     continue from the latest checkpoint in place): the encoder group of a model with one
-    encoder, on map-style data, unless a pair may use the ``cuda_ipc`` tier (a survivor's
-    stream would wait on the dead process's events: nothing can abort that). Otherwise
-    (and for any LLM failure) every group restarts, as Ray Train does."""
-    from ray_disagg.worker.ingest import is_stream
-
-    if len(adapter.encoder_parts) != 1 or is_stream(train_data) or cuda_ipc:
+    encoder, on map-style data (not ``streamed``), unless a pair may use the ``cuda_ipc``
+    tier (a survivor's stream would wait on the dead process's events: nothing can abort
+    that). Otherwise (and for any LLM failure) every group restarts, as Ray Train does."""
+    if len(adapter.encoder_parts) != 1 or streamed or cuda_ipc:
         return frozenset()
     return frozenset(adapter.encoder_parts)
 

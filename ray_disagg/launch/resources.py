@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from typing import Literal, get_args
 
 import ray
 from ray.util.placement_group import remove_placement_group
@@ -15,7 +16,9 @@ from ray_disagg.launch.ray_compat import resources_per_worker
 logger = logging.getLogger(__name__)
 
 
-PLACEMENTS = ("separate", "colocated")
+Placement = Literal["separate", "colocated"]
+"""Where the groups' workers go: each group its own placement group, or bundles shared."""
+PLACEMENTS = get_args(Placement)
 
 
 def colocation_for(groups, placement: str):

@@ -29,7 +29,7 @@ import os
 
 from ray_disagg.recipes.schema import REQUIRED, at, check, fail, section
 
-__all__ = ["DATA", "build_dataset", "parse_data"]
+__all__ = ["DATA", "build_dataset", "data_kind", "parse_data"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,18 @@ def _local(path: str, key: str) -> str:
     if "://" not in path and not os.path.exists(path):
         fail(f"{key}={path!r}: no such file or directory.")
     return path
+
+
+def data_kind(d: dict) -> str:
+    """What ``build_dataset`` makes of the parsed source ``d``, as
+    ``ray_disagg.layout.DataSpec.kind``: ``"map"`` (digits, a ``.json`` list of
+    conversation records), ``"ray"`` (parquet, json) or ``"stream"`` (conversation
+    records in ``.jsonl`` / ``.parquet`` files or a directory)."""
+    if d["type"] in ("parquet", "json"):
+        return "ray"
+    if d["type"] == "conversations" and not str(d["records"]).endswith(".json"):
+        return "stream"
+    return "map"
 
 
 def build_dataset(recipe, which: str):

@@ -198,7 +198,7 @@ def _seq_len(cfg, r) -> int:
 def _schedule(r):
     from ray_disagg.launch.checks import resolve_schedule
 
-    return resolve_schedule(r.loop, r.placement, [], False)
+    return resolve_schedule(r.loop, r.placement, "map", False)
 
 
 def estimate(r) -> dict[str, WorkerMemory]:

@@ -170,14 +170,16 @@ def enumerate_layouts(r, c: Cluster):
 
 def _check(cand: Candidate) -> str | None:
     """Why the layout is invalid for this model (the driver's own checks), else None."""
-    from ray_disagg.launch.checks import validate_layout, validate_loop
-    from ray_disagg.launch.resources import colocation_for
+    from ray_disagg.layout import DataSpec, resolve
+    from ray_disagg.recipes.data import data_kind
 
     r = cand.recipe
     try:
-        validate_layout(r.model.adapter, r.groups)
-        validate_loop(r.model.adapter, r.loop)
-        colocation_for(r.groups, r.placement)
+        resolve(
+            r.model, r.groups, r.loop, placement=r.placement, transfer=r.transfer,
+            data=DataSpec(kind=data_kind(r.data["train"]), validation="validation" in r.data),
+            check_weights=False,
+        )  # fmt: skip
     except ValueError as e:
         return f"invalid: {str(e).split(';')[0]}"
     return None

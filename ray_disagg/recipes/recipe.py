@@ -48,20 +48,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import RunConfig
 
-from ray_disagg import models
-from ray_disagg.config import (
-    ContextParallel,
-    DataParallel,
-    ExpertParallel,
-    ModuleGroup,
-    SequenceParallel,
-    TensorParallel,
-    TrainLoopConfig,
-)
+from ray_disagg.config import ModuleGroup, TrainLoopConfig
+from ray_disagg.launch.resources import PLACEMENTS
+from ray_disagg.layout import DataSpec, RunLayout, resolve
 from ray_disagg.model import HFModelSpec
-from ray_disagg.recipes.data import build_dataset, parse_data
+from ray_disagg.recipes.data import build_dataset, data_kind, parse_data
 from ray_disagg.recipes.schema import (
     REQUIRED,
     RecipeError,
@@ -73,6 +66,14 @@ from ray_disagg.recipes.schema import (
     load_yaml,
     section,
 )
+from ray_disagg.recipes.sections import (
+    TOP,
+    group_section,
+    model_section,
+    plan_section,
+    run_config_section,
+)
+from ray_disagg.transport import TIERS
 
 __all__ = [
     "Recipe",
@@ -83,43 +84,6 @@ __all__ = [
     "load_recipe",
     "trainer_kwargs",
 ]
-
-TOP = {
-    "model": REQUIRED,
-    "data": REQUIRED,
-    "groups": REQUIRED,
-    "train_loop_config": REQUIRED,
-    "placement": "separate",
-    "transfer": "auto",
-    "wait_for_resources": False,
-    "run_config": None,
-    "plan": None,
-}
-MODEL = {"pretrained_path": None, "config": None, "seed": 0, "attn_implementation": "sdpa"}
-GROUP = {
-    "num_workers": 1,
-    "use_gpu": False,
-    "resources_per_worker": None,
-    "placement_strategy": "PACK",
-    "parallelism": "none",
-    "activation_checkpointing": False,
-    "trainable": True,
-    "freeze": [],
-    "lr_multiplier": 1.0,
-    "standby": False,
-}
-STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-PARALLELISM = {  # type -> (class, allowed keys)
-    "none": (DataParallel, ()),
-    "data": (DataParallel, ("zero1", "fsdp")),
-    "sequence": (SequenceParallel, ("size", "zero1", "fsdp")),
-    "tensor": (TensorParallel, ("size", "fsdp")),
-    "context": (ContextParallel, ("size", "tp", "fsdp")),
-    "expert": (ExpertParallel, ("size", "tp", "fsdp")),
-}
-RUN = {"name": None, "storage_path": None, "max_failures": 0, "checkpoint": None}
-CHECKPOINT = {"num_to_keep": None, "score_attribute": None, "order": "max"}
-PLAN = {"image_size": None, "images_per_sample": 1, "seq_len": None}
 
 
 @dataclasses.dataclass
@@ -140,6 +104,8 @@ class Recipe:
     run_config: RunConfig
     plan: dict
     raw: dict
+    layout: RunLayout | None = None
+    """What :func:`ray_disagg.layout.resolve` made of the run (as the trainer will)."""
 
 
 def bundled_recipes() -> dict[str, Path]:
@@ -170,140 +136,6 @@ def _read(source) -> tuple[str, dict]:
     return path.stem, raw
 
 
-def _model_config(cfg, path: str):
-    presets = sorted(n.removesuffix("_config") for n in dir(models) if n.startswith("tiny_"))
-    kwargs = {}
-    if isinstance(cfg, dict) and "preset" in cfg:
-        kwargs, cfg = {k: v for k, v in cfg.items() if k != "preset"}, cfg["preset"]
-    if isinstance(cfg, str):
-        name = cfg.removesuffix("_config")
-        if name not in presets:
-            fail(
-                f"{path}={cfg!r}: unknown preset; presets: {presets} (or an HF config dict "
-                "with model_type)."
-            )
-        with at(path):
-            return getattr(models, f"{name}_config")(**kwargs)
-    if not isinstance(cfg, dict) or "model_type" not in cfg:
-        fail(
-            f"{path}: must be a preset name {presets}, {{preset: NAME, ...kwargs}} or an HF "
-            f"config dict with 'model_type' (one of {sorted(models.ADAPTERS)})."
-        )
-    return cfg
-
-
-def _model(value, for_training: bool) -> tuple[HFModelSpec, str]:
-    m = section(value, "model", MODEL)
-    check(m["seed"], "model.seed", int, "an int")
-    choice(m["attn_implementation"], "model.attn_implementation", ("sdpa", "eager"))
-    kw = {"seed": m["seed"], "attn_implementation": m["attn_implementation"]}
-    path = m["pretrained_path"]
-    if path is not None:
-        path = os.path.expanduser(str(path))
-        if os.path.isfile(os.path.join(path, "config.json")):
-            with at("model.pretrained_path"):
-                return HFModelSpec(pretrained_path=path, **kw), f"pretrained weights from {path}"
-        if for_training or m["config"] is None:
-            fail(
-                f"model.pretrained_path={path!r}: no config.json there; point it at a local "
-                "save_pretrained directory (override model.pretrained_path=/path/to/model)"
-                + ("." if for_training else " or give an inline model.config for `plan`.")
-            )
-    if m["config"] is None:
-        fail("model: give pretrained_path (local weights) or config (preset name or HF dict).")
-    with at("model.config"):
-        spec = HFModelSpec(config=_model_config(m["config"], "model.config"), **kw)
-    if path is None:
-        return spec, "config (random init)"
-    return spec, f"inline config: pretrained_path {path} is not on this machine (not checked)"
-
-
-def _parallelism(value, path: str):
-    if value is None or value in ("none", "data"):
-        return DataParallel()
-    if not isinstance(value, dict) or value.get("type") not in PARALLELISM:
-        fail(
-            f"{path}={value!r}: must be 'none' or a mapping with type one of "
-            f"{list(PARALLELISM)}, e.g. {{type: sequence, size: 4}}."
-        )
-    cls, keys = PARALLELISM[value["type"]]
-    kw = section({k: v for k, v in value.items() if k != "type"}, path, dict.fromkeys(keys))
-    kw = {k: v for k, v in kw.items() if v is not None or k == "size"}
-    if "size" in keys and kw["size"] is None:
-        fail(f"{path}: type {value['type']!r} needs size (an int >= 1).")
-    with at(path):
-        return cls(**kw)
-
-
-def _group(name: str, value) -> ModuleGroup:
-    p = f"groups.{name}"
-    g = section(value, p, GROUP)
-    check(g["num_workers"], f"{p}.num_workers", int, "an int >= 1")
-    check(g["use_gpu"], f"{p}.use_gpu", bool, "true or false")
-    res = g["resources_per_worker"]
-    if res is not None and not (
-        isinstance(res, dict) and all(isinstance(v, int | float) for v in res.values())
-    ):
-        fail(f"{p}.resources_per_worker={res!r}: must be a mapping like {{CPU: 1, GPU: 0.5}}.")
-    choice(g["placement_strategy"], f"{p}.placement_strategy", STRATEGIES)
-    for key in ("activation_checkpointing", "trainable", "standby"):
-        check(g[key], f"{p}.{key}", bool, "true or false")
-    with at(p):
-        scaling = ScalingConfig(
-            num_workers=g["num_workers"],
-            use_gpu=g["use_gpu"],
-            resources_per_worker=res,
-            placement_strategy=g["placement_strategy"],
-        )
-        return ModuleGroup(
-            scaling_config=scaling,
-            parallelism=_parallelism(g["parallelism"], f"{p}.parallelism"),
-            activation_checkpointing=g["activation_checkpointing"],
-            trainable=g["trainable"],
-            freeze=g["freeze"] or (),
-            lr_multiplier=g["lr_multiplier"],
-            standby=g["standby"],
-        )
-
-
-def _run_config(value, name: str) -> RunConfig:
-    r = section(value, "run_config", RUN)
-    c = section(r["checkpoint"], "run_config.checkpoint", CHECKPOINT)
-    choice(c["order"], "run_config.checkpoint.order", ("max", "min"))
-    check(r["max_failures"], "run_config.max_failures", int, "an int (-1: retry forever)")
-    storage = r["storage_path"]
-    if storage is not None and "://" not in str(storage):
-        storage = os.path.abspath(os.path.expanduser(str(storage)))
-    with at("run_config"):
-        return RunConfig(
-            name=str(r["name"] or name),
-            storage_path=storage,
-            failure_config=FailureConfig(max_failures=r["max_failures"]),
-            checkpoint_config=CheckpointConfig(
-                num_to_keep=c["num_to_keep"],
-                checkpoint_score_attribute=c["score_attribute"],
-                checkpoint_score_order=c["order"],
-            ),
-        )
-
-
-def _plan(value, data: dict) -> dict:
-    """Defaults: the digits' image size (else 448 x 448), one image per sample."""
-    p = section(value, "plan", PLAN)
-    size = p["image_size"]
-    if size is None:
-        train = data["train"]
-        size = train["image_size"] if train["type"] == "digits" else 448
-    if isinstance(size, int):
-        size = [size, size]
-    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(s, int) for s in size)):
-        fail(f"plan.image_size={size!r}: must be [height, width] in pixels (or one int).")
-    check(p["images_per_sample"], "plan.images_per_sample", int, "an int >= 0")
-    if p["seq_len"] is not None:
-        check(p["seq_len"], "plan.seq_len", int, "an int (LLM tokens per sample)")
-    return {**p, "image_size": size}
-
-
 def load_recipe(source, overrides=(), *, for_training: bool = False) -> Recipe:
     """Read a recipe (a path, a bundled recipe's name, or a dict), apply ``overrides`` and
     check it as ``DisaggregatedTrainer`` does on the driver (no Ray, no worker).
@@ -313,7 +145,7 @@ def load_recipe(source, overrides=(), *, for_training: bool = False) -> Recipe:
     name, raw = _read(source)
     raw = apply_overrides(raw, overrides)
     top = section(raw, "recipe", TOP)
-    model, model_source = _model(top["model"], for_training)
+    model, model_source = model_section(top["model"], for_training)
     adapter = model.adapter
     groups_raw = top["groups"]
     if not isinstance(groups_raw, dict):
@@ -324,7 +156,7 @@ def load_recipe(source, overrides=(), *, for_training: bool = False) -> Recipe:
             f"groups: unknown group(s) {unknown}; {adapter.model_type} has groups "
             f"{list(adapter.parts)}."
         )
-    groups = {n: _group(n, v) for n, v in groups_raw.items()}
+    groups = {n: group_section(n, v) for n, v in groups_raw.items()}
     data = section(top["data"], "data", {"train": REQUIRED, "validation": None})
     data = {k: parse_data(v, f"data.{k}") for k, v in data.items() if v is not None}
     check(top["wait_for_resources"], "wait_for_resources", bool, "true or false")
@@ -336,50 +168,25 @@ def load_recipe(source, overrides=(), *, for_training: bool = False) -> Recipe:
         model_source=model_source,
         groups=groups,
         loop=loop,
-        placement=choice(top["placement"], "placement", ("separate", "colocated")),
+        placement=choice(top["placement"], "placement", PLACEMENTS),
         transfer=top["transfer"],
         wait_for_resources=top["wait_for_resources"],
         data=data,
-        run_config=_run_config(top["run_config"], name),
-        plan=_plan(top["plan"], data),
+        run_config=run_config_section(top["run_config"], name),
+        plan=plan_section(top["plan"], data),
         raw=raw,
     )
-    if "validation" not in data:
-        if loop.eval_every is not None:
-            fail("train_loop_config.eval_every: needs data.validation (or eval_every=null).")
-        if recipe.run_config.checkpoint_config.checkpoint_score_attribute == "val_loss":
-            fail("run_config.checkpoint.score_attribute='val_loss': needs data.validation.")
-    _check_layout(recipe, check_weights=not for_training)
+    score = recipe.run_config.checkpoint_config.checkpoint_score_attribute
+    if "validation" not in data and score == "val_loss":
+        fail("run_config.checkpoint.score_attribute='val_loss': needs data.validation.")
+    choice(recipe.transfer, "transfer", ("auto", *TIERS))
+    recipe.layout = resolve(
+        model, groups, loop, placement=recipe.placement, transfer=recipe.transfer,
+        data=DataSpec(kind=data_kind(data["train"]), validation="validation" in data),
+        check_weights=not for_training,
+    )  # fmt: skip
+    recipe.groups = {n: groups[n] for n in recipe.layout.groups}  # the parts' order
     return recipe
-
-
-def _check_layout(r: Recipe, check_weights: bool) -> None:
-    """The driver-side checks of ``DisaggregatedTrainer.__init__`` that need no data."""
-    from ray_disagg.freezing import frozen_parts
-    from ray_disagg.launch.checks import (
-        validate_groups,
-        validate_layout,
-        validate_loop,
-        validate_transfer,
-    )
-    from ray_disagg.launch.resources import colocation_for
-    from ray_disagg.transport import TIERS
-
-    with at("groups"):
-        r.groups = validate_groups(r.groups, r.model.adapter)
-    with at("placement"):
-        colocation_for(r.groups, r.placement)
-    choice(r.transfer, "transfer", ("auto", *TIERS))
-    with at("transfer"):
-        validate_transfer(r.transfer, r.groups)
-    with at("groups"):
-        validate_layout(r.model.adapter, r.groups)
-        frozen_parts(r.model, r.groups)
-    with at("loop"):
-        validate_loop(r.model.adapter, r.loop)
-    if check_weights:
-        with at("model.pretrained_path"):
-            r.model.check_weights()
 
 
 def trainer_kwargs(recipe: Recipe) -> dict[str, Any]:

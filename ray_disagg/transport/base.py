@@ -4,12 +4,23 @@ the host tiers move."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
-__all__ = ["TIERS", "TensorSpec", "describe", "as_bytes", "from_bytes", "dtype_from_name"]
+__all__ = [
+    "TIERS",
+    "Tier",
+    "TensorSpec",
+    "describe",
+    "as_bytes",
+    "from_bytes",
+    "dtype_from_name",
+]
 
-TIERS = ("gloo", "shm", "nccl", "cuda_ipc")
+Tier = Literal["gloo", "shm", "nccl", "cuda_ipc"]
+"""A transfer tier between two workers."""
+TIERS = get_args(Tier)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,212 @@
+"""The sections of a recipe (``model``, ``groups``, ``run_config``, ``plan``): their
+schemas, whose defaults for our own settings come from the settings' declarations (the
+trainer's keyword arguments, ``HFModelSpec``, ``ModuleGroup``, the parallelism classes;
+Ray's ``ScalingConfig`` and ``RunConfig`` keys keep Ray's), and each section's parser."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+
+from ray_disagg import models
+from ray_disagg.config import (
+    ContextParallel,
+    DataParallel,
+    ExpertParallel,
+    ModuleGroup,
+    SequenceParallel,
+    TensorParallel,
+)
+from ray_disagg.model import HFModelSpec
+from ray_disagg.recipes.schema import REQUIRED, at, check, choice, fail, section
+from ray_disagg.settings import defaults
+from ray_disagg.trainer import DisaggregatedTrainer
+
+__all__ = [
+    "GROUP",
+    "MODEL",
+    "PARALLELISM",
+    "SCALING",
+    "TOP",
+    "group_section",
+    "model_section",
+    "plan_section",
+    "run_config_section",
+]
+
+# The defaults of our own settings come from their declarations (the trainer's keyword
+# arguments, HFModelSpec, ModuleGroup, the parallelism classes); those of Ray's
+# ScalingConfig keys are Ray's.
+_TRAINER = inspect.signature(DisaggregatedTrainer.__init__).parameters
+TOP = {
+    "model": REQUIRED,
+    "data": REQUIRED,
+    "groups": REQUIRED,
+    "train_loop_config": REQUIRED,
+    **{k: _TRAINER[k].default for k in ("placement", "transfer", "wait_for_resources")},
+    "run_config": None,
+    "plan": None,
+}
+MODEL = {
+    "pretrained_path": None,
+    "config": None,
+    **defaults(HFModelSpec, ("seed", "attn_implementation")),
+}
+SCALING = {  # Ray's ScalingConfig keys a recipe sets, with Ray's defaults
+    "num_workers": 1,
+    "use_gpu": False,
+    "resources_per_worker": None,
+    "placement_strategy": "PACK",
+}
+GROUP = {**SCALING, **defaults(ModuleGroup)}
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+PARALLELISM = {  # type -> (class, allowed keys: the class's fields)
+    "none": (DataParallel, ()),
+    **{
+        name: (cls, tuple(f.name for f in dataclasses.fields(cls)))
+        for name, cls in (
+            ("data", DataParallel),
+            ("sequence", SequenceParallel),
+            ("tensor", TensorParallel),
+            ("context", ContextParallel),
+            ("expert", ExpertParallel),
+        )
+    },
+}
+RUN = {"name": None, "storage_path": None, "max_failures": 0, "checkpoint": None}
+CHECKPOINT = {"num_to_keep": None, "score_attribute": None, "order": "max"}
+PLAN = {"image_size": None, "images_per_sample": 1, "seq_len": None}
+
+
+def model_config(cfg, path: str):
+    presets = sorted(n.removesuffix("_config") for n in dir(models) if n.startswith("tiny_"))
+    kwargs = {}
+    if isinstance(cfg, dict) and "preset" in cfg:
+        kwargs, cfg = {k: v for k, v in cfg.items() if k != "preset"}, cfg["preset"]
+    if isinstance(cfg, str):
+        name = cfg.removesuffix("_config")
+        if name not in presets:
+            fail(
+                f"{path}={cfg!r}: unknown preset; presets: {presets} (or an HF config dict "
+                "with model_type)."
+            )
+        with at(path):
+            return getattr(models, f"{name}_config")(**kwargs)
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        fail(
+            f"{path}: must be a preset name {presets}, {{preset: NAME, ...kwargs}} or an HF "
+            f"config dict with 'model_type' (one of {sorted(models.ADAPTERS)})."
+        )
+    return cfg
+
+
+def model_section(value, for_training: bool) -> tuple[HFModelSpec, str]:
+    m = section(value, "model", MODEL)
+    kw = {"seed": m["seed"], "attn_implementation": m["attn_implementation"]}
+    path = m["pretrained_path"]
+    if path is not None:
+        path = os.path.expanduser(str(path))
+        if os.path.isfile(os.path.join(path, "config.json")):
+            with at("model"):
+                return HFModelSpec(pretrained_path=path, **kw), f"pretrained weights from {path}"
+        if for_training or m["config"] is None:
+            fail(
+                f"model.pretrained_path={path!r}: no config.json there; point it at a local "
+                "save_pretrained directory (override model.pretrained_path=/path/to/model)"
+                + ("." if for_training else " or give an inline model.config for `plan`.")
+            )
+    if m["config"] is None:
+        fail("model: give pretrained_path (local weights) or config (preset name or HF dict).")
+    config = model_config(m["config"], "model.config")
+    with at("model"):
+        spec = HFModelSpec(config=config, **kw)
+    if path is None:
+        return spec, "config (random init)"
+    return spec, f"inline config: pretrained_path {path} is not on this machine (not checked)"
+
+
+def parallelism_section(value, path: str):
+    if value is None or value in ("none", "data"):
+        return DataParallel()
+    if not isinstance(value, dict) or value.get("type") not in PARALLELISM:
+        fail(
+            f"{path}={value!r}: must be 'none' or a mapping with type one of "
+            f"{list(PARALLELISM)}, e.g. {{type: sequence, size: 4}}."
+        )
+    cls, keys = PARALLELISM[value["type"]]
+    kw = section({k: v for k, v in value.items() if k != "type"}, path, dict.fromkeys(keys))
+    kw = {k: v for k, v in kw.items() if v is not None or k == "size"}
+    if "size" in keys and kw["size"] is None:
+        fail(f"{path}: type {value['type']!r} needs size (an int >= 1).")
+    with at(path):
+        return cls(**kw)
+
+
+def group_section(name: str, value) -> ModuleGroup:
+    p = f"groups.{name}"
+    g = section(value, p, GROUP)
+    check(g["num_workers"], f"{p}.num_workers", int, "an int >= 1")
+    check(g["use_gpu"], f"{p}.use_gpu", bool, "true or false")
+    res = g["resources_per_worker"]
+    if res is not None and not (
+        isinstance(res, dict) and all(isinstance(v, int | float) for v in res.values())
+    ):
+        fail(f"{p}.resources_per_worker={res!r}: must be a mapping like {{CPU: 1, GPU: 0.5}}.")
+    choice(g["placement_strategy"], f"{p}.placement_strategy", STRATEGIES)
+    with at(p):
+        scaling = ScalingConfig(
+            num_workers=g["num_workers"],
+            use_gpu=g["use_gpu"],
+            resources_per_worker=res,
+            placement_strategy=g["placement_strategy"],
+        )
+        return ModuleGroup(
+            scaling_config=scaling,
+            parallelism=parallelism_section(g["parallelism"], f"{p}.parallelism"),
+            activation_checkpointing=g["activation_checkpointing"],
+            trainable=g["trainable"],
+            freeze=g["freeze"] or (),
+            lr_multiplier=g["lr_multiplier"],
+            standby=g["standby"],
+        )
+
+
+def run_config_section(value, name: str) -> RunConfig:
+    r = section(value, "run_config", RUN)
+    c = section(r["checkpoint"], "run_config.checkpoint", CHECKPOINT)
+    choice(c["order"], "run_config.checkpoint.order", ("max", "min"))
+    check(r["max_failures"], "run_config.max_failures", int, "an int (-1: retry forever)")
+    storage = r["storage_path"]
+    if storage is not None and "://" not in str(storage):
+        storage = os.path.abspath(os.path.expanduser(str(storage)))
+    with at("run_config"):
+        return RunConfig(
+            name=str(r["name"] or name),
+            storage_path=storage,
+            failure_config=FailureConfig(max_failures=r["max_failures"]),
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=c["num_to_keep"],
+                checkpoint_score_attribute=c["score_attribute"],
+                checkpoint_score_order=c["order"],
+            ),
+        )
+
+
+def plan_section(value, data: dict) -> dict:
+    """Defaults: the digits' image size (else 448 x 448), one image per sample."""
+    p = section(value, "plan", PLAN)
+    size = p["image_size"]
+    if size is None:
+        train = data["train"]
+        size = train["image_size"] if train["type"] == "digits" else 448
+    if isinstance(size, int):
+        size = [size, size]
+    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(s, int) for s in size)):
+        fail(f"plan.image_size={size!r}: must be [height, width] in pixels (or one int).")
+    check(p["images_per_sample"], "plan.images_per_sample", int, "an int >= 0")
+    if p["seq_len"] is not None:
+        check(p["seq_len"], "plan.seq_len", int, "an int (LLM tokens per sample)")
+    return {**p, "image_size": size}
