@@ -21,6 +21,7 @@ from ray_disagg.launch.backend import ModuleBackendConfig
 from ray_disagg.launch.controller import DisaggregatedController
 from ray_disagg.launch.elastic import ElasticGroup
 from ray_disagg.launch.launches import GroupLaunch, Launch, Transfers
+from ray_disagg.launch.policies import GroupFailurePolicy
 from ray_disagg.launch.resources import (
     Placement,
     PlacementGroupJanitor,
@@ -344,6 +345,10 @@ class DisaggregatedTrainer(rc.TrainerBase):
         check_cluster_capacity(self.groups, self.wait_for_resources, self.colocation)
         ctx = controller_init_kwargs.pop("train_run_context")
         ctx = rc.with_worker_env_vars(ctx, self.worker_env_vars())
+        # Ray's failure policy, plus the failures the coordinator handles itself
+        controller_init_kwargs["failure_policy"] = GroupFailurePolicy(
+            self.run_config.failure_config
+        )
         janitor = PlacementGroupJanitor.remote()  # the driver's: outlives a dead coordinator
         launch, elastic = self._launches()
         try:

@@ -241,7 +241,7 @@ def test_data_sources_parse_without_loading(no_ray):
         (["transfer=nccl"], ["transfer", "use_gpu=True"]),
         (["data.train.type=csv"], ["data.train", "'digits'", "'llava'", "'parquet'"]),
         (["data.train.paths=x.parquet"], ["data.train", "'paths'", "'num_samples'"]),
-        (["data.validation=null"], ["train_loop_config.eval_every", "data.validation"]),
+        (["data.validation=null"], ["train_loop_config['eval_every']", "data.validation"]),
         (["train_loop_config.lr_schedule=step"], ["lr_schedule", "'cosine'"]),
         (["train_loop_config.foo=1"], ["'foo'", "known keys"]),
         (["model.config=tiny_llama"], ["model.config='tiny_llama'", "tiny_qwen2_5_vl"]),

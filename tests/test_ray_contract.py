@@ -137,21 +137,13 @@ def test_no_module_outside_ray_compat_names_a_ray_private():
 
 
 def test_the_wrappers_on_ray_s_objects():
-    """Ray's defaults filled in, and a failure counted by Ray's default policy taken back
-    (``ahead``: the next one)."""
-    from ray.train import FailureConfig, ScalingConfig
+    """Ray's defaults filled in."""
+    from ray.train import ScalingConfig
 
     sc = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5})
     assert rc.resources_per_worker(sc) == {"CPU": 0.5}
     assert rc.resources_per_worker(ScalingConfig(num_workers=1)) == {"CPU": 1}
     assert not rc.label_selector_per_worker(sc, 2) or len(rc.label_selector_per_worker(sc, 2)) == 2
-    policy = rc.create_failure_policy(FailureConfig(max_failures=1))
-    ctrl = object.__new__(rc.ControllerBase)
-    ctrl._failure_policy = policy
-    ctrl.uncount_failure()  # nothing counted yet: stays at 0
-    assert policy._worker_group_failures == 0
-    ctrl.uncount_failure(ahead=True)
-    assert policy._worker_group_failures == -1
 
 
 def test_controller_hooks_we_override_or_call():

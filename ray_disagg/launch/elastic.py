@@ -32,6 +32,7 @@ from ray_disagg.launch.launches import Launch
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ClusterResources",
     "ElasticGroup",
     "allowed_sizes",
     "elastic_ranges",
@@ -91,25 +92,6 @@ class ElasticGroup:
         """A start at the current size timed out: start next time one size smaller."""
         smaller = [n for n in self.sizes if n < self.size]
         self.cap = smaller[-1] if smaller else self.sizes[0]
-
-    def probe(self, count: int, timeout_s: float) -> bool:
-        """Whether ``count`` more workers can be placed now (a placement group reserved
-        and released)."""
-        if count <= 0:
-            return True
-        pg = placement_group([dict(self.per_worker)] * count, strategy=self.strategy)
-        try:
-            return bool(pg.wait(timeout_seconds=timeout_s))
-        finally:
-            remove_placement_group(pg)
-
-    def placeable(self, below: int, timeout_s: float) -> int | None:
-        """The largest allowed size up to ``below`` that can be placed now (after the
-        group stopped), trying the sizes from the largest down."""
-        for n in reversed([n for n in self.sizes if n <= below]):
-            if self.probe(n, timeout_s):
-                return n
-        return None
 
 
 def allowed_sizes(lo: int, hi: int, share: int) -> list[int]:
@@ -216,12 +198,26 @@ def workers_fitting(per_worker: dict, nodes: list[dict]) -> int:
     return sum(int(min(node.get(k, 0.0) / v + 1e-9 for k, v in need.items())) for node in nodes)
 
 
-def free_per_node() -> list[dict]:
-    """Each alive node's free resources (Ray's view, refreshed within about a second)."""
-    from ray_disagg.launch.ray_compat import available_resources_per_node
+class ClusterResources:
+    """What the elastic policy asks of the cluster (Ray's view of it): the free resources,
+    and whether some workers can be placed now."""
 
-    return available_resources_per_node()
+    def free_total(self) -> dict:
+        return dict(ray.available_resources())
 
+    def free_per_node(self) -> list[dict]:
+        """Each alive node's free resources (refreshed within about a second)."""
+        from ray_disagg.launch.ray_compat import available_resources_per_node
 
-def free_total() -> dict:
-    return dict(ray.available_resources())
+        return available_resources_per_node()
+
+    def probe(self, per_worker: dict, count: int, strategy: str, timeout_s: float) -> bool:
+        """Whether ``count`` workers needing ``per_worker`` can be placed now (a placement
+        group reserved and released)."""
+        if count <= 0:
+            return True
+        pg = placement_group([dict(per_worker)] * count, strategy=strategy)
+        try:
+            return bool(pg.wait(timeout_seconds=timeout_s))
+        finally:
+            remove_placement_group(pg)

@@ -27,7 +27,7 @@ from ray_disagg.worker import standby as standby_worker
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Standby", "replenish", "standby_groups", "start_standbys"]
+__all__ = ["Standby", "standby_groups"]
 
 
 def standby_groups(groups: dict, placement: str, restartable, cfg) -> frozenset[str]:
@@ -52,30 +52,6 @@ def standby_groups(groups: dict, placement: str, restartable, cfg) -> frozenset[
                 "data, restart_failed_group=True, placement='separate') and checkpoint_every."
             )
     return names
-
-
-def start_standbys(groups, unsafe: list[str]) -> None:
-    """Start the standby of each of ``groups``' (a ``ModuleWorkerGroups``) groups whose
-    launch has one, in the background; none when callbacks (``unsafe``) are not known
-    to be thread-safe."""
-    names = [n for n, launch in groups.relaunch.launches.items() if launch.standby_fn_ref]
-    if names and unsafe:
-        logger.warning("No standby for %s: callbacks %s may not be called from two "
-                       "threads.", names, unsafe)  # fmt: skip
-        return
-    for name in names:
-        groups.standby[name], groups.takeovers[name] = Standby(name), 0
-        groups.standby[name].start(groups.relaunch)
-
-
-def replenish(groups, latest) -> None:
-    """Start the next standby of each group whose standby took over, once ``latest`` (the
-    latest registered checkpoint result) is a later checkpoint than the one it took over
-    at: its start never competes with the recovery."""
-    for name, path in list(groups.standby_after.items()):
-        if latest is not None and latest.checkpoint.path != path:
-            del groups.standby_after[name]
-            groups.standby[name].start(groups.relaunch)
 
 
 class Standby:

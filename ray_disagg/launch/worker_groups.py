@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from ray_disagg.launch.group_restart import Relaunch
+from ray_disagg.launch.group_recovery import GroupRecovery
+from ray_disagg.launch.group_restart import Relaunch, interrupt, park
 from ray_disagg.launch.group_start import shutdown_all, start_group
 from ray_disagg.launch.launches import Colocation, GroupLaunch, Transfers
 from ray_disagg.launch.ray_compat import (
@@ -36,7 +37,6 @@ from ray_disagg.launch.ray_compat import (
     WorkerGroupPollStatus,
     WorkerGroupStartupTimeoutError,
 )
-from ray_disagg.launch.standby import Standby, start_standbys
 from ray_disagg.transport.channel import ChannelSpec
 from ray_disagg.transport.select import group_offsets, pair_tiers
 from ray_disagg.worker import runtime
@@ -86,13 +86,8 @@ class ModuleWorkerGroups:
         self._union_callbacks = union_callbacks
         self._latest_poll_status = None
         self._relabel()
-        self.relaunch: Relaunch | None = None
-        self.generation = 0  # channel rebuilds (group restarts) in this attempt
-        self.restarts = dict.fromkeys(groups, 0)
+        self.recovery: GroupRecovery | None = None  # set by create()
         self._store_at: tuple[str, int] | None = None
-        self.standby: dict[str, Standby] = {}  # per group with one (launch.standby)
-        self.takeovers: dict[str, int] = {}  # per such group: restarts its standby took
-        self.standby_after: dict[str, str] = {}  # group -> checkpoint its standby took over at
 
     @classmethod
     def create(
@@ -127,14 +122,14 @@ class ModuleWorkerGroups:
                 launches, train_run_context, run_attempt_id, shared, shared_pg, janitor
             )
             groups = cls(started, union, shared_pg)
-            groups.relaunch = Relaunch(
+            groups.recovery = GroupRecovery(Relaunch(
                 launches, train_run_context, run_attempt_id, shared, janitor, side_timeout_s,
                 transfers,
-            )  # fmt: skip
+            ))  # fmt: skip
             if shared_pg is not None:
                 groups.check_pairing()
             groups.connect_channel(run_attempt_id, side_timeout_s, transfers)
-            start_standbys(groups, _unsafe(shared))
+            groups.recovery.start_standbys(_unsafe(shared))
         except BaseException:
             shutdown_all(started.values())
             _remove(shared_pg)
@@ -202,11 +197,11 @@ class ModuleWorkerGroups:
             for (ga, ra), (gb, rb) in transfers.pairs
         }
         logger.info("Transfer tiers: %s", shown)
-        prefix = f"side/{run_attempt_id}" + (f"/g{self.generation}" if self.generation else "")
+        r = self.recovery
+        prefix = f"side/{run_attempt_id}" + (f"/g{r.generation}" if r.generation else "")
         spec = ChannelSpec(
             addr, port, offsets, sizes, timeout_s, prefix, locations, tiers,
-            generation=self.generation, restarts=dict(self.restarts),
-            takeovers=dict(self.takeovers),
+            generation=r.generation, restarts=dict(r.restarts), takeovers=dict(r.takeovers),
         )  # fmt: skip
         refs = [
             w.execute_async(runtime.join_channel, spec, name, w.distributed_context.world_rank)
@@ -215,20 +210,40 @@ class ModuleWorkerGroups:
         ]
         ray.get(refs, timeout=timeout_s)
 
-    # ---- restarting one group (ray_disagg.launch.group_restart) ----------------------
+    # ---- restarting one group (the steps of GroupRecovery.restart) -------------------
 
     def failed_groups(self, status: WorkerGroupPollStatus) -> set[str]:
         return {self._owners[i] for i in status.errors}
 
-    @property
-    def shared_placement_group(self):  # colocated: every group schedules into it
-        return self._shared_pg
+    def stop_group(self, name: str) -> None:
+        """Stop group ``name`` (every worker); it has no workers until installed again."""
+        try:
+            self._groups[name].abort()
+        except Exception:
+            logger.warning("Stopping the failed %s group failed.", name, exc_info=True)
+        self._replace(name, None)
 
-    def group_workers(self, name: str):
-        return self._groups[name]
+    def interrupt_survivors(self, failed: str, generation: int, checkpoint, timeout_s):
+        workers = [w for n, wg in self._groups.items() if n != failed for w in wg.get_workers()]
+        interrupt(workers, failed, generation, checkpoint, timeout_s)
 
-    def replace_group(self, name: str, wg: WorkerGroup | None) -> None:
-        """``wg`` (of any size) takes the place of group ``name`` (``None``: stopped)."""
+    def park_survivors(self, failed: str, timeout_s: float) -> None:
+        park({n: wg for n, wg in self._groups.items() if n != failed}, timeout_s)
+
+    def start_group(self, launch: GroupLaunch, relaunch: Relaunch) -> WorkerGroup:
+        """A new group for ``launch`` (colocated: in the shared placement group)."""
+        r = relaunch
+        return start_group(launch, r.train_run_context, r.run_attempt_id, r.shared,
+                           self._shared_pg, r.janitor)  # fmt: skip
+
+    def install_group(self, name: str, wg: WorkerGroup) -> None:
+        """``wg`` (of any size) takes the place of the stopped group ``name``."""
+        self._replace(name, wg)
+        self._reset_reports()  # for the union's new size
+        if self._shared_pg is not None:
+            self.check_pairing()
+
+    def _replace(self, name: str, wg: WorkerGroup | None) -> None:
         self._groups[name] = wg
         self._relabel()
 
@@ -240,7 +255,7 @@ class ModuleWorkerGroups:
                 self._labels[len(self._owners)] = f"{name} group rank {r}"
                 self._owners[len(self._owners)] = name
 
-    def reset_reports(self) -> None:
+    def _reset_reports(self) -> None:
         """Forget reports not yet consolidated (the survivors continue from a checkpoint)."""
         for cb in self._union_callbacks:
             if isinstance(cb, ReportCallbackHandler):
@@ -293,8 +308,8 @@ class ModuleWorkerGroups:
             logger.warning("Closing the workers' channels failed.", exc_info=True)
 
     def shutdown(self) -> None:
-        for s in self.standby.values():
-            s.close(wait_s=60.0)
+        if self.recovery is not None:
+            self.recovery.close(wait_s=60.0)
         for cb in self._union_callbacks:
             cb.before_worker_group_shutdown(self)
         self._close_channels(abort=False)
@@ -309,8 +324,8 @@ class ModuleWorkerGroups:
             raise errors[0]
 
     def abort(self) -> None:
-        for s in self.standby.values():
-            s.close()
+        if self.recovery is not None:
+            self.recovery.close()
         self._close_channels(abort=True, timeout_s=10.0)
         for wg in self._live():
             try:

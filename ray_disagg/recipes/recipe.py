@@ -176,9 +176,6 @@ def load_recipe(source, overrides=(), *, for_training: bool = False) -> Recipe:
         plan=plan_section(top["plan"], data),
         raw=raw,
     )
-    score = recipe.run_config.checkpoint_config.checkpoint_score_attribute
-    if "validation" not in data and score == "val_loss":
-        fail("run_config.checkpoint.score_attribute='val_loss': needs data.validation.")
     choice(recipe.transfer, "transfer", ("auto", *TIERS))
     recipe.layout = resolve(
         model, groups, loop, placement=recipe.placement, transfer=recipe.transfer,
@@ -186,6 +183,9 @@ def load_recipe(source, overrides=(), *, for_training: bool = False) -> Recipe:
         check_weights=not for_training,
     )  # fmt: skip
     recipe.groups = {n: groups[n] for n in recipe.layout.groups}  # the parts' order
+    score = recipe.run_config.checkpoint_config.checkpoint_score_attribute
+    if "validation" not in data and score == "val_loss":
+        fail("run_config.checkpoint.score_attribute='val_loss': needs data.validation.")
     return recipe
 
 

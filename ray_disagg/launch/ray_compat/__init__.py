@@ -41,7 +41,10 @@ from ray.train.v2._internal.execution.checkpoint.report_handler import ReportCal
 from ray.train.v2._internal.execution.context import TrainRunContext
 from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.failure_handling import create_failure_policy
-from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
+from ray.train.v2._internal.execution.failure_handling.failure_policy import (
+    FailureDecision,
+    FailurePolicy,
+)
 from ray.train.v2._internal.execution.scaling_policy import create_scaling_policy
 from ray.train.v2._internal.execution.worker_group import (
     WorkerGroup,
@@ -82,6 +85,7 @@ __all__ = [
     "DataParallelTrainer",
     "DatasetsCallback",
     "FailureDecision",
+    "FailurePolicy",
     "ObjectRefWrapper",
     "PlacementGroupCleanerCallback",
     "PreemptionCallback",

@@ -12,7 +12,6 @@ from ray.train import ScalingConfig
 from ray.train.torch.config import TorchConfig
 from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
 from ray.train.v2._internal.execution.controller import TrainController
-from ray.train.v2._internal.execution.failure_handling.default import DefaultFailurePolicy
 from ray.train.v2._internal.execution.storage import StorageContext
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
@@ -52,7 +51,6 @@ RAY_PRIVATES = (
     Private(TrainController, "_failure_policy", instance=True),
     Private(TrainController, "_checkpoint_manager", instance=True),
     Private(CheckpointManager, "latest_checkpoint_result"),
-    Private(DefaultFailurePolicy, "_worker_group_failures", instance=True),
     Private(DataParallelTrainer, "_create_default_callbacks"),
     Private(DataParallelTrainer, "_initialize_and_run_controller"),
     Private(DataParallelTrainer, "_register_sigint_handler"),

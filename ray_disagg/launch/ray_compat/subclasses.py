@@ -8,7 +8,6 @@ import logging
 
 from ray.train.v2._internal.execution.context import TrainRunContext
 from ray.train.v2._internal.execution.controller import TrainController
-from ray.train.v2._internal.execution.failure_handling.default import DefaultFailurePolicy
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
@@ -104,16 +103,6 @@ class ControllerBase(TrainController):
         """The latest registered checkpoint's training result (``.checkpoint``,
         ``.metrics``), or ``None``."""
         return self._checkpoint_manager.latest_checkpoint_result
-
-    def uncount_failure(self, ahead: bool = False) -> None:
-        """Take back one failure counted by Ray's default failure policy (one that is
-        counted again when the decision is made anew); ``ahead``: the next one it counts
-        (a failure that is not one). Other policies count nothing: left as they are."""
-        policy = self._failure_policy
-        if isinstance(policy, DefaultFailurePolicy) and (
-            ahead or policy._worker_group_failures > 0
-        ):
-            policy._worker_group_failures -= 1
 
 
 class TrainerBase(DataParallelTrainer):
