@@ -154,7 +154,7 @@ def planned_mb(spec, patches: int, layout: str) -> float:
     from types import SimpleNamespace
 
     from ray_disagg import TrainLoopConfig
-    from ray_disagg.recipes.estimate import estimate
+    from ray_disagg.planner.memory import estimate
 
     groups, loop = layout_of(layout)
     t, h, w = grid(patches)

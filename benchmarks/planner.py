@@ -1,7 +1,7 @@
 """The planner's cost model against measurements, in one run on this machine.
 
 1. Calibrates the device figures on the local Ray cluster
-   (:func:`ray_disagg.recipes.calibrate.calibrate`: micro-benchmarks, then seven short
+   (:func:`ray_disagg.planner.calibrate.calibrate`: micro-benchmarks, then seven short
    runs of the model: tower 1 + LLM 1 with 1 and 2 microbatches, LLM data parallel over
    2, activation checkpointing, bf16 autocast, LLM TP2, LLM FSDP2 over 2). Those runs
    are the measurements of their layouts below (marked ``*``).
@@ -37,20 +37,16 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1
 import ray  # noqa: E402
 
 from ray_disagg.config import DataParallel, TensorParallel  # noqa: E402
-from ray_disagg.recipes import cost  # noqa: E402
-from ray_disagg.recipes.calibrate import (  # noqa: E402
+from ray_disagg.planner import cost  # noqa: E402
+from ray_disagg.planner.calibrate import (  # noqa: E402
     calibrate,
     measure_layout,
     sample_workload,
     samples,
 )
-from ray_disagg.recipes.cluster import NOMINAL, Cluster, parse_cluster  # noqa: E402
-from ray_disagg.recipes.planner import (  # noqa: E402
-    Candidate,
-    _group,
-    plan_auto,
-    render_auto,
-)
+from ray_disagg.planner.cluster import NOMINAL, Cluster, parse_cluster  # noqa: E402
+from ray_disagg.planner.render import render_auto  # noqa: E402
+from ray_disagg.planner.search import Candidate, group_for, plan_auto  # noqa: E402
 from ray_disagg.recipes.recipe import load_recipe  # noqa: E402
 
 MODEL = {
@@ -116,7 +112,7 @@ LAYOUTS = {
 def layout(r, spec):
     placement, v, t, k, bf16 = spec
     groups = {
-        p: _group(r.groups[p], n, par, ac, False, 1)
+        p: group_for(r.groups[p], n, par, ac, False, 1)
         for p, (n, par, ac) in (("vision", v), ("text", t))
     }
     return cost.with_layout(r, groups=groups, placement=placement, micro_batches=k, bf16=bf16)
@@ -146,7 +142,7 @@ def warm_up(storage: str) -> None:
 def validate(steps: int, names: list[str], storage: str) -> bool:
     cluster = Cluster(cpus_per_node=2, host_memory_gib=24, interconnect="loopback")
     r = load_recipe(RECIPE)
-    r = dataclasses.replace(r, model=cost._Cached(r.model))
+    r = dataclasses.replace(r, model=cost.CachedModel(r.model))
     figures, runs = calibrate(r, cluster, steps=steps, storage=storage)
     known = {Candidate(x).describe(): got for x, got in runs}  # measured while calibrating
     for x, got in runs:
@@ -191,10 +187,10 @@ def big_recipe() -> None:
     result = plan_auto(r, cluster, NOMINAL["gpu"])
     print("\nqwen2_5_vl_32b_8gpu on 8 x 141 GiB GPUs (nominal figures, uncalibrated):")
     print(render_auto(result, top=3))
-    model = cost._Cached(r.model)
+    model = cost.CachedModel(r.model)
     r = dataclasses.replace(r, model=model)
     tp = TensorParallel(size=8)
-    groups = {p: _group(g, 8, tp, True, True, 0.5) for p, g in r.groups.items()}
+    groups = {p: group_for(g, 8, tp, True, True, 0.5) for p, g in r.groups.items()}
     k = r.loop.micro_batches
     tp8 = cost.with_layout(r, groups=groups, placement="colocated", micro_batches=k)
     facts, work = cost.model_facts(r), cost.workload(r)

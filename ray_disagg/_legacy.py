@@ -17,7 +17,7 @@ MOVED_MODULES = {
     "ray_disagg.cli": "ray_disagg.recipes.cli",
     "ray_disagg.recipe": "ray_disagg.recipes.recipe",
     "ray_disagg.recipe_data": "ray_disagg.recipes.data",
-    "ray_disagg.plan": "ray_disagg.recipes.estimate",
+    "ray_disagg.plan": "ray_disagg.planner.render",
     "ray_disagg.examples_data": "ray_disagg.data.examples",
     "ray_disagg.llava": "ray_disagg.data.llava",
 }

@@ -14,8 +14,8 @@ import ray
 import torch
 
 from ray_disagg import HFModelSpec, load_metrics, tiny_qwen2_5_vl_config
+from ray_disagg.planner.memory import GiB, estimate, per_gpu
 from ray_disagg.recipes.cli import main
-from ray_disagg.recipes.estimate import GiB, estimate, per_gpu
 from ray_disagg.recipes.recipe import (
     RecipeError,
     apply_overrides,

@@ -158,3 +158,33 @@ def test_the_cycle_check_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    """``from ray_disagg.x import _name`` and ``x._name`` on an imported module of the
+    package are refused: what crosses modules is public (the package's private module
+    ``_legacy`` aside)."""
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    offenders = []
+    for name, path in files.items():
+        tree = ast.parse(path.read_text())
+        modules = set()  # local names bound to modules of the package
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ray_disagg"):
+                for a in node.names:
+                    if a.name.startswith("_") and a.name != "_legacy":
+                        offenders.append(f"{name} imports {node.module}.{a.name}")
+                    if f"{node.module}.{a.name}" in files:
+                        modules.add(a.asname or a.name)
+            elif isinstance(node, ast.Import):
+                modules |= {a.asname for a in node.names if a.asname and a.name in files}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                offenders.append(f"{name} uses {node.value.id}.{node.attr}")
+    assert offenders == []

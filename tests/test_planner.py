@@ -13,18 +13,25 @@ from ray_disagg.config import (
     SequenceParallel,
     TensorParallel,
 )
-from ray_disagg.recipes import cost
-from ray_disagg.recipes.calibrate import _bisect, _encoder_speed, _per_unit, _terms
-from ray_disagg.recipes.cli import main
-from ray_disagg.recipes.cluster import NOMINAL, Cluster, load_figures, parse_cluster, save_figures
-from ray_disagg.recipes.planner import (
-    Candidate,
-    _group,
-    enumerate_layouts,
-    plan_auto,
-    recipe_dict,
-    render_auto,
+from ray_disagg.models import ADAPTERS
+from ray_disagg.planner import cost
+from ray_disagg.planner.calibrate import (
+    bisect_figure,
+    fit_encoder_speed,
+    fit_per_unit,
+    step_terms,
 )
+from ray_disagg.planner.cluster import (
+    NOMINAL,
+    Cluster,
+    load_figures,
+    parse_cluster,
+    save_figures,
+)
+from ray_disagg.planner.memory import estimate
+from ray_disagg.planner.render import recipe_dict, render, render_auto
+from ray_disagg.planner.search import Candidate, enumerate_layouts, group_for, plan_auto
+from ray_disagg.recipes.cli import main
 from ray_disagg.recipes.recipe import load_recipe
 
 CPU2 = Cluster(cpus_per_node=2, host_memory_gib=24, interconnect="loopback")
@@ -82,14 +89,14 @@ def test_enumeration_covers_every_parallelism():
 
 
 def _at(r, vision, text, placement="separate", k=1, ac=False):
-    groups = {"vision": _group(r.groups["vision"], *vision, ac, True, 1),
-              "text": _group(r.groups["text"], *text, ac, True, 1)}  # fmt: skip
+    groups = {"vision": group_for(r.groups["vision"], *vision, ac, True, 1),
+              "text": group_for(r.groups["text"], *text, ac, True, 1)}  # fmt: skip
     return cost.with_layout(r, groups=groups, placement=placement, micro_batches=k)
 
 
 def test_cost_model_terms():
     r = recipe()
-    r = dataclasses.replace(r, model=cost._Cached(r.model))
+    r = dataclasses.replace(r, model=cost.CachedModel(r.model))
     facts, work, f = cost.model_facts(r), cost.workload(r), NOMINAL["gpu"]
     one = cost.predict(_at(r, (1, DataParallel()), (1, DataParallel())), facts, work, GPU4, f)
     tp2 = cost.predict(
@@ -118,21 +125,21 @@ def test_cost_model_terms():
     # the calibration's fits recover the figures the measurements were made with
     true = dataclasses.replace(f, overhead_s=0.0, reference_samples=8, microbatch_exponent=1.3)
     one, two = (_at(r, (1, DataParallel()), (1, DataParallel()), k=k) for k in (1, 2))
-    a, _, c0 = _terms(one, facts, work, GPU4, true)
+    a, _, c0 = step_terms(one, facts, work, GPU4, true)
     inv = (cost.predict(one, facts, work, GPU4, true).step_s - c0) / a
     assert 1 / inv == pytest.approx(f.flops["float32"], rel=1e-6)
     run = (two, {"step_s": cost.predict(two, facts, work, GPU4, true).step_s})
     start = dataclasses.replace(true, microbatch_exponent=1.0)
-    got = _bisect(run, facts, work, GPU4, start, "microbatch_exponent", 0.5, 2.0)
+    got = bisect_figure(run, facts, work, GPU4, start, "microbatch_exponent", 0.5, 2.0)
     assert got == pytest.approx(1.3, rel=1e-6)
     slow = cost.predict(one, facts, work, GPU4, dataclasses.replace(true, encoder_speed=0.4))
     seconds = {f"{p}_compute_s": t for p, t in slow.compute_s.items()}
-    assert _encoder_speed(one, seconds, facts, work, GPU4, true) == pytest.approx(0.4, rel=1e-6)
+    assert fit_encoder_speed(one, seconds, facts, work, GPU4, true) == pytest.approx(0.4, rel=1e-6)
 
 
 def test_cpu_cores_and_the_sync_figures():
     r = recipe()
-    r = dataclasses.replace(r, model=cost._Cached(r.model))
+    r = dataclasses.replace(r, model=cost.CachedModel(r.model))
     facts, work = cost.model_facts(r), cost.workload(r)
     f = dataclasses.replace(NOMINAL["cpu"], overhead_s=0.0, collective_latency_s=0.01)
     # 1F1B with three busy workers on two cores: at least the core-seconds over the cores
@@ -144,18 +151,18 @@ def test_cpu_cores_and_the_sync_figures():
     true = dataclasses.replace(f, grad_sync_bw=2e8)
     dp = _at(r, (1, DataParallel()), (2, DataParallel()))
     run = (dp, {"step_s": cost.predict(dp, facts, work, CPU2, true).step_s})
-    got = _bisect(run, facts, work, CPU2, f, "grad_sync_bw", 1e6, f.collective_bw, log=True)
+    got = bisect_figure(run, facts, work, CPU2, f, "grad_sync_bw", 1e6, f.collective_bw, log=True)
     assert got == pytest.approx(2e8, rel=1e-6)
     tp = _at(r, (1, DataParallel()), (2, TensorParallel(size=2)))
     run = (tp, {"step_s": cost.predict(tp, facts, work, CPU2, true).step_s})
     start = dataclasses.replace(true, collective_latency_s=0.5)  # any start: the same fit
-    got = _per_unit(run, facts, work, CPU2, start, "collective_latency_s")
+    got = fit_per_unit(run, facts, work, CPU2, start, "collective_latency_s")
     assert got == pytest.approx(0.01, rel=1e-6)
 
 
 def test_colocated_and_frozen_towers_and_the_written_schedule():
     r = recipe(schedule="sequential")
-    r = dataclasses.replace(r, model=cost._Cached(r.model))
+    r = dataclasses.replace(r, model=cost.CachedModel(r.model))
     facts, work, f = cost.model_facts(r), cost.workload(r), NOMINAL["gpu"]
     for placement in ("colocated", "separate"):
         x = _at(r, (1, DataParallel()), (1, DataParallel()), placement=placement, k=4)
@@ -214,3 +221,34 @@ def test_every_family_plans():
         })  # fmt: skip
         result = plan_auto(r, gpu2, NOMINAL["gpu"])
         assert result.ranked and set(result.ranked[0].recipe.groups) == set(parts), preset
+
+
+@pytest.mark.parametrize("model_type", sorted(ADAPTERS))
+def test_every_family_answers_the_planners_questions(model_type):
+    """The FLOP and memory formulas come from each adapter's hooks
+    (``ray_disagg.models.costs``): the plan of every family renders, and its LLM's and
+    tower's figures are positive (a new family needs no planner edit)."""
+    cls = ADAPTERS[model_type]
+    adapter, preset = cls(cls.tiny_config()), cls.tiny_config.__name__
+    recipe = load_recipe(
+        {
+            "model": {"config": preset},
+            "data": {"train": {"type": "digits", "num_samples": 8}},
+            "groups": {p: {"num_workers": 1} for p in adapter.parts},
+            "train_loop_config": {"max_steps": 2, "global_batch_size": 2},
+        }
+    )
+    text = render(recipe)
+    assert f"{model_type}, config" in text and "per worker" in text
+    a = recipe.model.adapter
+    memory = estimate(recipe)
+    assert memory[a.llm_part].activations > 0
+    for part in a.parts:
+        assert a.forward_flops(part, 1e6, 64, 256, 2) > 2e6 * 0.1 * 64 * 0.99
+    if a.tower_config("vision") is not None:
+        patches, (h, w) = a.image_patches([32, 48])
+        assert patches == h * w > 0 and a.image_tokens([32, 48]) > 0
+    qwen = model_type.startswith("qwen")
+    assert (memory.get("vision") is not None and memory["vision"].activations is not None) == (
+        qwen and "vision" in a.parts
+    )

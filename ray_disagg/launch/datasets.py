@@ -11,7 +11,7 @@ import numpy as np
 from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.models.packing import check_fits
 from ray_disagg.pipeline.assignment import BatchPlan
-from ray_disagg.worker.ingest import _from_row, is_ray_dataset, is_record_stream, is_stream
+from ray_disagg.worker.ingest import is_ray_dataset, is_record_stream, is_stream, sample_from_row
 
 logger = logging.getLogger("ray_disagg.trainer")
 
@@ -23,7 +23,7 @@ def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups, validate: bo
     if data is None:  # eval_every without one is refused by ray_disagg.layout.resolve
         return None, None
     if is_ray_dataset(data):
-        data = [_from_row(r) for r in data.take_all()]
+        data = [sample_from_row(r) for r in data.take_all()]
     elif is_record_stream(data):  # converted here, once
         data = list(data.samples())
     if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):

@@ -9,7 +9,7 @@ microbatches than ``max_in_flight``, the LLM receives microbatch ``j + max_in_fl
 crossings right after sending ``j``'s gradients, and waits there for the encoder's
 backward of ``j`` and forward of ``j + max_in_flight``.
 
-The planner's cost model (``ray_disagg.recipes.cost``) times its layouts with it.
+The planner's cost model (``ray_disagg.planner.cost``) times its layouts with it.
 
 Example:
     >>> pipeline_seconds(k=1, max_in_flight=1, forward=1.0, backward=2.0, train=3.0)

@@ -35,7 +35,7 @@ __all__ = ["auto_plan", "main", "plan", "train"]
 
 def plan(recipe: str, overrides=()) -> str:
     """The plan of a recipe as text (no Ray, no workers, no weights)."""
-    from ray_disagg.recipes.estimate import render
+    from ray_disagg.planner.render import render
     from ray_disagg.recipes.recipe import load_recipe
 
     return render(load_recipe(recipe, overrides))
@@ -48,9 +48,10 @@ def auto_plan(recipe: str, overrides=(), *, cluster: str | None = None, calibrat
     .."``; default: the connected Ray cluster) with the device figures in ``figures``
     (default: this kind of cluster's calibration file, else nominal ones), after
     measuring them first with ``calibrate``; write the best to ``out``."""
-    from ray_disagg.recipes import cluster as cl
+    from ray_disagg.planner import cluster as cl
+    from ray_disagg.planner.render import render_auto, write_recipe
+    from ray_disagg.planner.search import plan_auto
     from ray_disagg.recipes.data_stats import recipe_stream_statistics
-    from ray_disagg.recipes.planner import plan_auto, render_auto, write_recipe
     from ray_disagg.recipes.recipe import load_recipe
 
     r = load_recipe(recipe, overrides)
@@ -61,7 +62,7 @@ def auto_plan(recipe: str, overrides=(), *, cluster: str | None = None, calibrat
         c = cl.parse_cluster(cluster)
     path = figures or cl.default_figures_path(c)
     if calibrate:
-        from ray_disagg.recipes.calibrate import calibrate as measure
+        from ray_disagg.planner.calibrate import calibrate as measure
 
         _ensure_ray({})
         f, _ = measure(r, c)
@@ -107,7 +108,7 @@ def _print_result(result) -> None:
 
 def train(recipe: str, overrides=()):
     """Build the recipe's ``DisaggregatedTrainer``, ``fit()`` it and return the Result."""
-    from ray_disagg.recipes.estimate import render
+    from ray_disagg.planner.render import render
     from ray_disagg.recipes.recipe import load_recipe, trainer_kwargs
     from ray_disagg.trainer import DisaggregatedTrainer
 

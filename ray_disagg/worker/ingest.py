@@ -87,12 +87,13 @@ class StreamSource:
             except StopIteration:  # epoch over: drop the partial local batch, start again
                 self._rows, out = None, []
                 continue
-            out.append((self._seen, _from_row(row)))
+            out.append((self._seen, sample_from_row(row)))
             self._seen += 1
         return out
 
 
-def _from_row(row) -> dict:
+def sample_from_row(row) -> dict:
+    """A sample dict of a Ray Data row (lists back to numpy arrays)."""
     return {k: (np.asarray(v) if isinstance(v, list) else v) for k, v in dict(row).items()}
 
 

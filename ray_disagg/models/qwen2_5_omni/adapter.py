@@ -43,6 +43,7 @@ class Qwen2_5OmniThinkerAdapter(OmniParallelMixin, QwenVLAdapter):
     }
     tower_plan = TOWER_PLAN
     llm_extra_fields = ("video_second_per_grid",)
+    windowed_tower = True
     tiny_config = staticmethod(tiny_qwen2_5_omni_thinker_config)
 
     # ---- samples ----------------------------------------------------------------------

@@ -26,6 +26,7 @@ from ray_disagg.models.base import (
     tensor_or_none,
 )
 from ray_disagg.models.packing import PackedQwenMixin
+from ray_disagg.models.qwen_common.costs import QwenTowerCosts
 from ray_disagg.models.qwen_common.parallelize import QwenParallelMixin
 from ray_disagg.parallel.ulysses import HostRows, sp_tower_forward
 
@@ -38,7 +39,7 @@ MODALITIES = {
 }
 
 
-class QwenVLAdapter(QwenParallelMixin, PackedQwenMixin, ModelAdapter):
+class QwenVLAdapter(QwenTowerCosts, QwenParallelMixin, PackedQwenMixin, ModelAdapter):
     """Shared logic of the Qwen VL families (see module docstring; the parallel plans come
     from :class:`~ray_disagg.models.qwen_common.parallelize.QwenParallelMixin`)."""
 

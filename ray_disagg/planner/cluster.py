@@ -3,7 +3,7 @@
 A :class:`Cluster` says how many devices there are and how much memory each has (GPUs,
 or CPU cores for CPU workers); :class:`DeviceFigures` how fast they compute and move
 bytes. Nominal figures ship with the package (marked uncalibrated); ``--calibrate``
-measures them on the connected cluster (:mod:`ray_disagg.recipes.calibrate`) and stores
+measures them on the connected cluster (:mod:`ray_disagg.planner.calibrate`) and stores
 them in a JSON file later runs reuse.
 
 Example:

@@ -1,5 +1,5 @@
 """``ray-disagg plan --auto --calibrate``: measure the device figures of the connected Ray
-cluster for the planner's cost model (:mod:`ray_disagg.recipes.cost`).
+cluster for the planner's cost model (:mod:`ray_disagg.planner.cost`).
 
 1. Micro-benchmarks, each in a Ray task of one device: the bf16/fp32 matmul speed ratio,
    the memory bandwidth (a large copy), a gloo all-reduce between two workers of one
@@ -30,11 +30,20 @@ import time
 
 import numpy as np
 
-from ray_disagg.recipes import cost
-from ray_disagg.recipes.cluster import Cluster
-from ray_disagg.recipes.memory_model import worker_terms
+from ray_disagg.planner import cost
+from ray_disagg.planner.cluster import Cluster
+from ray_disagg.planner.memory import worker_terms
 
-__all__ = ["calibrate", "measure_layout", "micro_benchmarks"]
+__all__ = [
+    "bisect_figure",
+    "calibrate",
+    "fit_encoder_speed",
+    "fit_figures",
+    "fit_per_unit",
+    "measure_layout",
+    "micro_benchmarks",
+    "step_terms",
+]
 
 
 def _matmul(n: int, dtype: str, device: str) -> float:
@@ -161,13 +170,11 @@ def _grids(recipe, cfg) -> list:
     v = getattr(cfg, "vision_config", None)
     if v is None or not recipe.plan["images_per_sample"]:
         return [None]
-    from ray_disagg.recipes.estimate import image_patches
-
-    _, (h, w) = image_patches(v, recipe.plan["image_size"])
+    _, (h, w) = recipe.model.adapter.image_patches(recipe.plan["image_size"])
     return [{"images": [(1, h, w)] * recipe.plan["images_per_sample"]}]
 
 
-def _terms(r, facts, work, c, f) -> tuple[float, float, float]:
+def step_terms(r, facts, work, c, f) -> tuple[float, float, float]:
     """``(a, b, c0)`` of ``step = a / F + b x overhead + c0`` for a sequential layout."""
     huge = dataclasses.replace(f, flops=dict.fromkeys(f.flops, 1e30), overhead_s=0.0)
     c0 = cost.predict(r, facts, work, c, huge).step_s
@@ -182,7 +189,7 @@ def reference_layouts(r, cluster: Cluster) -> list:
     data parallel over 2; tower 1 + LLM 1 with activation checkpointing, and with bf16
     autocast; tower 1 + LLM TP2 when the heads split (one device each)."""
     from ray_disagg.config import DataParallel, TensorParallel
-    from ray_disagg.recipes.planner import _group
+    from ray_disagg.planner.search import group_for
 
     llm = r.model.adapter.llm_part
     t = r.model.load_config().text_config
@@ -191,7 +198,7 @@ def reference_layouts(r, cluster: Cluster) -> list:
         groups = {}
         for p, g in r.groups.items():
             mine = (n, parallelism) if p == llm else (1, DataParallel())
-            groups[p] = _group(g, *mine, ac, cluster.gpu, 1)
+            groups[p] = group_for(g, *mine, ac, cluster.gpu, 1)
         return cost.with_layout(
             r, groups=groups, placement="separate", micro_batches=k, schedule="sequential"
         )
@@ -212,7 +219,7 @@ def calibrate(r, cluster: Cluster, steps: int = 5, storage: str | None = None):
 
     micro = micro_benchmarks(cluster)
     storage = storage or tempfile.mkdtemp(prefix="ray_disagg_calibrate_")
-    r = dataclasses.replace(r, model=cost._Cached(r.model))
+    r = dataclasses.replace(r, model=cost.CachedModel(r.model))
     data = samples(r)
     r, work = sample_workload(r, data)
     runs = [(x, measure_layout(x, steps, storage, data)) for x in reference_layouts(r, cluster)]
@@ -223,7 +230,7 @@ def fit_figures(r, cluster: Cluster, micro: dict, runs: list, work: cost.Workloa
     """The device figures that make the cost model reproduce ``runs`` (the
     :func:`reference_layouts` of ``r`` with their measurements) and the micro-benchmarks
     ``micro`` (:func:`micro_benchmarks`)."""
-    from ray_disagg.recipes.cluster import NOMINAL
+    from ray_disagg.planner.cluster import NOMINAL
 
     base = NOMINAL["gpu" if cluster.gpu else "cpu"]
     tiers = {t: micro["collective_bw"] for t in base.tier_bw}
@@ -239,30 +246,30 @@ def fit_figures(r, cluster: Cluster, micro: dict, runs: list, work: cost.Workloa
     facts = cost.model_facts(r)
     ratio = micro["bf16"] / micro["fp32"]
     one, got1 = runs[0]  # one busy worker, no collective
-    f.encoder_speed = _encoder_speed(one, got1, facts, work, cluster, f)
-    a, _, c0 = _terms(one, facts, work, cluster, f)
+    f.encoder_speed = fit_encoder_speed(one, got1, facts, work, cluster, f)
+    a, _, c0 = step_terms(one, facts, work, cluster, f)
     inv_flops = max(got1["step_s"] - c0, 1e-6) / a
     f.flops = {"float32": 1 / inv_flops, "bfloat16": ratio / inv_flops}
     f.reference_samples = one.loop.global_batch_size / one.loop.micro_batches
     # the same layout at half the microbatch; then the LLM over both cores
     for _ in range(8):  # each figure's run also pays the others' terms: to a fixed point
-        f.microbatch_exponent = _bisect(
+        f.microbatch_exponent = bisect_figure(
             runs[1], facts, work, cluster, f, "microbatch_exponent", 0.5, 2.0
         )
-        f.grad_sync_bw = _bisect(  # 1 MB/s to the micro-benchmark's bandwidth
+        f.grad_sync_bw = bisect_figure(  # 1 MB/s to the micro-benchmark's bandwidth
             runs[2], facts, work, cluster, f, "grad_sync_bw", 1e6, f.collective_bw, log=True
         )
         f.flops["bfloat16"] = _bf16_flops(runs[4], facts, work, cluster, f)
         if len(runs) > 6:  # the TP2 run
-            latency = _per_unit(runs[5], facts, work, cluster, f, "collective_latency_s")
+            latency = fit_per_unit(runs[5], facts, work, cluster, f, "collective_latency_s")
             f.collective_latency_s = latency
-        f.fsdp_unit_s = _per_unit(runs[-1], facts, work, cluster, f, "fsdp_unit_s")
+        f.fsdp_unit_s = fit_per_unit(runs[-1], facts, work, cluster, f, "fsdp_unit_s")
     # one microbatch, no data-parallel buffer: the peak is the state + fixed + activations
     f.memory_fit = _memory_fit([runs[0], runs[3], *runs[5:-1]], micro["idle_mb"])
     return f
 
 
-def _bisect(
+def bisect_figure(
     run, facts, work, cluster, f, name: str, lo: float, hi: float, log: bool = False
 ) -> float:
     """The value of figure ``name`` in ``[lo, hi]`` that makes the prediction of ``run``
@@ -282,7 +289,7 @@ def _bisect(
     return back((lo + hi) / 2)
 
 
-def _encoder_speed(layout, got, facts, work, cluster, f) -> float:
+def fit_encoder_speed(layout, got, facts, work, cluster, f) -> float:
     """The encoders' FLOP/s relative to the LLM's: the predicted ratio of their compute
     seconds over the measured one (mean over the encoders), in the same run."""
     pred = cost.predict(layout, facts, work, cluster, f).compute_s
@@ -298,12 +305,12 @@ def _encoder_speed(layout, got, facts, work, cluster, f) -> float:
 def _bf16_flops(run, facts, work, cluster, f) -> float:
     """bf16 autocast's achieved FLOP/s from its run (casts included)."""
     layout, got = run
-    a, b, c0 = _terms(layout, facts, work, cluster, f)
+    a, b, c0 = step_terms(layout, facts, work, cluster, f)
     spare = got["step_s"] - c0 - b * f.overhead_s
     return a / spare if spare > 0 else f.flops["bfloat16"]
 
 
-def _per_unit(run, facts, work, cluster, f, name: str) -> float:
+def fit_per_unit(run, facts, work, cluster, f, name: str) -> float:
     """The seconds per call of figure ``name`` (collective calls, FSDP2 units) that make
     the prediction of ``run`` its measurement."""
     layout, got = run

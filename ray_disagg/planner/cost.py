@@ -40,7 +40,7 @@ Per step, for a recipe ``r`` (one candidate layout) on a :class:`Cluster` with
   Ulysses, ``4 L`` for CP and EP, ``3 (L + 3)`` for FSDP2 units; per step one per 16M
   elements of data-parallel gradients.
 - **memory** per worker: the training state of
-  :func:`ray_disagg.recipes.estimate.estimate` (parameters, gradients, AdamW) and the
+  :func:`ray_disagg.planner.memory.estimate` (parameters, gradients, AdamW) and the
   calibrated fixed bytes (``f.memory_fit``), plus the larger of the activations (the
   estimate's, times the calibrated scale; a 1F1B tower holds one microbatch more than
   its schedule keeps in flight) and the buffers that live after backward (the
@@ -57,14 +57,24 @@ import math
 from dataclasses import dataclass
 
 from ray_disagg.config import ExpertParallel
+from ray_disagg.models.costs import depth
 from ray_disagg.pipeline.timing import pipeline_seconds
-from ray_disagg.recipes.cluster import Cluster, DeviceFigures
-from ray_disagg.recipes.flops import _flops, _passes
-from ray_disagg.recipes.memory_model import _count_blocks, _depth, memory_per_worker
+from ray_disagg.planner.cluster import Cluster, DeviceFigures
+from ray_disagg.planner.memory import GiB, count_blocks, memory_per_worker, schedule, seq_len
 
-__all__ = ["ModelFacts", "Prediction", "Workload", "model_facts", "predict", "workload"]
-
-GiB = 2**30
+__all__ = [
+    "CachedModel",
+    "ModelFacts",
+    "Prediction",
+    "Workload",
+    "fits",
+    "model_facts",
+    "part_flops",
+    "passes",
+    "predict",
+    "with_layout",
+    "workload",
+]
 
 
 @dataclass(frozen=True)
@@ -94,7 +104,7 @@ class ModelFacts:
     llm_part: str
 
 
-class _Cached:
+class CachedModel:
     """The recipe's model spec with its meta models built once (the planner calls the
     memory estimate for thousands of layouts)."""
 
@@ -140,18 +150,16 @@ def model_facts(r) -> ModelFacts:
 def workload(r, stats: dict | None = None) -> Workload:
     """From the data's statistics (``data_stats.record_statistics``) when given, else
     the recipe's ``plan`` (image size, images per sample, seq_len)."""
-    from ray_disagg.recipes.estimate import _seq_len, image_patches
-
     cfg = r.model.load_config()
     v = getattr(cfg, "vision_config", None)
     images = r.plan["images_per_sample"] if v is not None else 0
-    per_image = image_patches(v, r.plan["image_size"])[0] if v is not None else 0
+    per_image = r.model.adapter.image_patches(r.plan["image_size"])[0] if v is not None else 0
     if stats and stats.get("tokens"):
         merge = getattr(v, "spatial_merge_size", 1) ** 2 if v is not None else 1
         tokens = sum(stats["tokens"]) / len(stats["tokens"])
         patches = sum(stats["media"]) / len(stats["tokens"]) * merge
         return Workload(tokens, patches, images, f"{len(stats['tokens'])} sampled records")
-    return Workload(_seq_len(cfg, r), images * per_image, images, "recipe plan")
+    return Workload(seq_len(r), images * per_image, images, "recipe plan")
 
 
 @dataclass
@@ -198,8 +206,8 @@ def _layer_comm(r, part: str, facts: ModelFacts, work: Workload, c: Cluster, f) 
     v = facts.vision
     h = getattr(v, "embed_dim", None) or v.hidden_size
     rows = samples * work.patches / sp
-    volume = 8 * _depth(v) * (sp - 1) / sp * rows * h * a / _bw(g, c, f, sp)
-    return volume + 8 * _depth(v) * f.collective_latency_s
+    volume = 8 * depth(v) * (sp - 1) / sp * rows * h * a / _bw(g, c, f, sp)
+    return volume + 8 * depth(v) * f.collective_latency_s
 
 
 def _llm_comm(g, t, tokens: float, a: int, ac: bool, c: Cluster, f) -> float:
@@ -238,7 +246,7 @@ def _sync(r, part: str, facts: ModelFacts, c: Cluster, f: DeviceFigures) -> floa
             volume += local * p_bytes
         seconds += (dp - 1) / dp * volume / bw
         if g.fsdp:  # per microbatch: gather forward and backward, reduce-scatter
-            calls = 3 * (_count_blocks(r, part) + 3) * r.loop.micro_batches
+            calls = 3 * (count_blocks(r, part) + 3) * r.loop.micro_batches
         else:
             calls = math.ceil(local / (1 << 24)) + getattr(g.parallelism, "zero1", False)
         seconds += calls * (f.collective_latency_s + g.fsdp * f.fsdp_unit_s)
@@ -295,12 +303,29 @@ def _core_bound(r, compute: dict, c: Cluster) -> float:
     return sum(compute[p] * used[p] for p in compute) / c.devices
 
 
-def predict(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures) -> Prediction:
-    from ray_disagg.recipes.estimate import _schedule
+def passes(r, part: str, facts) -> int:
+    """Forward-sized passes of a part per microbatch: 1 forward, 2 backward, 1 more
+    forward under activation checkpointing; 1 when frozen."""
+    if not facts.parts[part].trainable:
+        return 1
+    return 4 if r.groups[part].activation_checkpointing else 3
 
-    sched = _schedule(r)
+
+def part_flops(r, facts, work) -> dict[str, float]:
+    """Training FLOPs of one global batch per part: the adapter's forward FLOPs of a
+    sample (``ModelAdapter.forward_flops``) x passes x samples."""
+    adapter, b = r.model.adapter, r.loop.global_batch_size
+    return {
+        part: passes(r, part, facts) * b
+        * adapter.forward_flops(part, pf.params, work.tokens, work.patches, work.images)
+        for part, pf in facts.parts.items()
+    }  # fmt: skip
+
+
+def predict(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures) -> Prediction:
+    sched = schedule(r)
     k, llm = r.loop.micro_batches, facts.llm_part
-    flops, speed = _flops(r, facts, work), f.flops[_dtype(r)]
+    flops, speed = part_flops(r, facts, work), f.flops[_dtype(r)]
     rel = {p: 1.0 if p == llm else f.encoder_speed for p in flops}
     compute = {
         p: flops[p]
@@ -333,7 +358,7 @@ def _pipeline(r, sched, facts, per_mb, compute, cross, c) -> tuple[float, float]
     v = sum(per_mb[p] for p in encoders)
     if r.placement == "colocated":
         return k * (v + lm) + cross, 0.0
-    fwd = sum(per_mb[p] / _passes(r, p, facts) for p in encoders)
+    fwd = sum(per_mb[p] / passes(r, p, facts) for p in encoders)
     trains = any(facts.parts[p].trainable for p in encoders)
     vision = facts.parts.get("vision")
     ways = 2 if vision is not None and vision.trainable else 1  # as _crossing counts

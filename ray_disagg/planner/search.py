@@ -1,6 +1,6 @@
 """``ray-disagg plan --auto``: enumerate the layouts of a recipe's model on a cluster,
 drop those that do not fit or are not valid, rank the rest by the cost model's step time
-(:mod:`ray_disagg.recipes.cost`) and write the best as a recipe.
+(:mod:`ray_disagg.planner.cost`) and write the best as a recipe.
 
 Enumerated per layout: placement (separate: the tower and LLM groups on disjoint devices
 of every split; colocated: both on every device), the tower's parallelism (data
@@ -12,7 +12,7 @@ and bf16 autocast.
 
 Example:
     >>> from ray_disagg.recipes.recipe import load_recipe
-    >>> from ray_disagg.recipes.cluster import parse_cluster, NOMINAL
+    >>> from ray_disagg.planner.cluster import parse_cluster, NOMINAL
     >>> result = plan_auto(load_recipe("digits_cpu"), parse_cluster("cpus_per_node=2"),
     ...                    NOMINAL["cpu"])
     >>> len(result.ranked) > 1 and result.ranked[0].prediction.step_s > 0
@@ -34,13 +34,11 @@ from ray_disagg.config import (
     SequenceParallel,
     TensorParallel,
 )
-from ray_disagg.recipes import cost
-from ray_disagg.recipes.cluster import Cluster, DeviceFigures
-from ray_disagg.recipes.estimate import _schedule
+from ray_disagg.planner import cost
+from ray_disagg.planner.cluster import Cluster, DeviceFigures
+from ray_disagg.planner.memory import GiB, schedule
 
-__all__ = ["Candidate", "PlanResult", "enumerate_layouts", "plan_auto", "render_auto"]
-
-GiB = 2**30
+__all__ = ["Candidate", "PlanResult", "enumerate_layouts", "group_for", "plan_auto"]
 
 
 @dataclass
@@ -54,7 +52,7 @@ class Candidate:
         r = self.recipe
         parts = [f"{p}: {g.num_workers}x {_short(g)}" for p, g in r.groups.items()]
         k = r.loop.micro_batches
-        sched = _schedule(r)
+        sched = schedule(r)
         loop = f"mb={k}" + (f" {sched.schedule}" if k > 1 else "")
         if sched.schedule == "1f1b" and sched.max_in_flight != min(2, k):
             loop += f" ({sched.max_in_flight} in flight)"
@@ -116,7 +114,7 @@ def _llm_options(n: int, per_node: int, t, moe: bool) -> list:
     return out
 
 
-def _group(base, n: int, parallelism, ac: bool, gpu: bool, share: float):
+def group_for(base, n: int, parallelism, ac: bool, gpu: bool, share: float):
     sc = base.scaling_config
     res = {"GPU": share, "CPU": 1} if gpu else {"CPU": 1}
     new = ScalingConfig(num_workers=n, use_gpu=gpu, resources_per_worker=res,
@@ -152,7 +150,7 @@ def enumerate_layouts(r, c: Cluster):
         for choice in itertools.product(*(options[p] for p in parts)):
             for acs in itertools.product((False, True), repeat=len(parts)):
                 groups = {
-                    p: _group(r.groups[p], sizes[p], par, ac, c.gpu, share)
+                    p: group_for(r.groups[p], sizes[p], par, ac, c.gpu, share)
                     for p, par, ac in zip(parts, choice, acs)
                 }
                 dps = [g.dp_size for g in groups.values()]
@@ -187,7 +185,7 @@ def _check(cand: Candidate) -> str | None:
 
 def plan_auto(r, c: Cluster, figures: DeviceFigures, stats: dict | None = None) -> PlanResult:
     """Rank every layout of recipe ``r`` on cluster ``c`` (see the module docstring)."""
-    model = cost._Cached(r.model)
+    model = cost.CachedModel(r.model)
     r = dataclasses.replace(r, model=model)
     facts, work = cost.model_facts(r), cost.workload(r, stats)
     ranked, dropped = [], []
@@ -220,94 +218,3 @@ def _no_fit(dropped: list[Candidate], c: Cluster) -> str:
         f"with {have + need / GiB:.0f} GiB per device, more devices, "
         "train_loop_config.param_dtype=bfloat16 or frozen groups."
     )
-
-
-def _parallelism_yaml(p):
-    kind = {DataParallel: "data", SequenceParallel: "sequence", TensorParallel: "tensor",
-            ContextParallel: "context", ExpertParallel: "expert"}[type(p)]  # fmt: skip
-    out = {"type": kind}
-    for f in dataclasses.fields(p):
-        if getattr(p, f.name) != f.default or f.name == "size":
-            out[f.name] = getattr(p, f.name)
-    return "none" if out == {"type": "data"} else out
-
-
-def recipe_dict(cand: Candidate) -> dict:
-    """The recipe (as YAML data) of a candidate: the original with its layout."""
-    r = cand.recipe
-    raw = dict(r.raw)
-    groups = {}
-    for p, g in r.groups.items():
-        sc = g.scaling_config
-        groups[p] = {
-            **(raw.get("groups", {}).get(p) or {}),
-            "num_workers": sc.num_workers,
-            "use_gpu": sc.use_gpu,
-            "resources_per_worker": dict(sc.resources_per_worker),
-            "parallelism": _parallelism_yaml(g.parallelism),
-            "activation_checkpointing": g.activation_checkpointing,
-        }
-    loop = dict(raw.get("train_loop_config") or {})
-    loop.update(micro_batches=r.loop.micro_batches, bf16=r.loop.bf16)
-    for name in ("schedule", "max_in_flight"):  # the layout's (None: the default)
-        loop.pop(name, None)
-        if getattr(r.loop, name) is not None:
-            loop[name] = getattr(r.loop, name)
-    return {**raw, "groups": groups, "placement": r.placement, "train_loop_config": loop}
-
-
-def write_recipe(cand: Candidate, path: str) -> str:
-    import yaml
-
-    pred = cand.prediction
-    head = (
-        f"# written by `ray-disagg plan --auto`: {cand.describe()}\n"
-        f"# predicted step {pred.step_s:.3g} s; per device "
-        + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in pred.per_device.items())
-        + "\n"
-    )
-    with open(path, "w") as f:
-        f.write(head + yaml.safe_dump(recipe_dict(cand), sort_keys=False))
-    return path
-
-
-def _reason_kind(text: str) -> str:
-    return text.split(":")[0] if text.startswith("out of memory") else text
-
-
-def render_auto(result: PlanResult, top: int = 5, verbose: bool = False) -> str:
-    """The ranking as text: the top layouts with predicted step time and memory, and
-    why the others were dropped (grouped; every one with ``verbose``)."""
-    f, c, w = result.figures, result.cluster, result.workload
-    unit = "GPU" if c.gpu else "node"
-    lines = [
-        f"cluster: {c.nodes} node(s) x {c.per_node} {'GPUs' if c.gpu else 'CPU cores'}, "
-        f"{c.device_memory_gib:g} GiB per {'GPU' if c.gpu else 'core'}",
-        f"device figures: {f.name}" + ("" if f.calibrated else " - UNCALIBRATED (nominal)"),
-        f"workload: {w.tokens:.0f} LLM tokens, {w.patches:.0f} patches per sample ({w.source})",
-        f"{len(result.ranked)} layouts fit, {len(result.dropped)} dropped; top {top}:",
-        "",
-    ]
-    for i, cand in enumerate(result.ranked[:top], 1):
-        p = cand.prediction
-        mem = ", ".join(f"{g} {m / GiB:.2f}" for g, m in p.memory.items())
-        dev = ", ".join(f"{k} {v / GiB:.2f}" for k, v in p.per_device.items())
-        lines.append(f"{i}. {p.step_s:8.3f} s/step  {cand.describe()}")
-        lines.append(
-            f"   memory per worker (GiB): {mem}; per {unit}: {dev}; bubble {p.bubble_s:.3f} s, "
-            f"crossings {p.crossing_s:.3f} s, sync {p.sync_s:.3f} s"
-        )
-    rest = result.ranked[top:]
-    if rest:
-        lines.append(
-            f"\n{len(rest)} more fit but are predicted slower "
-            f"({rest[0].prediction.step_s:.3f} to {rest[-1].prediction.step_s:.3f} s/step)"
-        )
-    groups: dict[str, list[Candidate]] = {}
-    for d in result.dropped:
-        groups.setdefault(_reason_kind(d.dropped), []).append(d)
-    for reason, cands in sorted(groups.items(), key=lambda kv: -len(kv[1])):
-        lines.append(f"dropped {len(cands)}: {reason} (e.g. {cands[0].describe()})")
-        if verbose:
-            lines += [f"  - {x.describe()}: {x.dropped}" for x in cands]
-    return "\n".join(lines)
