@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1
 
@@ -86,13 +85,17 @@ def _reset_peak() -> None:
         f.write("5")
 
 
+def _tolist(v):
+    return v.tolist() if hasattr(v, "tolist") else v
+
+
 def child(mode: str, n: int, root: str) -> dict:
     """In a fresh process: load ``n`` records the ``mode`` way, report time and peak."""
-    import datasets  # noqa: F401 - imports are not data: loaded before the baseline
+    import datasets  # imports are not data: loaded before the baseline
     import pyarrow.fs  # noqa: F401
     import pyarrow.parquet  # noqa: F401
 
-    from ray_disagg.data.llava import load_llava
+    from ray_disagg.data.conversations import read_records
     from ray_disagg.data.stream import ConversationStream
 
     convert = processor(root)
@@ -100,16 +103,11 @@ def child(mode: str, n: int, root: str) -> dict:
     base = _status_mb("VmRSS")
     t0 = time.perf_counter()
     path = f"{root}/train_{n}.jsonl"
-    if mode == "eager":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            data = load_llava(
-                path,
-                image_root=convert.media_root,
-                tokenizer=convert.tokenizer,
-                image_processor=convert.image_processor,
-                config=convert.config,
-            )
+    if mode == "eager":  # every record converted at once into a datasets.Dataset
+        samples = [convert(r) for r in read_records(path)]
+        keys = sorted({k for s in samples for k in s})
+        columns = {k: [_tolist(s.get(k)) for s in samples] for k in keys}
+        data = datasets.Dataset.from_dict(columns)
         held = len(data)
     else:  # what the trainer's driver does with a stream: index it, put it in the store
         stream = ConversationStream(paths=path, processor=convert)

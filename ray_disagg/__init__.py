@@ -7,10 +7,6 @@ worker group with its own ``ScalingConfig`` and parallelism; see
 
 import importlib
 
-from ray_disagg import _legacy
-
-_legacy.install()
-
 # Public names -> the module defining each. Imported on first use (PEP 562), so that
 # ``import ray_disagg`` is cheap: Ray starts a process per coordinator, janitor and
 # worker, and each pays only for the modules it touches (a worker of one family never
@@ -50,32 +46,12 @@ __version__ = "0.1.0"
 
 __all__ = sorted(_EXPORTS)  # the public API: exactly the lazily exported names
 
-# Names of the previous release, importable for one more (not in __all__): importing one
-# from here, and constructing one from anywhere, emits a DeprecationWarning naming its
-# replacement.
-_DEPRECATED = {
-    "Qwen2_5_VLSpec": ("ray_disagg.model", "HFModelSpec(config=...)"),
-    "VisionBackendConfig": ("ray_disagg.launch.backend", "ModuleBackendConfig(...)"),
-    "TextBackendConfig": ("ray_disagg.launch.backend", "ModuleBackendConfig(...)"),
-}
-
 
 def __getattr__(name: str):
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value  # later lookups skip this function
         return value
-    if name in _DEPRECATED:
-        import warnings
-
-        module, replacement = _DEPRECATED[name]
-        warnings.warn(
-            f"ray_disagg.{name} is deprecated and is removed in the next release; use "
-            f"ray_disagg.{replacement}.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'ray_disagg' has no attribute {name!r}")
 
 

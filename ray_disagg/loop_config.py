@@ -7,7 +7,6 @@ worker starts. (Also importable as ``ray_disagg.config.TrainLoopConfig``.)
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,8 +14,13 @@ from ray_disagg.settings import check_settings, setting
 
 __all__ = ["TrainLoopConfig"]
 
-# Keys of ``extra`` that were options in the previous release (removed in the next one).
-DEPRECATED_EXTRA = ("report_sample_ids", "report_placement")
+# Keys of ``extra`` that were options two releases ago (refused, naming the fix).
+REMOVED_EXTRA = {
+    "report_sample_ids": "use TrainLoopConfig(report_sample_ids=...)",
+    "report_placement": "use TrainLoopConfig(report_placement=...)",
+    "inject_failure_once": "a fault drill is armed by the environment variable "
+    "RAY_DISAGG_FAULT_DRILL (ray_disagg.testing.faults.fault_drill)",
+}
 
 
 @dataclass(kw_only=True)
@@ -150,8 +154,13 @@ class TrainLoopConfig:
     """Free-form values, passed through untouched (e.g. for callbacks)."""
 
     def __post_init__(self) -> None:
-        self._take_deprecated_extra()
         check_settings(self, lambda name, value: f"train_loop_config[{name!r}]={value!r}")
+        for key, fix in REMOVED_EXTRA.items():
+            if key in self.extra:
+                raise ValueError(
+                    f"train_loop_config extra[{key!r}] was an option of the previous release "
+                    f"and is removed; {fix}."
+                )
         if self.min_lr_ratio and self.lr_schedule == "constant":
             raise ValueError(
                 f"train_loop_config['min_lr_ratio']={self.min_lr_ratio!r} applies to the "
@@ -162,36 +171,6 @@ class TrainLoopConfig:
                 "train_loop_config['pack_sequences']=True needs 'max_seq_len' (tokens per "
                 "packed row), e.g. 4096."
             )
-
-    def _take_deprecated_extra(self) -> None:
-        """``extra={"report_sample_ids": ..., "report_placement": ...}`` (the previous
-        release's spelling) set the typed fields, with a ``DeprecationWarning``;
-        ``extra["inject_failure_once"]`` warns too (the trainer turns it into the
-        ``RAY_DISAGG_FAULT_DRILL`` environment variable of its workers)."""
-        if not isinstance(self.extra, dict):
-            raise ValueError(f"train_loop_config['extra']={self.extra!r}: must be a dict.")
-        if "inject_failure_once" in self.extra:
-            warnings.warn(
-                "ray_disagg: train_loop_config extra['inject_failure_once'] is deprecated and "
-                "is removed in the next release; fault drills are armed by the environment "
-                "variable RAY_DISAGG_FAULT_DRILL (ray_disagg.testing.faults.fault_drill), "
-                "which the driver hands to its workers.",
-                DeprecationWarning,
-                stacklevel=4,
-            )
-        moved = [k for k in DEPRECATED_EXTRA if k in self.extra]
-        if not moved:
-            return
-        self.extra = dict(self.extra)  # the caller's dict stays as it was
-        for key in moved:
-            warnings.warn(
-                f"ray_disagg: train_loop_config extra[{key!r}] is deprecated and is removed in the "
-                f"next release; use TrainLoopConfig({key}=...) (train_loop_config "
-                f"{{{key!r}: ...}}) instead.",
-                DeprecationWarning,
-                stacklevel=4,
-            )
-            setattr(self, key, self.extra.pop(key))
 
     @classmethod
     def from_any(cls, value: TrainLoopConfig | dict[str, Any] | None) -> TrainLoopConfig:

@@ -11,18 +11,17 @@ from __future__ import annotations
 import functools
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Literal
 
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from ray_disagg.models import IGNORE_INDEX, get_adapter, loading, tiny_qwen2_5_vl_config
+from ray_disagg.models import IGNORE_INDEX, get_adapter, loading
 from ray_disagg.models.base import ModelAdapter
 from ray_disagg.settings import check_settings, setting
 
-__all__ = ["HFModelSpec", "tiny_qwen2_5_vl_config", "IGNORE_INDEX"]
+__all__ = ["HFModelSpec", "IGNORE_INDEX"]
 
 
 def _hf_shapes(module: nn.Module, adapter: ModelAdapter) -> dict[str, tuple[int, ...]]:
@@ -157,25 +156,3 @@ class HFModelSpec:
             loading.SafetensorsSource(self.pretrained_path, meta).check(
                 _hf_shapes(meta, self.adapter)
             )
-
-
-@dataclass(kw_only=True)
-class Qwen2_5_VLSpec(HFModelSpec):
-    """Deprecated (removed in the next release): use ``HFModelSpec(config=...)`` or
-    ``HFModelSpec(pretrained_path=...)``, which takes every supported family.
-
-    Constructing it emits a ``DeprecationWarning``; otherwise it is an
-    :class:`HFModelSpec` that accepts only Qwen2.5-VL.
-    """
-
-    def __post_init__(self) -> None:
-        warnings.warn(
-            "ray_disagg.Qwen2_5_VLSpec is deprecated and is removed in the next release; use "
-            "ray_disagg.HFModelSpec(config=...) or HFModelSpec(pretrained_path=...) (same "
-            "arguments).",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        super().__post_init__()
-        if self.adapter.model_type != "qwen2_5_vl":
-            raise ValueError("Qwen2_5_VLSpec needs a Qwen2.5-VL config; use HFModelSpec.")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -171,7 +170,6 @@ class DisaggregatedTrainer(rc.TrainerBase):
             raise ValueError("resume_from_checkpoint must be a ray.train.Checkpoint.")
         self.resume_from_checkpoint = resume_from_checkpoint
         loop = TrainLoopConfig.from_any(train_loop_config)
-        loop, self._legacy_drill = self._take_legacy_drill(loop)
         self.layout = layout = resolve(
             model, groups, loop, placement=placement, transfer=transfer,
             restart_failed_group=restart_failed_group,
@@ -216,23 +214,10 @@ class DisaggregatedTrainer(rc.TrainerBase):
             streamed_costs=cfg.assignment == "balanced" and is_stream(self.train_data),
         )
 
-    @staticmethod
-    def _take_legacy_drill(cfg: TrainLoopConfig) -> tuple[TrainLoopConfig, str | None]:
-        """``extra["inject_failure_once"]`` (deprecated; ``TrainLoopConfig`` warned) leaves
-        the loop config and becomes the workers' ``RAY_DISAGG_FAULT_DRILL`` (as JSON)."""
-        if "inject_failure_once" not in cfg.extra:
-            return cfg, None
-        extra = dict(cfg.extra)
-        try:
-            drill = json.dumps(extra.pop("inject_failure_once"))
-        except TypeError as e:
-            raise ValueError(f"train_loop_config extra['inject_failure_once']: {e}") from e
-        return dataclasses.replace(cfg, extra=extra), drill
-
     def worker_env_vars(self) -> dict[str, str]:
         """Environment variables every worker gets on top of Ray Train's: a fault drill
-        armed in the driver's environment (or by the deprecated ``inject_failure_once``)."""
-        drill = os.environ.get(FAULT_DRILL_ENV) or self._legacy_drill
+        armed in the driver's environment (``ray_disagg.testing.faults``)."""
+        drill = os.environ.get(FAULT_DRILL_ENV)
         return {FAULT_DRILL_ENV: drill} if drill else {}
 
     def transfer_pairs(self, args: LoopArgs | None = None) -> tuple:

@@ -239,7 +239,7 @@ def test_data_sources_parse_without_loading(no_ray):
         (["placement=colocated", "groups.text.num_workers=2"], ["placement", "same num_workers"]),
         (["transfer=rdma"], ["transfer='rdma'", "'gloo'", "'cuda_ipc'"]),
         (["transfer=nccl"], ["transfer", "use_gpu=True"]),
-        (["data.train.type=csv"], ["data.train", "'digits'", "'llava'", "'parquet'"]),
+        (["data.train.type=csv"], ["data.train", "'digits'", "'conversations'", "'parquet'"]),
         (["data.train.paths=x.parquet"], ["data.train", "'paths'", "'num_samples'"]),
         (["data.validation=null"], ["train_loop_config['eval_every']", "data.validation"]),
         (["train_loop_config.lr_schedule=step"], ["lr_schedule", "'cosine'"]),

@@ -7,7 +7,6 @@ addition they build the group's named device mesh on every worker.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 from ray_disagg.launch.ray_compat import TorchBackend, TorchConfig
@@ -52,41 +51,6 @@ class ModuleBackendConfig(TorchConfig):
     @property
     def backend_cls(self):
         return _ModuleBackend
-
-
-def _warn_deprecated(cls: type, module: str, axes: tuple[str, ...]) -> None:
-    warnings.warn(
-        f"ray_disagg.{cls.__name__} is deprecated and is removed in the next release; use "
-        f"ray_disagg.ModuleBackendConfig(module={module!r}, mesh_axes={axes!r}, ...).",
-        DeprecationWarning,
-        stacklevel=4,
-    )
-
-
-@dataclass(kw_only=True)
-class VisionBackendConfig(ModuleBackendConfig):
-    """Deprecated (removed in the next release): use
-    ``ModuleBackendConfig(module="vision", mesh_axes=("dp", "sp"), ...)``."""
-
-    module: str = "vision"
-    mesh_axes: tuple[str, ...] = ("dp", "sp")
-
-    def __post_init__(self) -> None:
-        _warn_deprecated(type(self), "vision", ("dp", "sp"))
-        super().__post_init__()
-
-
-@dataclass(kw_only=True)
-class TextBackendConfig(ModuleBackendConfig):
-    """Deprecated (removed in the next release): use
-    ``ModuleBackendConfig(module="text", mesh_axes=("dp", "tp"), ...)``."""
-
-    module: str = "text"
-    mesh_axes: tuple[str, ...] = ("dp", "tp")
-
-    def __post_init__(self) -> None:
-        _warn_deprecated(type(self), "text", ("dp", "tp"))
-        super().__post_init__()
 
 
 class _ModuleBackend(TorchBackend):

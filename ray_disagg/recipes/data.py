@@ -3,8 +3,6 @@ loading anything (for ``plan``), loaded for ``train``.
 
 - ``{type: digits, num_samples: N, start: 0, image_size: 16}``: scikit-learn's digits
   (:func:`ray_disagg.data.examples.digits_samples`), samples ``start .. start + N``;
-- ``{type: llava, annotations: F, image_root: D, ...}``: deprecated alias of
-  ``{type: conversations, records: F, media_root: D, ...}``;
 - ``{type: conversations, records: F, media_root: D, tokenizer, image_processor,
   feature_extractor (audio families), video_processor (Qwen3-VL), min_pixels, max_pixels,
   labels, system_prompt, fps, max_frames, concurrency, max_seq_len, max_bad_records}``:
@@ -35,14 +33,6 @@ logger = logging.getLogger(__name__)
 
 DATA = {  # type -> keys (with defaults)
     "digits": {"num_samples": None, "start": 0, "image_size": 16},
-    "llava": {
-        "annotations": REQUIRED,
-        "image_root": REQUIRED,
-        "tokenizer": None,
-        "image_processor": None,
-        "min_pixels": None,
-        "max_pixels": None,
-    },
     "conversations": {
         "records": REQUIRED,
         "media_root": None,
@@ -71,8 +61,6 @@ def parse_data(value, path: str) -> dict:
             f"{path}={value!r}: must be a mapping with type one of {list(DATA)}, e.g. "
             "{type: digits, num_samples: 512}."
         )
-    if value["type"] == "llava":  # deprecated: the same records as conversations
-        value = _from_llava(value, path)
     d = section({k: v for k, v in value.items() if k != "type"}, path, DATA[value["type"]])
     keys = ("num_samples", "start", "image_size", "min_pixels", "max_pixels", "max_frames")
     for k in (*keys, "concurrency", "max_seq_len", "max_bad_records"):
@@ -86,22 +74,6 @@ def parse_data(value, path: str) -> dict:
         if d["labels"] not in LABEL_MODES:
             fail(f"{path}.labels={d['labels']!r}: must be one of {list(LABEL_MODES)}.")
     return {"type": value["type"], **d}
-
-
-def _from_llava(value: dict, path: str) -> dict:
-    """``{type: llava, annotations, image_root, ...}`` as ``{type: conversations, records,
-    media_root, ...}`` (the chat template writes the turns)."""
-    gone = sorted({"user_turn", "assistant_turn"} & set(value))
-    if gone:
-        fail(
-            f"{path}.{gone[0]}: gone; the tokenizer's chat template writes the turns now "
-            "(type: conversations, which type: llava is an alias of)."
-        )
-    logger.warning("%s: type llava is deprecated; use type: conversations", path)
-    renamed = {"annotations": "records", "image_root": "media_root"}
-    return {renamed.get(k, k): v for k, v in value.items() if k != "type"} | {
-        "type": "conversations"
-    }
 
 
 def _local(path: str, key: str) -> str:

@@ -1,12 +1,11 @@
-"""Tier 1: the previous release's names and options still work for one release, each with a
-DeprecationWarning naming its replacement; fault drills are armed only by the environment
-variable RAY_DISAGG_FAULT_DRILL, which the driver hands to its workers."""
+"""Tier 1 (unit; one plain subprocess): fault drills are armed only by the environment
+variable RAY_DISAGG_FAULT_DRILL, which the driver hands to its workers; the previous
+release's names are gone, and its options are refused naming their replacement."""
 
 import json
 import os
 import subprocess
 import sys
-import warnings
 
 import pytest
 from ray.train import RunConfig, ScalingConfig
@@ -15,11 +14,9 @@ import ray_disagg
 from ray_disagg import (
     DisaggregatedTrainer,
     HFModelSpec,
-    ModuleBackendConfig,
     ModuleGroup,
     TrainLoopConfig,
     tiny_qwen2_5_vl_config,
-    tiny_qwen3_vl_config,
 )
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.launch import ray_compat as rc
@@ -47,67 +44,30 @@ def no_drill(monkeypatch):
     monkeypatch.delenv(FAULT_DRILL_ENV, raising=False)
 
 
-# ---- legacy names ---------------------------------------------------------------------
+# ---- the previous release's names --------------------------------------------------
 
 
-def test_legacy_names_are_gone_from_all_but_still_import_with_a_warning():
+def test_the_previous_releases_names_are_gone():
     for name in ("Qwen2_5_VLSpec", "VisionBackendConfig", "TextBackendConfig"):
-        assert name not in ray_disagg.__all__
-        with pytest.warns(DeprecationWarning, match=rf"ray_disagg\.{name} is deprecated"):
-            cls = getattr(ray_disagg, name)
-        assert cls.__name__ == name
-    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
-        ray_disagg.Nope  # noqa: B018
+        with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+            getattr(ray_disagg, name)
+    for module in ("ray_disagg.plan", "ray_disagg.llava", "ray_disagg.data.llava"):
+        with pytest.raises(ModuleNotFoundError):
+            __import__(module)
 
 
-def test_legacy_spec_warns_naming_hf_model_spec_and_still_works():
-    from ray_disagg.model import Qwen2_5_VLSpec
-
-    with pytest.warns(DeprecationWarning, match=r"Qwen2_5_VLSpec.*HFModelSpec\(config=\.\.\.\)"):
-        spec = Qwen2_5_VLSpec(config=CFG, seed=3)
-    assert isinstance(spec, HFModelSpec) and spec.seed == 3
-    assert spec.adapter.model_type == "qwen2_5_vl"
-    with (
-        pytest.warns(DeprecationWarning, match="Qwen2_5_VLSpec"),
-        pytest.raises(ValueError, match="needs a Qwen2.5-VL config"),
-    ):
-        Qwen2_5_VLSpec(config=tiny_qwen3_vl_config())
-
-
-def test_legacy_backend_configs_warn_naming_module_backend_config_and_still_work():
-    from ray_disagg.launch.backend import TextBackendConfig, VisionBackendConfig
-
-    with pytest.warns(DeprecationWarning, match=r"VisionBackendConfig.*ModuleBackendConfig\("):
-        vision = VisionBackendConfig(mesh_shape=(2, 1))
-    assert (vision.module, vision.mesh_axes, vision.world_size) == ("vision", ("dp", "sp"), 2)
-    with pytest.warns(DeprecationWarning, match=r"TextBackendConfig.*ModuleBackendConfig\("):
-        text = TextBackendConfig(mesh_shape=(2, 2))
-    assert isinstance(text, ModuleBackendConfig)
-    assert (text.module, text.mesh_axes, text.world_size) == ("text", ("dp", "tp"), 4)
-
-
-# ---- typed options --------------------------------------------------------------------
-
-
-def test_report_options_are_typed_fields_without_warnings():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        cfg = TrainLoopConfig.from_any(dict(LOOP, report_sample_ids=True, report_placement=True))
-    assert cfg.report_sample_ids and cfg.report_placement and cfg.extra == {}
-    default = TrainLoopConfig(**LOOP)
-    assert not default.report_sample_ids and not default.report_placement
-    with pytest.raises(ValueError, match=r"\['report_placement'\]=1: must be True or False"):
-        TrainLoopConfig(**LOOP, report_placement=1)
-
-
-@pytest.mark.parametrize("key", ["report_sample_ids", "report_placement"])
-def test_legacy_extra_report_options_map_onto_the_fields(key):
-    extra = {key: True, "mine": 1}
-    with pytest.warns(DeprecationWarning, match=rf"extra\['{key}'\].*TrainLoopConfig\({key}="):
-        cfg = TrainLoopConfig.from_any(dict(LOOP, extra=extra))
-    assert getattr(cfg, key) is True
-    assert cfg.extra == {"mine": 1}
-    assert extra == {key: True, "mine": 1}  # the caller's dict is left as it was
+@pytest.mark.parametrize(
+    "key, fix",
+    [
+        ("report_sample_ids", r"TrainLoopConfig\(report_sample_ids=\.\.\.\)"),
+        ("report_placement", r"TrainLoopConfig\(report_placement=\.\.\.\)"),
+        ("inject_failure_once", "RAY_DISAGG_FAULT_DRILL"),
+    ],
+)
+def test_the_previous_releases_extra_options_are_refused_naming_the_fix(key, fix):
+    with pytest.raises(ValueError, match=rf"extra\['{key}'\] .*removed.*{fix}"):
+        TrainLoopConfig.from_any(dict(LOOP, extra={key: True}))
+    assert TrainLoopConfig.from_any(dict(LOOP, extra={"mine": 1})).extra == {"mine": 1}
 
 
 # ---- fault drills ---------------------------------------------------------------------
@@ -192,26 +152,3 @@ def test_driver_copies_its_drill_into_the_workers_env(no_drill, tmp_path):
     }
     assert base.run_config.worker_runtime_env == user_env  # the user's RunConfig untouched
     assert rc.with_worker_env_vars(base, {}) is base
-
-
-def test_legacy_inject_failure_once_warns_and_becomes_the_workers_env(no_drill, tmp_path):
-    drill = {"group": "text", "step": 1, "marker": str(tmp_path / "m")}
-    loop = dict(LOOP, extra={"inject_failure_once": drill, "mine": 1})
-    with pytest.warns(DeprecationWarning, match=r"inject_failure_once.*RAY_DISAGG_FAULT_DRILL"):
-        trainer = _trainer(loop)
-    assert trainer.loop_config.extra == {"mine": 1}  # out of the workers' config
-    env = trainer.worker_env_vars()
-    assert json.loads(env[FAULT_DRILL_ENV]) == drill
-    assert loop["extra"]["inject_failure_once"] == drill  # the caller's dict untouched
-
-
-def test_old_module_paths_import_the_new_modules_with_a_warning(monkeypatch):
-    import importlib
-
-    from ray_disagg._legacy import MOVED_MODULES
-
-    for old, new in MOVED_MODULES.items():
-        monkeypatch.delitem(sys.modules, old, raising=False)
-        with pytest.warns(DeprecationWarning, match=rf"{old} moved to {new}"):
-            module = importlib.import_module(old)
-        assert module is importlib.import_module(new)
