@@ -188,3 +188,39 @@ def test_no_module_reaches_into_another_modules_private_names():
             ):
                 offenders.append(f"{name} uses {node.value.id}.{node.attr}")
     assert offenders == []
+
+
+_ONE_FAMILY = """
+import json, sys
+from ray_disagg import HFModelSpec
+from ray_disagg.models import ADAPTERS
+import ray_disagg.trainer, ray_disagg.worker.llm, ray_disagg.worker.encoder  # the loops
+cls = ADAPTERS[sys.argv[1]]
+spec = HFModelSpec(config=cls.tiny_config())
+for part in spec.adapter.parts:
+    spec.build_part(part)
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "gemma3"])
+def test_building_one_family_imports_no_other_family(model_type):
+    """In a fresh process, the worker loops and one family's parts import that family's
+    adapter and transformers modeling code only (and those of the adapters it derives
+    from): families are registered lazily."""
+    import json
+    import subprocess
+    import sys
+
+    from ray_disagg.models import ADAPTERS
+
+    run = subprocess.run(
+        [sys.executable, "-c", _ONE_FAMILY, model_type], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    loaded = set(json.loads(run.stdout.splitlines()[-1]))
+    own = {c.__module__ for c in ADAPTERS[model_type].__mro__}
+    own |= {getattr(c, "hf_class", type).__module__ for c in ADAPTERS[model_type].__mro__}
+    for cls in ADAPTERS.values():
+        for module in (cls.__module__, cls.hf_class.__module__):
+            assert module in own or module not in loaded, f"{model_type} loaded {module}"

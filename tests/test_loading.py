@@ -23,7 +23,7 @@ from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.models import loading
 
 CONFIGS = {
-    name: __import__("ray_disagg.models", fromlist=["x"]).__dict__[f"tiny_{name}_config"]()
+    name: getattr(__import__("ray_disagg.models", fromlist=["x"]), f"tiny_{name}_config")()
     for name in ADAPTERS
 }
 
