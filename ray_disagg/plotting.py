@@ -61,7 +61,17 @@ def plot_metrics(source, path, keys: Sequence[str] | str = ("loss", "val_loss"))
 
     fig = Figure(figsize=(6.4, 4.0), layout="constrained")
     FigureCanvasAgg(fig)  # attaches itself to fig: savefig renders with Agg
-    ax = fig.add_subplot()
+    _draw(fig.add_subplot(), df, present, _describe(source))
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _draw(ax, df, present: list[str], title: str) -> None:
+    """One line per metric of ``present`` against ``step`` (log scale for a loss falling
+    by orders of magnitude)."""
     for key in present:
         rows = df[["step", key]].dropna()
         few = len(rows) <= 30  # show the points of a short run
@@ -73,13 +83,7 @@ def plot_metrics(source, path, keys: Sequence[str] | str = ("loss", "val_loss"))
         ax.set_yscale("log")  # a loss falling by orders of magnitude
     ax.grid(True, alpha=0.3)
     ax.legend()
-    ax.set_title(_describe(source))
-
-    path = os.fspath(path)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return path
+    ax.set_title(title)
 
 
 def _describe(source) -> str:

@@ -23,7 +23,15 @@ from ray_disagg.config import (
     TensorParallel,
 )
 from ray_disagg.launch.ray_compat import resources_per_worker
-from ray_disagg.planner.memory import GiB, estimate, mesh, per_gpu, schedule, seq_len
+from ray_disagg.planner.memory import (
+    GiB,
+    WorkerMemory,
+    estimate,
+    mesh,
+    per_gpu,
+    schedule,
+    seq_len,
+)
 from ray_disagg.planner.search import Candidate, PlanResult
 
 __all__ = ["recipe_dict", "render", "render_auto", "write_recipe"]
@@ -63,35 +71,39 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 def render(r) -> str:
     """The plan of recipe ``r`` as text: model, layout table, memory table."""
+    memory = estimate(r)
+    lines = [*_header(r), "", *_table(_layout_rows(r)), ""]
+    lines += _memory_lines(r, memory)
+    lines += [
+        "(an estimate: AdamW 2 states, ZeRO-1/FSDP2/TP sharding, no gradient or optimizer",
+        " state for frozen parameters; the activation formulas are in ray_disagg.planner.memory)",
+    ]
+    return "\n".join(lines)
+
+
+def _header(r) -> list[str]:
+    """The model, placement, loop, data and the activations' assumptions."""
     from ray_disagg.launch.resources import colocation_for
     from ray_disagg.recipes.data_stats import recipe_statistics
 
-    cfg, sched, memory = r.model.load_config(), schedule(r), estimate(r)
+    cfg, sched, loop = r.model.load_config(), schedule(r), r.loop
     counts = {p: sum(t.numel() for t in r.model.meta_model(p).parameters()) for p in r.groups}
-    loop = r.loop
+    total = ", ".join(f"{p} {_count(n)}" for p, n in counts.items())
+    coloc = colocation_for(r.groups, r.placement)
+    where = "separate (one placement group per group)"
+    if coloc is not None:
+        where = (f"colocated: {coloc.num_bundles} bundles of {coloc.bundle} "
+                 f"({coloc.strategy}), worker i of every group in bundle i")  # fmt: skip
     lines = [
         f"recipe {r.name}: {r.model.adapter.model_type}, {r.model_source}",
-        "  parameters: "
-        + ", ".join(f"{p} {_count(n)}" for p, n in counts.items())
-        + f" (total {_count(sum(counts.values()))})",
-    ]
-    coloc = colocation_for(r.groups, r.placement)
-    where = (
-        "separate (one placement group per group)"
-        if coloc is None
-        else (
-            f"colocated: {coloc.num_bundles} bundles of {coloc.bundle} ({coloc.strategy}), "
-            f"worker i of every group in bundle i"
-        )
-    )
-    lines.append(f"placement: {where}; transfer: {r.transfer}")
-    lines.append(
+        f"  parameters: {total} (total {_count(sum(counts.values()))})",
+        f"placement: {where}; transfer: {r.transfer}",
         f"loop: max_steps {loop.max_steps}, global_batch_size {loop.global_batch_size}, "
         f"micro_batches {loop.micro_batches} ({sched.schedule}), lr {loop.lr:g} "
         f"{loop.lr_schedule} (warmup {loop.warmup_steps}), "
-        f"{'bf16 autocast, ' if loop.bf16 else ''}{loop.param_dtype} parameters + AdamW"
-    )
-    lines.append("data: " + ", ".join(f"{k} {_source(d)}" for k, d in r.data.items()))
+        f"{'bf16 autocast, ' if loop.bf16 else ''}{loop.param_dtype} parameters + AdamW",
+        "data: " + ", ".join(f"{k} {_source(d)}" for k, d in r.data.items()),
+    ]
     for k in r.data:
         stats = recipe_statistics(r, k)
         if stats is not None:
@@ -104,71 +116,52 @@ def render(r) -> str:
             f"{'x'.join(map(str, size))} px ({gh}x{gw} = {n} patches, "
             f"{adapter.image_tokens(size)} tokens), seq_len {seq_len(r)} tokens per sample"
         )
+    return lines
+
+
+def _layout_rows(r) -> list[list[str]]:
     rows = [
         ["group", "workers", "resources/worker", "parallelism", "mesh", "ckpt", "trainable", "lr x"]
     ]
     for part, g in r.groups.items():
         axes, shape = mesh(g)
         sc = g.scaling_config
-        trainable = (
-            "no"
-            if not g.trainable
-            else "yes" + (f" (frozen: {', '.join(g.freeze)})" if g.freeze else "")
-        )
-        rows.append(
-            [
-                part,
-                str(g.num_workers),
-                f"{resources_per_worker(sc)} {sc.placement_strategy}",
-                _parallelism(g.parallelism),
-                f"({', '.join(f'{a!r}' for a in axes)}) = {shape}".replace("'", '"'),
-                "yes" if g.activation_checkpointing else "no",
-                trainable,
-                f"{g.lr_multiplier:g}",
-            ]
-        )
-    lines += ["", *_table(rows), ""]
+        trainable = "yes" + (f" (frozen: {', '.join(g.freeze)})" if g.freeze else "")
+        rows.append([
+            part,
+            str(g.num_workers),
+            f"{resources_per_worker(sc)} {sc.placement_strategy}",
+            _parallelism(g.parallelism),
+            f"({', '.join(f'{a!r}' for a in axes)}) = {shape}".replace("'", '"'),
+            "yes" if g.activation_checkpointing else "no",
+            trainable if g.trainable else "no",
+            f"{g.lr_multiplier:g}",
+        ])  # fmt: skip
+    return rows
+
+
+def _memory_lines(r, memory: dict[str, WorkerMemory]) -> list[str]:
     big = max(m.total for m in memory.values()) >= GiB
     unit, div = ("GiB", GiB) if big else ("MiB", 2**20)
-    rows = [
-        [
-            f"per worker ({unit})",
-            "params/worker",
-            "params",
-            "grads",
-            "optimizer",
-            "activations",
-            "total",
-        ]
-    ]
+    head = ["params/worker", "params", "grads", "optimizer", "activations", "total"]
+    rows = [[f"per worker ({unit})", *head]]
     for part, m in memory.items():
         act = "n/a" if m.activations is None else f"{m.activations / div:.2f}"
-        rows.append(
-            [
-                f"{part} (x{r.groups[part].num_workers})",
-                _count(m.num_params),
-                *(f"{v / div:.2f}" for v in (m.params, m.grads, m.optimizer)),
-                act,
-                f"{m.total / div:.2f}",
-            ]
-        )
-    lines += _table(rows)
+        sizes = (f"{v / div:.2f}" for v in (m.params, m.grads, m.optimizer))
+        name = f"{part} (x{r.groups[part].num_workers})"
+        rows.append([name, _count(m.num_params), *sizes, act, f"{m.total / div:.2f}"])
+    lines = _table(rows)
     gpu = per_gpu(r, memory)
     if "bundle" in gpu:
-        lines.append(
-            f"per GPU (colocated bundle = {' + '.join(r.groups)}): {gpu['bundle'] / div:.2f} {unit}"
-        )
+        both = " + ".join(r.groups)
+        lines.append(f"per GPU (colocated bundle = {both}): {gpu['bundle'] / div:.2f} {unit}")
     for part, b in ((k, v) for k, v in gpu.items() if k != "bundle"):
         lines.append(f"per GPU ({part}): {b / div:.2f} {unit}")
     if not gpu:
         lines.append("no GPUs: the totals are host memory per worker process")
     if r.loop.bf16 and r.loop.param_dtype == "float32":
         lines.append("activations include autocast's bf16 copy of trainable non-FSDP2 weights")
-    lines += [
-        "(an estimate: AdamW 2 states, ZeRO-1/FSDP2/TP sharding, no gradient or optimizer",
-        " state for frozen parameters; the activation formulas are in ray_disagg.planner.memory)",
-    ]
-    return "\n".join(lines)
+    return lines
 
 
 def _parallelism_yaml(p):

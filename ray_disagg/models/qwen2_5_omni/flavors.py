@@ -11,6 +11,18 @@ from ray_disagg.models.qwen_common.flavors import tiny_text_config, tiny_window_
 __all__ = ["tiny_qwen2_5_omni_thinker_config"]
 
 
+TOKEN_IDS = dict(
+    image_token_index=100,
+    video_token_index=101,
+    vision_start_token_id=102,
+    vision_end_token_id=103,
+    audio_token_index=104,
+    audio_start_token_id=105,
+    audio_end_token_id=106,
+)
+"""The tiny thinker's special token ids."""
+
+
 def tiny_qwen2_5_omni_thinker_config(
     *,
     vocab_size: int = 128,
@@ -43,16 +55,7 @@ def tiny_qwen2_5_omni_thinker_config(
         >>> cfg.audio_token_id, cfg.vision_start_token_id, cfg.audio_config.num_mel_bins
         (104, 102, 8)
     """
-    kwargs: dict[str, Any] = dict(
-        image_token_index=100,
-        video_token_index=101,
-        vision_start_token_id=102,
-        vision_end_token_id=103,
-        audio_token_index=104,
-        audio_start_token_id=105,
-        audio_end_token_id=106,
-    )
-    kwargs.update(overrides)
+    kwargs: dict[str, Any] = {**TOKEN_IDS, **overrides}
     return Qwen2_5OmniThinkerConfig(
         text_config=tiny_text_config(
             vocab_size=vocab_size,
@@ -70,15 +73,21 @@ def tiny_qwen2_5_omni_thinker_config(
             window_size=window_size,
             fullatt=fullatt_block_indexes,
         ),
-        audio_config=dict(
-            num_mel_bins=num_mel_bins,
-            encoder_layers=audio_layers,
-            encoder_attention_heads=audio_heads,
-            encoder_ffn_dim=2 * audio_hidden,
-            d_model=audio_hidden,
-            n_window=n_window,
-            output_dim=text_hidden,
-            max_source_positions=max(64, n_window),
-        ),
+        audio_config=_audio(
+            audio_hidden, audio_layers, audio_heads, num_mel_bins, n_window, text_hidden
+        ),  # fmt: skip
         **kwargs,
+    )
+
+
+def _audio(hidden: int, layers: int, heads: int, mel_bins: int, n_window: int, out: int):
+    return dict(
+        num_mel_bins=mel_bins,
+        encoder_layers=layers,
+        encoder_attention_heads=heads,
+        encoder_ffn_dim=2 * hidden,
+        d_model=hidden,
+        n_window=n_window,
+        output_dim=out,
+        max_source_positions=max(64, n_window),
     )
