@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from ray_disagg import TrainLoopConfig
-from ray_disagg.models.base import IGNORE_INDEX, lm_loss
+from ray_disagg.models.base import IGNORE_INDEX
+from ray_disagg.models.loss import lm_loss
 from ray_disagg.worker.memory import saved_activation_bytes
 from tests.dist_utils import run_distributed
 

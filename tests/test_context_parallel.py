@@ -21,7 +21,8 @@ def _cp_text(rank, world, packed):
     import torch.distributed as dist
 
     from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
-    from ray_disagg.models.base import IGNORE_INDEX, lm_loss
+    from ray_disagg.models.base import IGNORE_INDEX
+    from ray_disagg.models.loss import lm_loss
     from ray_disagg.parallel.context_parallel import (
         ContextSlice,
         enable_context_parallel,

@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from ray_disagg import ADAPTERS, HFModelSpec, SampleError
 from ray_disagg.data.examples import synthetic_samples
-from ray_disagg.models.base import lm_loss
+from ray_disagg.models.loss import lm_loss
 from ray_disagg.models.moe import router_aux_loss
 
 VISION = [

@@ -9,7 +9,8 @@ import torch
 
 from ray_disagg import ADAPTERS, HFModelSpec
 from ray_disagg.data.examples import synthetic_samples
-from ray_disagg.models.base import IGNORE_INDEX, lm_loss
+from ray_disagg.models.base import IGNORE_INDEX
+from ray_disagg.models.loss import lm_loss
 from ray_disagg.models.packing import PACKED_KEY, pack_rows
 
 VISION = [

@@ -45,7 +45,7 @@ def _tp_text(rank, world, model_type):
 
     from ray_disagg import ADAPTERS, HFModelSpec
     from ray_disagg.data.examples import synthetic_samples
-    from ray_disagg.models.base import lm_loss
+    from ray_disagg.models.loss import lm_loss
     from ray_disagg.parallel.tensor_parallel import all_reduce_partial_grads, parallelize_text
 
     cfg = ADAPTERS[model_type].tiny_config()

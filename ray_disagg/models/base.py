@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ray_disagg.models.costs import CostHooks
@@ -262,7 +261,21 @@ class ModelAdapter(CostHooks):
     """Why ``pack_sequences`` cannot be exact for this family (``None``: it can)."""
 
     def collate_llm(self, items: Sequence[dict]) -> dict[str, Any]:
-        raise NotImplementedError
+        """The LLM's batch of ``items``: ``input_ids`` padded to the longest (the text
+        config's ``pad_token_id``), ``labels`` (``IGNORE_INDEX`` past each sample) and the
+        ``attention_mask``; a family adds its own fields."""
+        pad = self.config.text_config.pad_token_id or 0
+        length = max(len(it["input_ids"]) for it in items)
+        ids = torch.full((len(items), length), pad, dtype=torch.long)
+        labels = torch.full((len(items), length), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(items), length), dtype=torch.long)
+        for row, it in enumerate(items):
+            n = len(it["input_ids"])
+            # np.array copies: arrays from Ray's object store are read-only
+            ids[row, :n] = torch.from_numpy(np.array(it["input_ids"], dtype=np.int64))
+            labels[row, :n] = torch.from_numpy(np.array(self.labels(it)))
+            mask[row, :n] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
     def collate_llm_packed(self, items: Sequence[dict], max_seq_len: int) -> dict[str, Any]:
         """Like ``collate_llm`` but several samples share a row (``ray_disagg.models.packing``):
@@ -301,8 +314,17 @@ class ModelAdapter(CostHooks):
         return name, None, 1
 
     def head_counts(self, part: str) -> dict[str, int]:
-        """Sizes a model-parallel degree must divide, by name (``num_heads``, ...)."""
-        raise NotImplementedError
+        """Sizes a model-parallel degree must divide, by name (``num_heads``, ...): the
+        LLM's heads, KV heads, MLP width and vocabulary here; a family adds its towers'."""
+        if part != self.llm_part:
+            return {}
+        t = self.config.text_config
+        return {
+            "num_attention_heads": t.num_attention_heads,
+            "num_key_value_heads": t.num_key_value_heads,
+            "intermediate_size": t.intermediate_size,
+            "vocab_size": t.vocab_size,
+        }
 
     per_head_norms: ClassVar[tuple[str, ...]] = ()
     """Decoder-layer modules applied per attention head (their TP gradients are partial)."""
@@ -314,69 +336,3 @@ class ModelAdapter(CostHooks):
     def tower_tp_plan(self, part: str) -> BlockTPPlan | None:
         """TP plan of an encoder part's tower blocks (the uniform-TP baseline), or ``None``."""
         return None
-
-
-def loss_index(labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
-    """Flat indices into ``hidden[:, :-1]`` of the positions whose next token is a label
-    (computed on the host with the batch, so the loss needs no device sync); ``shifted``:
-    ``labels`` are already each position's next-token targets, indices into ``hidden``."""
-    targets = labels if shifted else labels[:, 1:]
-    return (targets != IGNORE_INDEX).flatten().nonzero().flatten()
-
-
-def _token_loss_sum(hidden, targets, lm_head, tp_group, vocab_start) -> torch.Tensor:
-    """Summed cross-entropy of ``hidden`` ``(n, d)`` against ``targets`` ``(n,)``."""
-    logits = lm_head(hidden).float()
-    if tp_group is not None:
-        from ray_disagg.parallel.tensor_parallel import VocabParallelCrossEntropy
-
-        per_token = VocabParallelCrossEntropy.apply(
-            logits, targets, vocab_start, IGNORE_INDEX, tp_group
-        )
-        return per_token.sum()
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def lm_loss(
-    hidden: torch.Tensor,
-    lm_head: nn.Module,
-    labels: torch.Tensor,
-    num_label_tokens: float,
-    tp_group=None,
-    vocab_start: int = 0,
-    *,
-    index: torch.Tensor | None = None,
-    chunk_tokens: int | None = None,
-    shifted: bool = False,
-    min_chunks: int = 1,
-) -> torch.Tensor:
-    """``sum(token CE after the causal shift) / num_label_tokens``; with ``tp_group`` the
-    logits are vocab-sharded and the cross-entropy is vocab-parallel.
-
-    Logits are computed only at the positions whose next token is a label (``index``:
-    :func:`loss_index` of ``labels``, computed here when not given). With
-    ``chunk_tokens`` they are computed ``chunk_tokens`` positions at a time under
-    activation checkpointing, so ``[tokens x vocab]`` logits never exist at once (each
-    chunk's are recomputed in backward). ``shifted``: ``labels`` are each position's
-    next-token targets, same length as ``hidden`` (a context-parallel slice's).
-    ``min_chunks``: run at least this many chunks (empty ones last), so that ranks whose
-    ``lm_head`` is one FSDP2 unit call it equally often (its collectives must match)."""
-    if index is None:
-        index = loss_index(labels.cpu(), shifted).to(hidden.device)
-    if not shifted:
-        hidden, labels = hidden[:, :-1], labels[:, 1:]
-    flat = hidden.flatten(0, 1).index_select(0, index)
-    targets = labels.flatten().index_select(0, index)
-    chunks = 1 if chunk_tokens is None else max(-(-len(index) // chunk_tokens), min_chunks)
-    if chunks == 1:
-        total = _token_loss_sum(flat, targets, lm_head, tp_group, vocab_start)
-        return total / num_label_tokens
-    from torch.utils.checkpoint import checkpoint
-
-    total = flat.new_zeros((), dtype=torch.float32)
-    for lo in range(0, chunks * chunk_tokens, chunk_tokens):
-        part = (flat[lo : lo + chunk_tokens], targets[lo : lo + chunk_tokens])
-        total = total + checkpoint(
-            _token_loss_sum, *part, lm_head, tp_group, vocab_start, use_reentrant=False
-        )
-    return total / num_label_tokens

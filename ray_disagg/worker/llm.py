@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ray_disagg.models import moe
-from ray_disagg.models.base import lm_loss, loss_index
+from ray_disagg.models.loss import lm_loss, loss_index
 from ray_disagg.parallel import context_parallel as cp
 from ray_disagg.parallel import expert_parallel as ep
 from ray_disagg.parallel import tensor_parallel as tp

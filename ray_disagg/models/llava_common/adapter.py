@@ -25,7 +25,6 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ray_disagg.models.base import (
-    IGNORE_INDEX,
     Crossing,
     ModelAdapter,
     SampleError,
@@ -171,20 +170,6 @@ class LlavaAdapter(LlavaParallelMixin, PackedTextMixin, ModelAdapter):
         dtype = next(inner.vision_tower.parameters()).dtype
         pixels = tensor_or_none(arrays, np.float32).to(device, dtype)
         return {"image_embeds": self.image_features(inner, pixels).flatten(0, 1)}
-
-    def collate_llm(self, items):
-        pad = self.config.text_config.pad_token_id or 0
-        length = max(len(it["input_ids"]) for it in items)
-        ids = torch.full((len(items), length), pad, dtype=torch.long)
-        labels = torch.full((len(items), length), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(items), length), dtype=torch.long)
-        for row, it in enumerate(items):
-            n = len(it["input_ids"])
-            # np.array copies: arrays from Ray's object store are read-only
-            ids[row, :n] = torch.from_numpy(np.array(it["input_ids"], dtype=np.int64))
-            labels[row, :n] = torch.from_numpy(np.array(self.labels(it)))
-            mask[row, :n] = 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
     def llm_kwargs(self, batch: dict) -> dict[str, Any]:
         ids = batch["input_ids"]

@@ -27,14 +27,3 @@ class LlavaParallelMixin:
 
     def llm_tp_plan(self):
         return dict(LLM_TP_PLAN)
-
-    def head_counts(self, part):
-        if part != self.llm_part:
-            return {}
-        t = self.config.text_config
-        return {
-            "num_attention_heads": t.num_attention_heads,
-            "num_key_value_heads": t.num_key_value_heads,
-            "intermediate_size": t.intermediate_size,
-            "vocab_size": t.vocab_size,
-        }

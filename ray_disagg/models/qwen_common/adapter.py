@@ -19,7 +19,6 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ray_disagg.models.base import (
-    IGNORE_INDEX,
     Crossing,
     ModelAdapter,
     SampleError,
@@ -234,21 +233,11 @@ class QwenVLAdapter(QwenTowerCosts, QwenParallelMixin, PackedQwenMixin, ModelAda
         return BaseModelOutputWithPooling(pooler_output=(emb,))
 
     def collate_llm(self, items):
-        pad = self.config.text_config.pad_token_id or 0
-        length = max(len(it["input_ids"]) for it in items)
-        ids = torch.full((len(items), length), pad, dtype=torch.long)
-        labels = torch.full((len(items), length), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(items), length), dtype=torch.long)
-        for row, it in enumerate(items):
-            n = len(it["input_ids"])
-            # np.array copies: arrays from Ray's object store are read-only
-            ids[row, :n] = torch.from_numpy(np.array(it["input_ids"], dtype=np.int64))
-            labels[row, :n] = torch.from_numpy(np.array(self.labels(it)))
-            mask[row, :n] = 1
+        batch = super().collate_llm(items)
+        ids = batch["input_ids"]
         types = torch.zeros_like(ids, dtype=torch.int32)
         for _, _, tok_attr, type_id in MODALITIES.values():
             types[ids == getattr(self.config, tok_attr)] = type_id
-        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
         batch["mm_token_type_ids"] = types
         for m in MODALITIES.values():
             batch[m[1]] = tensor_or_none([self._grid(it, m[1]) for it in items])

@@ -150,10 +150,4 @@ class QwenParallelMixin:
             v = self.config.vision_config
             width = getattr(v, "intermediate_size", None) or int(v.embed_dim * v.mlp_ratio)
             return {"vision num_heads": v.num_heads, "vision MLP width": width}
-        t = self.config.text_config
-        return {
-            "num_attention_heads": t.num_attention_heads,
-            "num_key_value_heads": t.num_key_value_heads,
-            "intermediate_size": t.intermediate_size,
-            "vocab_size": t.vocab_size,
-        }
+        return super().head_counts(part)
