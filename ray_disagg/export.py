@@ -17,7 +17,7 @@ from transformers import AutoConfig
 
 from ray_disagg.models import get_adapter
 from ray_disagg.models.safetensors_stream import parse_size, save_streaming
-from ray_disagg.worker.checkpoint import load_alone, read_metadata
+from ray_disagg.worker.shards import load_alone, read_metadata
 
 __all__ = ["export_hf"]
 

@@ -33,11 +33,11 @@ from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan
 from ray_disagg.transport.base import Tier
 from ray_disagg.worker.args import LoopArgs
-from ray_disagg.worker.checkpoint import check_compatible
 from ray_disagg.worker.drill_env import FAULT_DRILL_ENV
 from ray_disagg.worker.encoder import encoder_train_loop
 from ray_disagg.worker.ingest import is_stream
 from ray_disagg.worker.llm import llm_train_loop
+from ray_disagg.worker.shards import check_compatible
 from ray_disagg.worker.standby import StandbyLoop
 
 __all__ = ["DisaggregatedTrainer", "load_metrics"]

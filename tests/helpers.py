@@ -10,7 +10,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray_disagg import DisaggregatedTrainer, ModuleGroup, TrainLoopConfig
 from ray_disagg.testing.local import fit_local
 from ray_disagg.testing.reference import reference_train
-from ray_disagg.worker.checkpoint import read_full
+from ray_disagg.worker.shards import read_full
 
 
 def group(n: int, parallelism="none", cpus: float = 0.5, ac: bool = False) -> ModuleGroup:

@@ -17,7 +17,7 @@ from ray_disagg import (
 )
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.models import get_adapter
-from ray_disagg.worker.checkpoint import check_compatible
+from ray_disagg.worker.shards import check_compatible
 
 CFG = tiny_qwen2_5_vl_config()
 LOOP = {"max_steps": 4, "global_batch_size": 4}

@@ -18,7 +18,7 @@ from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.lr_schedule import lr_at
 from ray_disagg.testing.faults import fault_drill
 from ray_disagg.testing.reference import reference_batch, reference_train
-from ray_disagg.worker.checkpoint import read_full
+from ray_disagg.worker.shards import read_full
 from tests.helpers import (
     RESTART_LOOP,
     assert_params_close,

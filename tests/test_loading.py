@@ -166,7 +166,7 @@ def test_weights_of_another_shape_fail_on_the_driver(tmp_path):
 
 def test_split_qkv_part_loads_fused_full_tensors_and_adam_state():
     from ray_disagg.models.qwen_common.parallelize import SplitQKV
-    from ray_disagg.worker.checkpoint import load_model, load_optimizer
+    from ray_disagg.worker.shards import load_model, load_optimizer
 
     spec = HFModelSpec(config=tiny_qwen2_5_vl_config(), seed=5)
     full = spec.build_part("vision").state_dict()

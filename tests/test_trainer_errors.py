@@ -191,7 +191,7 @@ def test_spec_needs_config_or_local_path(tmp_path):
 
 
 def test_resume_from_a_directory_without_shards_is_a_clear_error(tmp_path):
-    from ray_disagg.worker.checkpoint import read_full
+    from ray_disagg.worker.shards import read_full
 
     with pytest.raises(ValueError, match="no DCP .metadata"):
         read_full(str(tmp_path))

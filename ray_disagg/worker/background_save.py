@@ -83,7 +83,7 @@ def _shared_stager():
     """DCP's stager into shared memory (pinned on GPUs) that keeps its buffers: after the
     first checkpoint, staging is one copy into memory already mapped, and the writer
     process reads the same buffers (each write finishes before the next staging:
-    ``worker.metrics.flush_checkpoint``). They hold one copy of the shard for the run.
+    ``worker.checkpoint.flush``). They hold one copy of the shard for the run.
     On GPUs the copy runs on a stream of its own, from a thread of DCP's, while the next
     step computes; that step's optimizer waits for it (:func:`wait_staged`). On CPUs it
     runs in the checkpoint step: there it would only compete with the next step for the

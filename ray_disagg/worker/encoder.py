@@ -17,8 +17,6 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ray_disagg.parallel import tensor_parallel as tp
-from ray_disagg.parallel import ulysses
 from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expect
 from ray_disagg.pipeline.schedule import WAITS, Op, encoder_actions, peak_in_flight
 from ray_disagg.worker import faults_hook, ingest
@@ -174,12 +172,7 @@ def _evaluate(w: PartWorker, data, plan, step: int) -> list[float]:
 def encoder_train_loop(args: LoopArgs, part: str) -> None:
     w = PartWorker(args, part)
     model = w.build()
-    tower = w.adapter.part_roots(model, part)[0]
-    if w.is_sp:
-        ulysses.enable_ulysses(tower)
-    if w.is_tp:
-        tp.parallelize_vision(tower, w.adapter.tower_tp_plan(part), w.mp_mesh)
-    start = w.setup(model)
+    start = w.setup(model)  # the plans (parallelize_part), FSDP2, weights, optimizer
     limit = w.cfg.max_in_flight or 1
     actions = encoder_actions(w.cfg.micro_batches, limit, trains=not w.frozen)
     data = ingest.Datasets({"train": args.dataset_ref, "validation": args.val_ref})

@@ -22,14 +22,13 @@ import torch.distributed as dist
 from ray_disagg.models import moe
 from ray_disagg.models.loss import lm_loss, loss_index
 from ray_disagg.parallel import context_parallel as cp
-from ray_disagg.parallel import expert_parallel as ep
-from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.pipeline.assignment import count_label_tokens
 from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expect
 from ray_disagg.pipeline.schedule import WAITS, Op, llm_actions
 from ray_disagg.worker import faults_hook, ingest, recovery
 from ray_disagg.worker.args import LoopArgs
-from ray_disagg.worker.llm_metrics import data_position, plain, sample_ids, step_stats
+from ray_disagg.worker.checkpoint import record_data_position
+from ray_disagg.worker.metrics import plain, sample_ids, step_stats
 from ray_disagg.worker.part_worker import PartWorker
 from ray_disagg.worker.session import get_session
 from ray_disagg.worker.step import finish_step
@@ -339,21 +338,13 @@ def _evaluate(llm: LLMModel, source, step: int) -> list[float]:
 def llm_train_loop(args: LoopArgs) -> None:
     w = PartWorker(args, args.adapter.llm_part)
     model = w.build()
-    tp_group, vocab_start = None, 0
-    decoder, lm_head = w.adapter.llm_modules(model)
-    if w.is_tp:
-        plan, norms = w.adapter.llm_tp_plan(), w.adapter.per_head_norms
-        tp_group, vocab_start = tp.parallelize_text(model, decoder, lm_head, w.tp_mesh, plan, norms)
-    if w.is_cp:
-        cp.enable_context_parallel(decoder)
-    if w.expert_mesh is not None:
-        ep.parallelize_experts(decoder, w.expert_mesh["ep"])
-    start = w.setup(model)
+    start = w.setup(model)  # the plans (parallelize_part), FSDP2, weights, optimizer
     data = get_session().fetch(args.dataset_ref[0])
     source = ingest.make_source(
         data, args.plan, w.dp_rank, w.leader, w.part, w.rt.object_group, w.data_state
     )
-    llm = LLMModel(w, model, lm_head, tp_group, vocab_start)
+    par = w.parallel
+    llm = LLMModel(w, model, par.lm_head, par.tp_group, par.vocab_start)
     evaluate = None
     if args.val_plan is not None:
         val_data = get_session().fetch(args.val_ref[0])
@@ -378,6 +369,6 @@ def _train_step(w: PartWorker, llm: LLMModel, source, step: int, actions, evalua
     run = LLMStep(llm, source, w.args.plan, step, StepKey(step), grad=True)
     run.run(actions)
     ids, extra = sample_ids(w, run)
-    extra.update(data_position(w, source, step))
+    extra.update(record_data_position(w, source, step))
     extra.update(llm.expert_load())
     finish_step(w, step, step_stats(w, run), sample_ids=ids, evaluate=evaluate, extra=extra)

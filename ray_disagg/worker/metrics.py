@@ -1,22 +1,23 @@
-"""What a step reports: the stats vector every rank sums once a step, the time spent
-computing and waiting, the reporting cadence, ``ray.train.report``, the metrics file and
-the one line a step prints."""
+"""What a step reports, in one place: the stats vector every rank sums once a step (each
+group's slots, the LLM's loss slots), the time spent computing and waiting, the sample
+ids and where tensors went, the reporting cadence, the report itself (with a checkpoint:
+:mod:`ray_disagg.worker.checkpoint`), the metrics file and the one line a step prints."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
 from ray_disagg.lr_schedule import lr_at
 from ray_disagg.transport.channel import Channel
-from ray_disagg.worker.session import get_session
+from ray_disagg.worker import checkpoint, memory
+from ray_disagg.worker.checkpoint import is_checkpoint_step
 
 
 class StepStats:
@@ -135,11 +136,6 @@ def group_lrs(args, step: int) -> dict[str, float]:
     return out
 
 
-def is_checkpoint_step(cfg, step: int) -> bool:
-    last = step == cfg.max_steps - 1
-    return last or (cfg.checkpoint_every is not None and (step + 1) % cfg.checkpoint_every == 0)
-
-
 def is_eval_step(args, step: int) -> bool:
     """Validation runs every ``eval_every`` steps and at every checkpoint step."""
     if args.val_plan is None:
@@ -155,66 +151,17 @@ def is_reported_step(args, step: int) -> bool:
     return reported or is_eval_step(args, step)
 
 
-def report(metrics: dict, step: int, *, writer, model=None, optimizer=None, background=None):
-    """The session's report (``ray.train.report``) on every rank; with a ``model`` (a
-    checkpoint step) every rank writes its shard and uploads it into the shared directory
-    ``checkpoint_<step>``. With ``background`` (``async_checkpoint``) the shard is written
-    in the background and reported by :func:`flush_checkpoint` at the next step."""
-    if model is None:
-        get_session().report(metrics)
-        return
-    name = f"checkpoint_{step + 1:06d}"
-    if background is not None:
-        tmp = tempfile.mkdtemp(prefix="ray_disagg_ckpt_")
-        future = writer.write(tmp, step, model, optimizer, background)
-        writer.pending = (future, tmp, name, metrics)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        writer.write(tmp, step, model, optimizer)
-        get_session().report(metrics, tmp, name)
-
-
-def writing(writer) -> int:
-    """1 while this rank's asynchronous checkpoint is still being written (its stats slot
-    ``checkpoint_writing``)."""
-    return int(writer.pending is not None and not writer.pending[0].done())
-
-
-def flush_checkpoint(writer, ready: bool = True) -> None:
-    """Report the asynchronous checkpoint once its files are written (its upload runs in
-    the background; Ray Train registers it when every worker of every group reported it):
-    at the first step every rank's write was done (``ready``, from the exchanged stats, so
-    every rank of every group decides alike), else waiting for it at the next checkpoint
-    step or the last step."""
-    if writer.pending is None or not ready:
-        return
-    future, tmp, name, metrics = writer.pending
-    writer.pending = None
-    future.result()
-    get_session().report(metrics, tmp, name, async_upload=True)
-
-
-def drop_checkpoint(writer) -> None:
-    """Forget an asynchronous checkpoint that will not be reported (a group restarted)."""
-    if writer.pending is None:
-        return
-    future, tmp, _, _ = writer.pending
-    writer.pending, writer.staging = None, None
-    with contextlib.suppress(Exception):  # its peers may have gone: nothing of it is kept
-        future.result()  # (after its staging copy: the state may be reloaded next)
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
 def maybe_report(
     args, stats, step: int, writer, clock: StepClock, model, optimizer, extra, background=None
 ):
-    """Report on the steps every rank agrees on: each ``report_every``, checkpoints, last.
-
-    At checkpoint steps every rank first joins the collectives that gather the model
-    (tensor parallel) and the optimizer state (ZeRO-1)."""
+    """On the steps every rank agrees on (each ``report_every``, evaluation and checkpoint
+    steps, the last): the step's metrics, logged and appended to the metrics file by the
+    LLM group's rank 0, then reported, with a checkpoint at checkpoint steps
+    (:func:`ray_disagg.worker.checkpoint.maybe_save`). First an asynchronous checkpoint
+    whose files every rank has written is reported."""
     t0 = time.perf_counter()
     must = is_checkpoint_step(args.cfg, step)  # the last step is one too
-    flush_checkpoint(writer, ready=must or stats[args.stats.index["checkpoint_writing"]] == 0)
+    checkpoint.flush(writer, ready=must or stats[args.stats.index["checkpoint_writing"]] == 0)
     if not is_reported_step(args, step):
         clock.excluded += time.perf_counter() - t0
         return
@@ -225,14 +172,7 @@ def maybe_report(
         log_step(metrics, args.cfg.max_steps)
         if args.metrics_path:
             append_metrics(args.metrics_path, metrics)
-    if is_checkpoint_step(args.cfg, step):
-        last = step + 1 == args.cfg.max_steps
-        background = background if args.cfg.async_checkpoint and not last else None
-        report(
-            metrics, step, writer=writer, model=model, optimizer=optimizer, background=background
-        )
-    else:
-        report(metrics, step, writer=writer)
+    checkpoint.maybe_save(args, step, metrics, writer, model, optimizer, background)
     clock.excluded += time.perf_counter() - t0
 
 
@@ -260,3 +200,68 @@ def append_metrics(path: str, metrics: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(metrics, default=float) + "\n")
+
+
+def plain(v):
+    return v.item() if hasattr(v, "item") else v
+
+
+def step_stats(w, run):
+    stats = w.args.stats.new()
+    if w.leader:
+        ix = w.args.stats.index
+        stats[ix["loss"]] = float(run.loss_sum)  # after the last gradients were posted
+        stats[ix["label_tokens"]] = run.local_labels
+        stats[ix["llm_tokens"]] = run.tokens
+    return stats
+
+
+def sample_ids(w, run) -> tuple[list, dict]:
+    """The step's sample ids on this rank and, with ``report_sample_ids``, every
+    replica's as the ``sample_ids`` metric (for audits)."""
+    ids = [plain(it.get("id")) for it in run.ordered_items()]
+    if not w.cfg.report_sample_ids:
+        return ids, {}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, ids if w.leader else [], group=w.rt.object_group)
+    return ids, {"sample_ids": [i for part in gathered for i in part]}
+
+
+def record(w, stats, sq: float, inflight: int) -> None:
+    """The group's own slots (from its rank 0) and this rank's transfer fallbacks."""
+    ix, part = w.args.stats.index, w.part
+    compute, wait = w.clock.take()
+    if w.group_rank == 0:
+        stats[ix[f"{part}_sq"]] = sq
+        stats[ix[f"{part}_time"]] = compute
+        stats[ix[f"{part}_wait"]] = wait
+        stats[ix[f"{part}_peak"]] = memory.peak_memory_mb(w.device)
+        memory.reset_peak_memory(w.device)  # the next step's peak: from here
+        stats[ix[f"{part}_inflight"]] = inflight
+        stats[ix[f"{part}_bwd"]] = w.backward_passes
+    w.backward_passes = 0
+    stats[ix["transfer_fallbacks"]] = w.channel.fallbacks
+    stats[ix["checkpoint_writing"]] = checkpoint.writing(w.writer)
+    w.channel.fallbacks = 0
+
+
+def placement_metrics(w, fallbacks: int) -> dict:
+    """``transfer_tier``: the tiers that carried tensors between the groups this step
+    (e.g. "shm", "cuda_ipc+nccl"; "gloo" joins when messages fell back to it);
+    ``<group>_restarts``: how often that group alone was restarted in this attempt;
+    ``<group>_standby_takeovers``: how many of those restarts its standby took (a group
+    with ``standby=True``); ``<group>_workers``: its current number of workers (an
+    elastic group's size); with
+    ``report_placement`` also ``placement``: each worker's ``[placement group id, bundle
+    index]`` as the worker saw it."""
+    spec = w.channel.spec
+    tiers = set(spec.tiers.values()) | ({"gloo"} if fallbacks else set())
+    out = {"transfer_tier": "+".join(sorted(tiers)) or "none"}
+    out.update({f"{g}_restarts": spec.restarts.get(g, 0) for g in w.args.groups})
+    out.update({f"{g}_standby_takeovers": n for g, n in spec.takeovers.items()})
+    out.update({f"{g}_workers": spec.sizes[g] for g in w.args.groups})
+    if w.cfg.report_placement:
+        out["placement"] = {
+            spec.label(r): [loc.placement_group, loc.bundle] for r, loc in enumerate(spec.locations)
+        }
+    return out

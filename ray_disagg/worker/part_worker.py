@@ -15,7 +15,9 @@ from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.worker import checkpoint, standby
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.metrics import StepClock, log_line
+from ray_disagg.worker.parallelize import parallelize_part
 from ray_disagg.worker.runtime import get_runtime
+from ray_disagg.worker.shards import ShardWriter
 from ray_disagg.worker.step import build_optimizer
 
 
@@ -74,8 +76,9 @@ class PartWorker:
         self.pending = []
 
     def build(self) -> torch.nn.Module:
-        """The part on the ``meta`` device (no memory yet): the loop applies its SP/TP plan,
-        then :meth:`setup` shards it with FSDP2 and materializes this rank's shards."""
+        """The part on the ``meta`` device (no memory yet), frozen where asked: then
+        :meth:`setup` parallelizes it, shards it with FSDP2 and materializes this rank's
+        shards."""
         model = self.args.spec.meta_model(self.part)
         if self.cfg.param_dtype == "bfloat16":  # pure bf16
             loading.cast_parameters(model, torch.bfloat16)
@@ -87,10 +90,12 @@ class PartWorker:
         return model
 
     def setup(self, model: torch.nn.Module) -> int:
-        """FSDP2 (when the group uses it), this rank's shards of the weights, the optimizer,
-        the checkpoint writer and the restore (a standby first waits to take over, then
-        joins the channel); returns the step to start from."""
+        """The group's parallel plans (:func:`parallelize_part`), FSDP2 (when the group
+        uses it), this rank's shards of the weights, the optimizer, the checkpoint writer
+        and the restore (a standby first waits to take over, then joins the channel);
+        returns the step to start from."""
         self.model = model
+        self.parallel = parallelize_part(self, model)
         self.runner = fsdp.PartRunner(model)
         if self.fsdp:  # over the ranks that hold the same tp shard (FSDP2 x TP)
             experts = set(ep.expert_parameters(model))
@@ -105,7 +110,7 @@ class PartWorker:
         self.opt = build_optimizer(self.params, self.cfg, zero1=zero1)
         hf_config = self.args.spec.load_config() if self.is_llm else None
         lead = self.group_rank == 0
-        self.writer = checkpoint.ShardWriter(self.part, lead, hf_config, self.cfg)
+        self.writer = ShardWriter(self.part, lead, hf_config, self.cfg)
         if self.channel is None:  # a standby: until it takes a failed group's place
             standby.wait_take_over()
             self.channel = self.rt.wait_channel(self.cfg.collective_timeout_s)

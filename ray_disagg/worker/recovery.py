@@ -1,7 +1,7 @@
 """Restart only the failed group: the surviving LLM group's side.
 
 When a worker of an encoder group dies, the coordinator replaces that group alone
-(:meth:`ray_disagg.launch.worker_groups.ModuleWorkerGroups.restart_group`); the LLM group
+(:meth:`ray_disagg.launch.group_recovery.GroupRecovery.restart`); the LLM group
 keeps its processes, process groups and built model. Its ranks:
 
 1. notice the failure as a failed cross-group transfer (the dead peer's connections
@@ -84,7 +84,7 @@ def agree(w) -> None:
 def recover(w, model) -> int:
     """Wait for the rebuilt channel, load the latest checkpoint in place; returns the
     step to continue from."""
-    from ray_disagg.worker import checkpoint, metrics
+    from ray_disagg.worker import checkpoint
     from ray_disagg.worker.metrics import StepClock, log_line
 
     if not w.channel.closed:  # a rank that only heard of it in agree()
@@ -92,7 +92,7 @@ def recover(w, model) -> int:
     generation, timeout = w.channel.spec.generation, w.args.recovery_timeout_s
     get_session().wait_reports(timeout)  # an async upload's report, polled before it parks
     resume = w.rt.wait_resume(generation, timeout)
-    metrics.drop_checkpoint(w.writer)  # an unreported asynchronous one of the failed run
+    checkpoint.drop(w.writer)  # an unreported asynchronous one of the failed run
     w.opt.zero_grad(set_to_none=True)
     log = log_line if w.group_rank == 0 else None
     # while the failed group starts again

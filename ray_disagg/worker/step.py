@@ -17,7 +17,7 @@ from ray_disagg.lr_schedule import lr_at
 from ray_disagg.parallel import expert_parallel as ep
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.parallel.data_parallel import all_reduce_gradients
-from ray_disagg.worker import background_save, memory, metrics, recovery
+from ray_disagg.worker import background_save, metrics, recovery
 
 logger = logging.getLogger(__name__)
 
@@ -103,24 +103,6 @@ def reduce_grads(w) -> None:
         tp.all_reduce_partial_grads(w.params, w.tp_mesh.get_group())
 
 
-def record(w, stats, sq: float, inflight: int) -> None:
-    """The group's own slots (from its rank 0) and this rank's transfer fallbacks."""
-    ix, part = w.args.stats.index, w.part
-    compute, wait = w.clock.take()
-    if w.group_rank == 0:
-        stats[ix[f"{part}_sq"]] = sq
-        stats[ix[f"{part}_time"]] = compute
-        stats[ix[f"{part}_wait"]] = wait
-        stats[ix[f"{part}_peak"]] = memory.peak_memory_mb(w.device)
-        memory.reset_peak_memory(w.device)  # the next step's peak: from here
-        stats[ix[f"{part}_inflight"]] = inflight
-        stats[ix[f"{part}_bwd"]] = w.backward_passes
-    w.backward_passes = 0
-    stats[ix["transfer_fallbacks"]] = w.channel.fallbacks
-    stats[ix["checkpoint_writing"]] = metrics.writing(w.writer)
-    w.channel.fallbacks = 0
-
-
 def group_had_inputs(w, stats) -> bool:
     """Whether any rank of this group had real inputs this step (the LLM group always;
     an encoder group when its counters, e.g. ``images + videos``, are not all 0)."""
@@ -172,28 +154,6 @@ def validate(w, evaluate, step: int) -> dict:
     return {"val_loss": loss_sum / labels if labels else float("nan")}
 
 
-def placement_metrics(w, fallbacks: int) -> dict:
-    """``transfer_tier``: the tiers that carried tensors between the groups this step
-    (e.g. "shm", "cuda_ipc+nccl"; "gloo" joins when messages fell back to it);
-    ``<group>_restarts``: how often that group alone was restarted in this attempt;
-    ``<group>_standby_takeovers``: how many of those restarts its standby took (a group
-    with ``standby=True``); ``<group>_workers``: its current number of workers (an
-    elastic group's size); with
-    ``report_placement`` also ``placement``: each worker's ``[placement group id, bundle
-    index]`` as the worker saw it."""
-    spec = w.channel.spec
-    tiers = set(spec.tiers.values()) | ({"gloo"} if fallbacks else set())
-    out = {"transfer_tier": "+".join(sorted(tiers)) or "none"}
-    out.update({f"{g}_restarts": spec.restarts.get(g, 0) for g in w.args.groups})
-    out.update({f"{g}_standby_takeovers": n for g, n in spec.takeovers.items()})
-    out.update({f"{g}_workers": spec.sizes[g] for g in w.args.groups})
-    if w.cfg.report_placement:
-        out["placement"] = {
-            spec.label(r): [loc.placement_group, loc.bundle] for r, loc in enumerate(spec.locations)
-        }
-    return out
-
-
 def finish_step(w, step: int, stats, *, sample_ids=(), inflight=1, evaluate=None, extra=None):
     """Reduce, exchange the step's stats, clip, step at the scheduled learning rate, run
     ``evaluate(step)`` (this rank's ``[loss sum, label tokens]`` of the validation set) on
@@ -201,7 +161,7 @@ def finish_step(w, step: int, stats, *, sample_ids=(), inflight=1, evaluate=None
     with w.clock.span(waiting=False):
         reduce_grads(w)
         sq = tp.grad_sq_norm(w.params, dist.group.WORLD, w.device)
-    record(w, stats, sq, inflight)
+    metrics.record(w, stats, sq, inflight)
     is_timer = w.is_llm and w.group_rank == 0
     args = (w.channel, stats, w.args.stats, is_timer)
     stats = recovery.guarded(w, w.clock.exchange, *args, default=stats)
@@ -216,7 +176,7 @@ def finish_step(w, step: int, stats, *, sample_ids=(), inflight=1, evaluate=None
         w.skipped += 1
     w.opt.zero_grad(set_to_none=True)
     fallbacks = int(stats[w.args.stats.index["transfer_fallbacks"]])
-    extra = {**(extra or {}), "skipped_steps": w.skipped, **placement_metrics(w, fallbacks)}
+    extra = {**(extra or {}), "skipped_steps": w.skipped, **metrics.placement_metrics(w, fallbacks)}
     if evaluate is not None and metrics.is_eval_step(w.args, step):
         extra.update(validate(w, evaluate, step))
     args = (w.args, stats, step, w.writer, w.clock, w.model, w.opt, extra)

@@ -1,0 +1,52 @@
+"""Applying a group's parallelism to its part, on the ``meta`` device, in one place
+(:func:`parallelize_part`, called by ``PartWorker.setup`` before FSDP2 shards the part
+and its weights are materialized): the LLM's tensor-, context- and expert-parallel plans,
+a tower's Ulysses sequence parallelism or tensor-parallel plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ray_disagg.parallel import context_parallel as cp
+from ray_disagg.parallel import expert_parallel as ep
+from ray_disagg.parallel import tensor_parallel as tp
+from ray_disagg.parallel import ulysses
+
+__all__ = ["ParallelPart", "parallelize_part"]
+
+
+@dataclass(frozen=True)
+class ParallelPart:
+    """What the loop needs of the parallelized part."""
+
+    lm_head: nn.Module | None = None
+    """The LLM's output projection (``None`` for a tower)."""
+    tp_group: Any = None
+    """The LLM's tensor-parallel process group (vocab-parallel loss), else ``None``."""
+    vocab_start: int = 0
+    """The first vocabulary row of this rank's lm_head shard."""
+
+
+def parallelize_part(w, model: nn.Module) -> ParallelPart:
+    """Apply the plans of ``w``'s group (a ``PartWorker``) to its ``model``."""
+    adapter = w.adapter
+    if not w.is_llm:
+        tower = adapter.part_roots(model, w.part)[0]
+        if w.is_sp:
+            ulysses.enable_ulysses(tower)
+        if w.is_tp:
+            tp.parallelize_vision(tower, adapter.tower_tp_plan(w.part), w.mp_mesh)
+        return ParallelPart()
+    decoder, lm_head = adapter.llm_modules(model)
+    tp_group, vocab_start = None, 0
+    if w.is_tp:
+        plan, norms = adapter.llm_tp_plan(), adapter.per_head_norms
+        tp_group, vocab_start = tp.parallelize_text(model, decoder, lm_head, w.tp_mesh, plan, norms)
+    if w.is_cp:
+        cp.enable_context_parallel(decoder)
+    if w.expert_mesh is not None:
+        ep.parallelize_experts(decoder, w.expert_mesh["ep"])
+    return ParallelPart(lm_head, tp_group, vocab_start)
