@@ -5,7 +5,7 @@ Ray's private names (``_``-prefixed attributes and methods, ``ray._private``, th
 the subclasses of Ray's controller, trainer and worker group
 (:mod:`~ray_disagg.launch.ray_compat.subclasses`) turn the private hooks we override
 into public ones; :mod:`~ray_disagg.launch.ray_compat.privates` reads private state and
-lists in ``RAY_PRIVATES`` every private attribute touched here. ``tests/test_ray_contract.py``
+lists in ``RAY_PRIVATES`` every private attribute touched here. ``tests/unit/test_ray_contract.py``
 asserts that each exists in the installed Ray and that no module outside this package
 names one, so that a Ray upgrade breaks that one test rather than the package. Tested
 with Ray 2.60.

@@ -1,5 +1,5 @@
 """Every private attribute of Ray that ray_compat touches (:data:`RAY_PRIVATES`, checked
-against the installed Ray by ``tests/test_ray_contract.py``), and the readers of Ray's
+against the installed Ray by ``tests/unit/test_ray_contract.py``), and the readers of Ray's
 private state."""
 
 from __future__ import annotations

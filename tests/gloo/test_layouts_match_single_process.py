@@ -37,7 +37,7 @@ def setup():
     return HFModelSpec(config=cfg, seed=7), synthetic_samples(cfg, 12, grids=GRIDS)
 
 
-# 1 + 1 runs in test_e2e_colocated, test_e2e_pipeline (on Ray) and the FSDP chain
+# 1 + 1 runs in ray/test_colocated, ray/test_pipeline (on Ray) and the FSDP chain
 @pytest.mark.parametrize("nv,nt", [(2, 2), (2, 1), (1, 2)])
 def test_data_parallel_layouts_match_single_process(setup, tmp_path, nv, nt):
     spec, data = setup

@@ -25,7 +25,7 @@ from ray_disagg.worker.drill_env import FAULT_DRILL_ENV
 
 CFG = tiny_qwen2_5_vl_config()
 LOOP = {"max_steps": 1, "global_batch_size": 4}
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _trainer(loop, run_config=None):

@@ -4,7 +4,7 @@ worker groups equal the family's single-process HF model (losses and parameters,
 loss over the global batch; the LLaVA-shaped families (Gemma 3, InternVL,
 LLaVA-OneVision) with text TP2 over tied (or untied) embeddings, a frozen tower, packed
 rows, validation and an export that ``from_pretrained`` loads. The other layouts are in the
-gloo tier (``test_e2e_families``)."""
+gloo tier (``tests/gloo/test_families_match_hf.py``)."""
 
 import pytest
 import torch

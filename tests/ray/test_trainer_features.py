@@ -2,7 +2,7 @@
 model: learning-rate schedules with per-group multipliers, freezing (name prefixes and a
 whole group), validation with checkpoint scoring, sequence packing, and Ray Train user
 callbacks. One fit exercises several features and is checked several ways. (A whole
-frozen group is tested through the CLI: tests/test_cli.py.)"""
+frozen group is tested through the CLI: tests/ray/test_cli.py.)"""
 
 import json
 import os

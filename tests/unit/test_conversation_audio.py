@@ -23,7 +23,7 @@ from ray_disagg.data.conversations import ConversationProcessor, to_messages
 from ray_disagg.models import get_adapter
 from ray_disagg.testing.conversations import OMNI_SPECIAL, build_omni_model_dir
 from ray_disagg.testing.reference import reference_batch
-from tests.test_conversations import _write_video
+from tests.unit.test_conversations import _write_video
 
 
 def _write_wav(path, seconds: float, rate: int, seed: int) -> np.ndarray:

@@ -26,7 +26,7 @@ from ray_disagg.recipes.recipe import (
 from ray_disagg.testing.reference import reference_train
 from tests.helpers import assert_params_close, checkpoint_state
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIG = "qwen2_5_vl_32b_8gpu"
 
 

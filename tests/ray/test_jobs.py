@@ -23,7 +23,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 
 from ray_disagg import load_metrics
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_tiny_vlm.py"
 RAY_CLI = Path(sys.executable).parent / "ray"  # this venv's, next to its python
 RUN_NAME = "tiny-vlm-digits"  # the example's RunConfig(name=...)
