@@ -12,7 +12,6 @@ import functools
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
@@ -60,8 +59,8 @@ class HFModelSpec:
     seed: int = setting(0)
     """Seed of the random initialisation (every group builds the same weights)."""
 
-    attn_implementation: Literal["sdpa", "eager"] = setting("sdpa")
-    """Attention kernel passed to ``transformers`` (``"sdpa"`` or ``"eager"``)."""
+    attn_implementation: str = setting("sdpa")
+    """Attention kernel passed to ``transformers`` (e.g. ``"sdpa"`` or ``"eager"``)."""
 
     def __post_init__(self) -> None:
         check_settings(self, lambda name, value: f"{type(self).__name__}({name}={value!r})")

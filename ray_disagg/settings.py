@@ -33,6 +33,8 @@ import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
+import numpy as np
+
 __all__ = ["check_settings", "choices", "defaults", "setting"]
 
 _KEY = "ray_disagg.setting"
@@ -175,7 +177,8 @@ def _convert(value, tp, bounds: _Bounds) -> tuple[bool, Any, str]:
     """``(valid, normalized value, hint for the message)``."""
     origin = typing.get_origin(tp)
     if tp is bool:
-        return isinstance(value, bool), value, ""
+        ok = isinstance(value, bool | np.bool_)
+        return ok, bool(value) if ok else value, ""
     if tp is int:
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
             return bounds.holds(int(value)), int(value), ""

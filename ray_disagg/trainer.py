@@ -169,9 +169,8 @@ class DisaggregatedTrainer(rc.TrainerBase):
         ):
             raise ValueError("resume_from_checkpoint must be a ray.train.Checkpoint.")
         self.resume_from_checkpoint = resume_from_checkpoint
-        loop = TrainLoopConfig.from_any(train_loop_config)
         self.layout = layout = resolve(
-            model, groups, loop, placement=placement, transfer=transfer,
+            model, groups, train_loop_config, placement=placement, transfer=transfer,
             restart_failed_group=restart_failed_group,
             data=DataSpec.of(datasets, validate_samples),
         )  # fmt: skip

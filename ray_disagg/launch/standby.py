@@ -37,10 +37,10 @@ def standby_groups(groups: dict, placement: str, restartable, cfg) -> frozenset[
     names = frozenset(n for n, g in groups.items() if g.standby)
     for n in sorted(names):
         reason = None
-        if n not in restartable:
-            reason = f"it cannot restart alone here (groups that can: {sorted(restartable)})"
-        elif placement != "separate":
+        if placement != "separate":
             reason = "colocated groups restart into the bundles they share"
+        elif n not in restartable:
+            reason = f"it cannot restart alone here (groups that can: {sorted(restartable)})"
         elif groups[n].elastic:
             reason = "an elastic group restarts at a size known only after the failure"
         elif cfg.checkpoint_every is None:

@@ -105,6 +105,7 @@ def model_config(cfg, path: str):
 
 def model_section(value, for_training: bool) -> tuple[HFModelSpec, str]:
     m = section(value, "model", MODEL)
+    choice(m["attn_implementation"], "model.attn_implementation", ("sdpa", "eager"))
     kw = {"seed": m["seed"], "attn_implementation": m["attn_implementation"]}
     path = m["pretrained_path"]
     if path is not None:

@@ -71,6 +71,8 @@ def test_numbers_are_normalized():
     group = ModuleGroup(scaling_config=ScalingConfig(num_workers=1), freeze="model.visual")
     assert group.freeze == ("model.visual",)
     assert SequenceParallel(size=np.int32(2)).size == 2
+    flag = TrainLoopConfig(max_steps=2, global_batch_size=2, bf16=np.True_).bf16
+    assert flag is True  # a numpy bool is taken as a Python one
 
 
 def test_the_other_config_classes_refuse_by_their_declarations():
@@ -84,8 +86,8 @@ def test_the_other_config_classes_refuse_by_their_declarations():
         (lambda: ExpertParallel(size=2, fsdp="no"), r"ExpertParallel\(fsdp='no'\)"),
         (lambda: DataParallel(zero1=None), r"DataParallel\(zero1=None\): must be True"),
         (
-            lambda: HFModelSpec(config=tiny_qwen2_5_vl_config(), attn_implementation="flash"),
-            r"HFModelSpec\(attn_implementation='flash'\): must be one of \('sdpa', 'eager'\)",
+            lambda: HFModelSpec(config=tiny_qwen2_5_vl_config(), attn_implementation=2),
+            r"HFModelSpec\(attn_implementation=2\): must be a string",
         ),
     ]
     for build, message in cases:
@@ -120,3 +122,5 @@ def test_the_recipe_schema_takes_its_defaults_from_the_declarations():
         recipe.load_recipe("digits_cpu", ["train_loop_config.max_steps=1e3"])
     with pytest.raises(ValueError, match=r"groups.vision: ModuleGroup\(standby='maybe'\)"):
         recipe.load_recipe("digits_cpu", ["groups.vision.standby=maybe"])
+    with pytest.raises(ValueError, match=r"model.attn_implementation='flash'.*'sdpa', 'eager'"):
+        recipe.load_recipe("digits_cpu", ["model.attn_implementation=flash"])
