@@ -26,6 +26,7 @@ from ray_disagg.launch.resources import (
     PlacementGroupJanitor,
     check_cluster_capacity,
     demand_lines,
+    stream_actor_cpus,
 )
 from ray_disagg.layout import DataSpec, resolve
 from ray_disagg.loop_config import TrainLoopConfig
@@ -326,7 +327,8 @@ class DisaggregatedTrainer(rc.TrainerBase):
         return Launch(launches, Transfers(self.transfer_pairs(args), self.transfer))
 
     def run_controller(self, **controller_init_kwargs) -> Result:
-        check_cluster_capacity(self.groups, self.wait_for_resources, self.colocation)
+        stream = stream_actor_cpus(self.train_data, self.groups[self.adapter.llm_part].dp_size)
+        check_cluster_capacity(self.groups, self.wait_for_resources, self.colocation, stream)
         ctx = controller_init_kwargs.pop("train_run_context")
         ctx = rc.with_worker_env_vars(ctx, self.worker_env_vars())
         # Ray's failure policy, plus the failures the coordinator handles itself

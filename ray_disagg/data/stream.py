@@ -27,7 +27,13 @@ import numpy as np
 
 from ray_disagg.data.conversations import ConversationProcessor
 
-__all__ = ["ConversationStream", "RecordIndex", "conversations_dataset", "epoch_order"]
+__all__ = [
+    "STREAM_FIXES",
+    "ConversationStream",
+    "RecordIndex",
+    "conversations_dataset",
+    "epoch_order",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +173,13 @@ def epoch_order(num_records: int, seed: int, epoch: int, shuffle: bool) -> np.nd
     return np.random.default_rng([seed, epoch]).permutation(num_records)
 
 
+STREAM_FIXES = (  # when its converting actors find no free CPUs
+    "Give the groups' workers fewer CPUs (ScalingConfig(resources_per_worker={'CPU': 0.5})), "
+    "lower the stream's num_cpus or concurrency (recipe: data.train.concurrency), or use a "
+    "cluster with more CPUs."
+)
+
+
 @dataclass(kw_only=True)
 class ConversationStream:
     """Conversation records (see :mod:`ray_disagg.data.conversations`) converted to
@@ -192,6 +205,9 @@ class ConversationStream:
     max_bad_records: int = 100
     """Broken records (missing media, a template error) skipped before the run fails
     naming them."""
+    actor_start_timeout_s: float = 600.0
+    """How long the converting actors may take to start (waiting for CPUs included)
+    before the run fails naming the CPUs they need: they never wait forever."""
     index: RecordIndex = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -203,6 +219,10 @@ class ConversationStream:
             raise ValueError(f"max_seq_len={self.max_seq_len}: must be >= 1 (or None).")
         if self.max_bad_records < 0:
             raise ValueError(f"max_bad_records={self.max_bad_records}: must be >= 0.")
+        if not self.actor_start_timeout_s > 0:
+            raise ValueError(
+                f"actor_start_timeout_s={self.actor_start_timeout_s}: must be > 0 seconds."
+            )
         self.index = RecordIndex.build(self.paths)
         if self.index.num_records == 0:
             raise ValueError(f"the record files {list(self.index.files)} hold no record.")
@@ -273,7 +293,26 @@ class ConversationStream:
             num_cpus=self.num_cpus,
         )
         ds.context.execution_options.preserve_order = True
-        return ds.iter_rows()
+        ds.context.wait_for_min_actors_s = self.actor_start_timeout_s
+        return self._rows_or_fail(ds)
+
+    def _rows_or_fail(self, ds):
+        """``ds``'s rows; converting actors that cannot start in time (no free CPUs:
+        Ray Data would wait forever) fail with the CPUs they need and the fixes."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        try:
+            yield from ds.iter_rows()
+        except GetTimeoutError as e:
+            total = ray.cluster_resources().get("CPU", 0)
+            free = ray.available_resources().get("CPU", 0)
+            raise RuntimeError(
+                f"The conversation stream's {self.concurrency} converting actor(s) "
+                f"(num_cpus={self.num_cpus:g} each) did not start within "
+                f"actor_start_timeout_s={self.actor_start_timeout_s:g}s: the cluster has "
+                f"{total:g} CPUs, {free:g} free. {STREAM_FIXES}"
+            ) from e
 
     def samples(self):
         """Every record's sample in file order (failures logged and skipped): for small

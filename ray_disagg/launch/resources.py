@@ -106,9 +106,40 @@ def demand_lines(groups, colocation=None) -> list[str]:
     return lines
 
 
-def check_cluster_capacity(groups, wait_for_resources: bool, colocation=None) -> None:
-    """``ValueError`` when the groups together cannot be placed on the cluster as it is
-    (unless ``wait_for_resources``: an autoscaling cluster may grow)."""
+def stream_actor_cpus(data, llm_replicas: int) -> tuple[float, str] | None:
+    """The CPUs a conversation stream's converting actors reserve while training runs
+    (every LLM data-parallel replica converts on actors of its own) and how they add up;
+    ``None`` for other data."""
+    from ray_disagg.worker.ingest import is_record_stream
+
+    if not is_record_stream(data):
+        return None
+    need = data.concurrency * data.num_cpus * llm_replicas
+    how = (
+        f"{data.concurrency} actor(s) x num_cpus={data.num_cpus:g} x {llm_replicas} LLM replica(s)"
+    )
+    return need, how
+
+
+def _stream_room(stream: tuple[float, str], reserved: float, have: float) -> str | None:
+    from ray_disagg.data.stream import STREAM_FIXES
+
+    need, how = stream
+    if reserved + need <= have + 1e-9:
+        return None
+    return (
+        f"the conversation stream's converting actors need {need:g} CPUs ({how}) beside the "
+        f"groups' {reserved:g} CPUs, but the cluster has {have:g} CPUs "
+        f"({max(have - reserved, 0):g} free once the groups are placed): the actors would "
+        f"wait forever. {STREAM_FIXES}"
+    )
+
+
+def check_cluster_capacity(groups, wait_for_resources: bool, colocation=None, stream=None) -> None:
+    """``ValueError`` when the groups together cannot be placed on the cluster as it is,
+    or leave no room for a conversation stream's converting actors (``stream``: their
+    :func:`stream_actor_cpus`), unless ``wait_for_resources``: an autoscaling cluster may
+    grow."""
     if not ray.is_initialized():
         ray.init()  # what Ray Train would do when it starts the controller
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
@@ -146,6 +177,11 @@ def check_cluster_capacity(groups, wait_for_resources: bool, colocation=None) ->
             problems.append(
                 f"{k}: the groups need {v:g} together, the cluster has {total.get(k, 0):g}"
             )
+    room = None if stream is None else _stream_room(stream, demand["CPU"], total.get("CPU", 0))
+    if room is not None and not problems and not wait_for_resources:
+        raise ValueError(room[0].upper() + room[1:])
+    if room is not None:
+        problems.append(room)
     if problems and not wait_for_resources:
         raise ValueError(
             "The module groups cannot all be placed on this cluster: "

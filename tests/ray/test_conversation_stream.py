@@ -167,3 +167,30 @@ def test_ray_fit_from_records_and_media_sees_each_record_once_across_a_restart(
     assert _ids(result) == [["r0", "r1"], ["r2", "r3"], ["r4", "r5"], ["r6", "r7"]]
     assert rows["records_bad"].tolist() == [0, 1, 1, 1]
     assert all(v == v for v in rows["loss"])
+
+
+def test_no_room_for_the_converting_actors_fails_naming_the_cpus(ray_start_4_cpus, data, tmp_path):
+    """The groups reserve every CPU of the cluster: the driver refuses the run before any
+    worker starts, naming the CPUs the stream's actors need and the fixes; actors that
+    still find no CPU (here a placement group holds them all) fail after
+    ``actor_start_timeout_s`` instead of waiting forever."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    proc, path, cfg = data
+    stream = ConversationStream(paths=path, processor=proc, num_cpus=0.5, concurrency=2)
+    big = vt(group(1, cpus=2), group(1, cpus=2))  # 4 CPUs: the whole session cluster
+    with pytest.raises(ValueError, match=r"converting actors need 1 CPUs \(2 actor\(s\) x "
+                       r"num_cpus=0.5 x 1 LLM replica\(s\)\) beside the groups' 4 CPUs.*"
+                       r"resources_per_worker"):  # fmt: skip
+        fit(HFModelSpec(config=cfg), stream, dict(LOOP, max_steps=1), big, tmp_path, "no-room")
+    cpus = ray.cluster_resources()["CPU"]
+    pg = placement_group([{"CPU": cpus}])
+    ray.get(pg.ready(), timeout=60)
+    try:
+        late = ConversationStream(paths=path, processor=proc, actor_start_timeout_s=3)
+        with pytest.raises(RuntimeError, match=r"did not start within actor_start_timeout_s=3s"
+                           r": the cluster has 4 CPUs, 0 free"):  # fmt: skip
+            list(late.outcomes([0, 1]))
+    finally:
+        remove_placement_group(pg)
