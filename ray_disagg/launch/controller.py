@@ -45,8 +45,6 @@ class DisaggregatedController(ControllerBase):
         self.coordinator = Coordinator(
             launch=launch,
             restart=GroupRestartPolicy(restartable, self.failure_policy, policy),
-            failures=self.failure_policy,
-            elastic=policy,
             start_timeout_s=start_timeout_s,
             demand=demand,
         )

@@ -46,14 +46,22 @@ class Coordinator:
         *,
         launch: Launch,
         restart: GroupRestartPolicy,
-        failures: GroupFailurePolicy,
-        elastic: ElasticPolicy | None = None,
         start_timeout_s: float = 600.0,
         demand: tuple[str, ...] = (),
     ):
-        self.launch, self.restart, self.failures, self.elastic = launch, restart, failures, elastic
+        self.launch, self.restart = launch, restart
         self.start_timeout_s, self.demand = start_timeout_s, list(demand)
         self._waiting_since: float | None = None
+
+    @property
+    def failures(self) -> GroupFailurePolicy:
+        """The run's failure policy (the restart policy's)."""
+        return self.restart.failures
+
+    @property
+    def elastic(self) -> ElasticPolicy | None:
+        """The elastic group's policy (the restart policy's), or ``None``."""
+        return self.restart.elastic
 
     def start(self, create: Callable[[Launch], object]):
         """The started worker groups: ``create(launch)`` with every group's launch (an

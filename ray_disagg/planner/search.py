@@ -168,15 +168,14 @@ def enumerate_layouts(r, c: Cluster):
 
 def _check(cand: Candidate) -> str | None:
     """Why the layout is invalid for this model (the driver's own checks), else None."""
-    from ray_disagg.layout import DataSpec, resolve
-    from ray_disagg.recipes.data import data_kind
+    from ray_disagg.layout import resolve
+    from ray_disagg.recipes.data import data_spec
 
     r = cand.recipe
     try:
         resolve(
             r.model, r.groups, r.loop, placement=r.placement, transfer=r.transfer,
-            data=DataSpec(kind=data_kind(r.data["train"]), validation="validation" in r.data),
-            check_weights=False,
+            data=data_spec(r.data), check_weights=False,
         )  # fmt: skip
     except ValueError as e:
         return f"invalid: {str(e).split(';')[0]}"

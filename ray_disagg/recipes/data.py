@@ -27,7 +27,7 @@ import os
 
 from ray_disagg.recipes.schema import REQUIRED, at, check, fail, section
 
-__all__ = ["DATA", "build_dataset", "data_kind", "parse_data"]
+__all__ = ["DATA", "build_dataset", "data_spec", "parse_data"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,16 +83,20 @@ def _local(path: str, key: str) -> str:
     return path
 
 
-def data_kind(d: dict) -> str:
-    """What ``build_dataset`` makes of the parsed source ``d``, as
-    ``ray_disagg.layout.DataSpec.kind``: ``"map"`` (digits, a ``.json`` list of
-    conversation records), ``"ray"`` (parquet, json) or ``"stream"`` (conversation
-    records in ``.jsonl`` / ``.parquet`` files or a directory)."""
+def data_spec(data: dict):
+    """The ``ray_disagg.layout.DataSpec`` of a recipe's parsed ``data`` (``{"train": ...,
+    "validation": ...}``), without loading it: what ``build_dataset`` makes of the
+    training source is ``"map"`` (digits, a ``.json`` list of conversation records),
+    ``"ray"`` (parquet, json) or ``"stream"`` (conversation records in ``.jsonl`` /
+    ``.parquet`` files or a directory)."""
+    from ray_disagg.layout import DataSpec
+
+    d, kind = data["train"], "map"
     if d["type"] in ("parquet", "json"):
-        return "ray"
-    if d["type"] == "conversations" and not str(d["records"]).endswith(".json"):
-        return "stream"
-    return "map"
+        kind = "ray"
+    elif d["type"] == "conversations" and not str(d["records"]).endswith(".json"):
+        kind = "stream"
+    return DataSpec(kind=kind, validation="validation" in data)
 
 
 def build_dataset(recipe, which: str):

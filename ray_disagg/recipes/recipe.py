@@ -52,9 +52,9 @@ from ray.train import RunConfig
 
 from ray_disagg.config import ModuleGroup, TrainLoopConfig
 from ray_disagg.launch.resources import PLACEMENTS
-from ray_disagg.layout import DataSpec, RunLayout, resolve
+from ray_disagg.layout import RunLayout, resolve
 from ray_disagg.model import HFModelSpec
-from ray_disagg.recipes.data import build_dataset, data_kind, parse_data
+from ray_disagg.recipes.data import build_dataset, data_spec, parse_data
 from ray_disagg.recipes.schema import (
     REQUIRED,
     RecipeError,
@@ -179,7 +179,7 @@ def load_recipe(source, overrides=(), *, for_training: bool = False) -> Recipe:
     choice(recipe.transfer, "transfer", ("auto", *TIERS))
     recipe.layout = resolve(
         model, groups, loop, placement=recipe.placement, transfer=recipe.transfer,
-        data=DataSpec(kind=data_kind(data["train"]), validation="validation" in data),
+        data=data_spec(data),
         check_weights=not for_training,
     )  # fmt: skip
     recipe.groups = {n: groups[n] for n in recipe.layout.groups}  # the parts' order

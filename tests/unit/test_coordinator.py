@@ -123,7 +123,7 @@ class FakeCluster:
 def _coordinator(launch, max_failures=2, elastic=None, restartable=("vision",)):
     failures = GroupFailurePolicy(FailureConfig(max_failures=max_failures))
     restart = GroupRestartPolicy(frozenset(restartable), failures, elastic)
-    coord = Coordinator(launch=launch, restart=restart, failures=failures, elastic=elastic)
+    coord = Coordinator(launch=launch, restart=restart)
     return coord, failures
 
 
