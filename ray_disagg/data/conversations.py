@@ -31,14 +31,13 @@ images: :mod:`ray_disagg.data.tiles`.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 from typing import Any
 
 import numpy as np
 
+from ray_disagg.data.records import MEDIA, read_records, to_messages
 from ray_disagg.data.tiles import TILE_FAMILIES, tile_sample
 from ray_disagg.models.base import IGNORE_INDEX
 
@@ -46,8 +45,6 @@ __all__ = ["ConversationProcessor", "read_records", "to_messages"]
 
 logger = logging.getLogger(__name__)
 
-MEDIA = ("image", "video", "audio")
-_TAG = re.compile(r"(<image>|<video>|<audio>)")
 # families whose template puts one placeholder per video (no timestamps), and the field
 # of each video's seconds per temporal patch
 _VIDEO = {
@@ -58,13 +55,6 @@ _VIDEO = {
 }
 _TIMESTAMPED = {"qwen3_vl"}
 LABEL_MODES = ("assistant", "last", "all")
-_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "system": "system",
-}
 
 
 def image_patches(path: str, image_processor) -> tuple[np.ndarray, np.ndarray]:
@@ -76,84 +66,6 @@ def image_patches(path: str, image_processor) -> tuple[np.ndarray, np.ndarray]:
         enc = image_processor(images=[im.convert("RGB")], return_tensors="np")
     grid = np.asarray(enc["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
     return np.asarray(enc["pixel_values"], dtype=np.float32), grid
-
-
-def read_records(path: str | os.PathLike) -> list[dict]:
-    """The records of a ``.json`` (a list), ``.jsonl`` or ``.parquet`` file."""
-    path = os.fspath(path)
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".jsonl"):
-            return [json.loads(line) for line in f if line.strip()]
-        return json.load(f)
-
-
-def _paths(record: dict, key: str) -> list[str]:
-    value = record.get(f"{key}s", record.get(key)) or []
-    return [value] if isinstance(value, str) else list(value)
-
-
-def _llava_messages(record: dict, rid) -> tuple[list[dict], list[tuple[str, str]]]:
-    files = {kind: _paths(record, kind) for kind in MEDIA}
-    messages, media, used = [], [], {kind: 0 for kind in MEDIA}
-    for turn in record["conversations"]:
-        role = _ROLES.get(turn.get("from"))
-        if role is None:
-            raise ValueError(f"record {rid!r}: unknown role {turn.get('from')!r}")
-        parts = []
-        for piece in _TAG.split(turn["value"]):
-            kind = piece[1:-1] if _TAG.fullmatch(piece) else None
-            if kind is not None:
-                if used[kind] >= len(files[kind]):
-                    raise ValueError(f"record {rid!r}: more <{kind}> tags than {kind}s")
-                media.append((kind, files[kind][used[kind]]))
-                used[kind] += 1
-                parts.append({"type": kind})
-            elif piece.strip():
-                parts.append({"type": "text", "text": piece.strip()})
-        messages.append({"role": role, "content": parts})
-    for kind in MEDIA:
-        if used[kind] != len(files[kind]):
-            n, k = len(files[kind]), used[kind]
-            raise ValueError(f"record {rid!r}: {n} {kind}s but {k} <{kind}> tags")
-    return messages, media
-
-
-def to_messages(record: dict) -> tuple[list[dict], list[tuple[str, str]]]:
-    """``(messages, [(kind, path), ...] in order)`` of a LLaVA or messages record; content
-    is always a list of parts (``{"type": "text", "text"}``, ``{"type": "image"}``,
-    ``{"type": "video"}``, ``{"type": "audio"}``); ``kind`` is one of :data:`MEDIA`."""
-    rid = record.get("id")
-    if "conversations" in record:
-        return _llava_messages(record, rid)
-    if "messages" not in record:
-        raise ValueError(f"record {rid!r}: neither 'conversations' nor 'messages'")
-    messages, media = [], []
-    for m in record["messages"]:
-        role = _ROLES.get(m.get("role"))
-        if role is None:
-            raise ValueError(f"record {rid!r}: unknown role {m.get('role')!r}")
-        content = m["content"]
-        if isinstance(content, str):
-            content = [{"type": "text", "text": content}]
-        parts = []
-        for part in content:
-            kind = part.get("type")
-            if kind in MEDIA:
-                path = part.get(kind) or part.get("path")
-                if not isinstance(path, str):
-                    raise ValueError(f"record {rid!r}: a {kind} part without a path: {part!r}")
-                media.append((kind, path))
-                parts.append({"type": kind})
-            elif kind == "text":
-                parts.append({"type": "text", "text": part["text"]})
-            else:
-                raise ValueError(f"record {rid!r}: unsupported content part {part!r}")
-        messages.append({"role": role, "content": parts})
-    return messages, media
 
 
 class ConversationProcessor:
@@ -338,7 +250,7 @@ class ConversationProcessor:
 
     def __call__(self, record: dict) -> dict[str, Any]:
         rid = record.get("id")
-        messages, media = to_messages(record)
+        messages, media = to_messages(record, self.config.model_type)
         self._check(media, rid)
         if self.labels != "all" and not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"record {rid!r}: no assistant turn to take a loss on")
