@@ -231,6 +231,15 @@ class ModuleGroup:
     lr_multiplier: float = setting(1.0, ge=0)
     """This group's learning rate is ``lr_multiplier`` times the scheduled ``lr``."""
 
+    peft_config: Any = None
+    """A ``peft.LoraConfig``: train a fresh LoRA adapter on this group's part instead of
+    its full weights (PEFT's fields and meanings: ``target_modules`` matched against the
+    part's full HF module names, ``r``, ``lora_alpha``, ``lora_dropout``, ``use_rslora``,
+    ``modules_to_save`` trained in full, ``init_lora_weights`` ``True`` / ``False`` /
+    ``"gaussian"``). The part's base weights get no gradients and no optimizer state.
+    ``lora_dropout > 0`` draws its masks per worker, so runs in different layouts are not
+    bitwise comparable. Needs ``pip install 'ray_disagg[lora]'``; see :mod:`ray_disagg.lora`."""
+
     standby: bool = setting(False)
     """Keep a started copy of this group's workers (same resources, its own placement
     group) that takes the group's place when one of its workers fails: the group restart
@@ -250,6 +259,15 @@ class ModuleGroup:
             )
         self.parallelism = _normalize_parallelism(self.parallelism)
         check_settings(self, _label(self))
+        if self.peft_config is not None:
+            from ray_disagg.models.lora import check_lora_config
+
+            check_lora_config(self.peft_config, "ModuleGroup(peft_config=...)")
+            if not self.trainable:
+                raise ValueError(
+                    "ModuleGroup(peft_config=..., trainable=False): a frozen group trains no "
+                    "adapter; drop peft_config or trainable=False."
+                )
         p = self.parallelism
         if isinstance(p, ExpertParallel) and n % (p.size * p.tp):
             what = f"size x tp={p.size * p.tp}" if p.tp > 1 else f"size={p.size}"

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig
 
 from ray_disagg.models import get_adapter
+from ray_disagg.models.lora import is_factor
 from ray_disagg.models.safetensors_stream import parse_size, save_streaming
 from ray_disagg.worker.shards import load_alone, read_metadata
 
@@ -96,6 +97,11 @@ def export_hf(
         sources: dict[str, _Source] = {}
         for part in adapter.parts:
             _read_sources(os.path.join(root, part), sources, adapter.hf_param_name)
+        if any(is_factor(k) for k in sources):
+            raise ValueError(
+                "This checkpoint trained a LoRA adapter; export_hf does not write LoRA "
+                "checkpoints yet (merged or as a PEFT adapter directory)."
+            )
         with torch.device("meta"):  # names and shapes only
             model = adapter.hf_class(config)
         expected = model.state_dict()

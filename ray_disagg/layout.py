@@ -42,6 +42,7 @@ from ray_disagg.launch.launches import Colocation
 from ray_disagg.launch.resources import colocation_for
 from ray_disagg.launch.standby import standby_groups
 from ray_disagg.loop_config import TrainLoopConfig
+from ray_disagg.lora import check_lora
 
 __all__ = ["DataSpec", "RunLayout", "resolve"]
 
@@ -99,6 +100,8 @@ class RunLayout:
     """The groups with a standby copy."""
     frozen_parts: tuple[str, ...]
     """The parts whose every parameter is frozen."""
+    lora_parts: frozenset[str]
+    """The parts that train a LoRA adapter (:mod:`ray_disagg.lora`)."""
     samples_validated: bool
     """The driver checks every sample before the run (map-style data)."""
 
@@ -134,6 +137,7 @@ def resolve(
     validate_layout(adapter, groups)
     if check_weights:
         model.check_weights()
+    lora = check_lora(model, groups)
     frozen = frozen_parts(model, groups)
     validated = data.validate_samples and not data.streamed
     loop = resolve_schedule(loop, placement, data.kind, validated)
@@ -147,5 +151,5 @@ def resolve(
     return RunLayout(
         groups=groups, loop=loop, placement=placement, colocation=colocation,
         transfer=transfer, restartable=restartable, elastic_sizes=sizes, standby=standby,
-        frozen_parts=frozen, samples_validated=validated,
+        frozen_parts=frozen, lora_parts=frozenset(lora), samples_validated=validated,
     )  # fmt: skip

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from ray_disagg.models import IGNORE_INDEX, get_adapter, loading
+from ray_disagg.models import IGNORE_INDEX, get_adapter, loading, lora
 from ray_disagg.models.base import ModelAdapter
 from ray_disagg.settings import check_settings, setting
 
@@ -28,7 +28,9 @@ def _hf_shapes(module: nn.Module, adapter: ModelAdapter) -> dict[str, tuple[int,
     block of a split Linear reads the fused tensor)."""
     shapes = {}
     for name, p in module.named_parameters():
-        fused, index, blocks = adapter.hf_param_name(name)
+        if lora.is_factor(name):
+            continue  # from the adapter directory (HFModelSpec.check_adapter) or fresh
+        fused, index, blocks = adapter.hf_param_name(lora.base_name(name))
         shape = tuple(p.shape)
         shapes[fused] = (blocks * shape[0], *shape[1:]) if index is not None else shape
     return shapes
@@ -62,6 +64,14 @@ class HFModelSpec:
     attn_implementation: str = setting("sdpa")
     """Attention kernel passed to ``transformers`` (e.g. ``"sdpa"`` or ``"eager"``)."""
 
+    peft_path: str | os.PathLike | None = None
+    """A saved PEFT LoRA adapter directory (``PeftModel.save_pretrained``: its
+    ``adapter_config.json`` and ``adapter_model.safetensors``) to start from: it adapts the
+    modules of every part that its ``target_modules`` match, trains its
+    ``modules_to_save`` in full and freezes the rest, as ``PeftModel.from_pretrained(...,
+    is_trainable=True)`` does (:mod:`ray_disagg.lora`). Needs ``pip install
+    'ray_disagg[lora]'``."""
+
     def __post_init__(self) -> None:
         check_settings(self, lambda name, value: f"{type(self).__name__}({name}={value!r})")
         if (self.config is None) == (self.pretrained_path is None):
@@ -85,6 +95,9 @@ class HFModelSpec:
                     "written by save_pretrained (downloads are not supported)."
                 )
             self.pretrained_path = path
+        if self.peft_path is not None:
+            self.peft_path = os.fspath(self.peft_path)
+            self.adapter_config  # noqa: B018 - a missing file or unsupported setting fails here
         self.adapter  # noqa: B018 - an unsupported model_type fails here, on the driver
 
     def load_config(self) -> PretrainedConfig:
@@ -95,6 +108,11 @@ class HFModelSpec:
     @functools.cached_property
     def adapter(self) -> ModelAdapter:
         return get_adapter(self.load_config())
+
+    @functools.cached_property
+    def adapter_config(self):
+        """The ``peft.LoraConfig`` of :attr:`peft_path` (``None`` without one)."""
+        return None if self.peft_path is None else lora.read_adapter_config(self.peft_path)
 
     def meta_model(self, part: str | None = None) -> nn.Module:
         """The HF model (pruned to ``part`` when given) on the ``meta`` device: no memory
@@ -109,16 +127,22 @@ class HFModelSpec:
         return loading.SafetensorsSource(self.pretrained_path, meta)
 
     def materialize(
-        self, module: nn.Module, device="cpu", part: str | None = None, log=None
+        self, module: nn.Module, device="cpu", part: str | None = None, log=None, adapter=None
     ) -> None:
         """Allocate only this rank's shards of ``module`` (a :meth:`meta_model`, possibly
         sharded by DTensor TP/FSDP2) on ``device`` and fill them, one tensor at a time,
-        from the pretrained weights or the per-name random init. ``log(message)`` gets
-        where the weights come from and the progress (every quarter and at the end)."""
+        from the pretrained weights or the per-name random init; ``adapter``: the
+        :class:`~ray_disagg.models.lora.PartLora` injected into ``module`` (its factors from
+        its directory or freshly initialized). ``log(message)`` gets where the weights
+        come from and the progress (every quarter and at the end)."""
         meta = self.meta_model(part)
         params = self.weight_source(meta)
         if isinstance(params, loading.SafetensorsSource):
             params.check(_hf_shapes(module, self.adapter))
+        hf_name = self.adapter.hf_param_name
+        if adapter is not None:
+            params = lora.lora_weights(params, adapter, module)
+            hf_name = lora.hf_name_map(hf_name)
         progress = None
         if log is not None:
             what = part or "model"
@@ -133,7 +157,7 @@ class HFModelSpec:
                     log(f"{what}: loaded {done}/{total} tensors ({time.perf_counter() - t0:.1f}s)")
 
         init = loading.InitSource(meta, self.seed)
-        loading.materialize(module, device, params, init, progress, self.adapter.hf_param_name)
+        loading.materialize(module, device, params, init, progress, hf_name)
 
     def build_full(self) -> nn.Module:
         """The whole HF model on the CPU (the single-process reference)."""

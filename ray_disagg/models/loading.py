@@ -34,6 +34,7 @@ __all__ = [
     "materialize",
     "merge_row_blocks",
     "meta_model",
+    "name_seed",
     "part_tensor",
     "cast_parameters",
     "tied_parameters",
@@ -66,7 +67,8 @@ def tied_parameters(model: nn.Module) -> dict[str, str]:
     return dict(model.get_expanded_tied_weights_keys())
 
 
-def _name_seed(seed: int, name: str) -> int:
+def name_seed(seed: int, name: str) -> int:
+    """The random seed of the tensor or module ``name`` under the run's ``seed``."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:7], "little")
 
@@ -124,7 +126,7 @@ class InitSource:
             for k, v in mod._buffers.items()
         }
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(_name_seed(self.seed, owner))
+            torch.manual_seed(name_seed(self.seed, owner))
             if hasattr(alone, "reset_parameters") and alone._parameters:
                 alone.reset_parameters()
             init = self._initializer(owner)._init_weights

@@ -124,6 +124,11 @@ class CachedModel:
     def load_config(self):
         return self._config
 
+    def __getattr__(self, name: str):  # the rest of the spec (seed, peft_path, ...)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._spec, name)
+
     @functools.cached_property
     def _config(self):
         return self._spec.load_config()

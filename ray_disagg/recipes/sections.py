@@ -61,7 +61,8 @@ SCALING = {  # Ray's ScalingConfig keys a recipe sets, with Ray's defaults
     "resources_per_worker": None,
     "placement_strategy": "PACK",
 }
-GROUP = {**SCALING, **defaults(ModuleGroup)}
+# peft_config (a peft.LoraConfig object) is not a recipe key
+GROUP = {**SCALING, **{k: v for k, v in defaults(ModuleGroup).items() if k != "peft_config"}}
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 PARALLELISM = {  # type -> (class, allowed keys: the class's fields)
     "none": (DataParallel, ()),

@@ -87,3 +87,35 @@ def reference_train(spec: HFModelSpec, dataset, cfg: TrainLoopConfig, groups=Non
     if val is not None:
         return losses, times, model, val_losses
     return losses, times, model
+
+
+def reference_train_peft(spec: HFModelSpec, adapter_dir: str, dataset, cfg: TrainLoopConfig):
+    """:func:`reference_train` of Hugging Face + PEFT: the whole HF model with the saved
+    adapter in ``adapter_dir`` (``PeftModel.from_pretrained(..., is_trainable=True)``:
+    its factors and ``modules_to_save`` trained, the rest frozen), AdamW over the trainable
+    parameters; returns ``(losses, peft_model)``."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(spec.build_full(), adapter_dir, is_trainable=True)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        trained, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
+    plan = BatchPlan(
+        num_samples=len(dataset),
+        global_batch_size=cfg.global_batch_size,
+        seed=cfg.seed,
+        shuffle=cfg.shuffle,
+    )
+    losses = []
+    for step in range(cfg.max_steps):
+        loss = model(**reference_batch(spec, [dataset[i] for i in plan.global_indices(step)])).loss
+        loss.backward()
+        if cfg.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(trained, cfg.max_grad_norm)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cfg, step, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, model

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from ray_disagg.config import ExpertParallel
 from ray_disagg.freezing import apply_freeze
+from ray_disagg.lora import apply_lora, part_lora
 from ray_disagg.models import loading
 from ray_disagg.parallel import expert_parallel as ep
 from ray_disagg.parallel import fsdp
@@ -80,6 +81,8 @@ class PartWorker:
         :meth:`setup` parallelizes it, shards it with FSDP2 and materializes this rank's
         shards."""
         model = self.args.spec.meta_model(self.part)
+        self.lora = part_lora(self.args.spec, self.part, self.group)
+        apply_lora(model, self.lora)  # PEFT's layers; the base frozen
         if self.cfg.param_dtype == "bfloat16":  # pure bf16
             loading.cast_parameters(model, torch.bfloat16)
         apply_freeze(model, self.group)  # before any plan: every wrapper keeps the flag
@@ -102,7 +105,7 @@ class PartWorker:
             units = self._own_units(model)
             fsdp.apply_fsdp(self.runner, self.shard_mesh, self.cfg.bf16, units, ignored=experts)
         log = log_line if self.group_rank == 0 else None
-        self.args.spec.materialize(model, self.device, self.part, log=log)
+        self.args.spec.materialize(model, self.device, self.part, log=log, adapter=self.lora)
         if self.is_tp:
             tp.mark_partial_grads(model, self.adapter.per_head_norms)
         self.params = [p for p in model.parameters() if p.requires_grad]

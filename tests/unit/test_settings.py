@@ -101,6 +101,7 @@ def test_enum_fields_are_literals_and_every_field_is_declared():
     assert choices(TrainLoopConfig, "schedule") == ("sequential", "1f1b")
     assert choices(TrainLoopConfig, "assignment") == ("auto", "contiguous", "balanced")
     explicit = {"scaling_config", "parallelism", "config", "pretrained_path"}
+    explicit |= {"peft_config", "peft_path"}  # checked by ray_disagg.models.lora
     for cls in DECLARED:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -111,8 +112,9 @@ def test_enum_fields_are_literals_and_every_field_is_declared():
 
 
 def test_the_recipe_schema_takes_its_defaults_from_the_declarations():
-    assert {k: sections.GROUP[k] for k in defaults(ModuleGroup)} == defaults(ModuleGroup)
-    assert set(sections.GROUP) == set(sections.SCALING) | set(defaults(ModuleGroup))
+    declared = {k: v for k, v in defaults(ModuleGroup).items() if k != "peft_config"}
+    assert {k: sections.GROUP[k] for k in declared} == declared
+    assert set(sections.GROUP) == set(sections.SCALING) | set(declared)
     assert sections.MODEL["seed"] == 0 and sections.MODEL["attn_implementation"] == "sdpa"
     assert (sections.TOP["placement"], sections.TOP["transfer"]) == ("separate", "auto")
     assert sections.PARALLELISM["context"][1] == ("size", "tp", "fsdp")

@@ -1,0 +1,295 @@
+"""LoRA on a part, with PEFT's own configs, layers and adapter files.
+
+A part under LoRA is its pruned HF model with PEFT's ``LoraLayer``s injected where the
+config's ``target_modules`` (PEFT's matching: name suffixes or a regex, against the full
+HF module names, so ``["gate_proj"]`` adapts the tower's and the LLM's alike) match, on
+the ``meta`` device before any parallel plan. Its base weights are frozen; the factors
+and the ``modules_to_save`` modules are trained. A ``modules_to_save`` module is trained
+in place (PEFT trains a copy beside the frozen original; both start equal, so the
+numerics are PEFT's at half the memory).
+
+The one name map between the part's parameters and everything outside it:
+
+=============================================  ============================================
+part parameter                                 HF weights / PEFT adapter file
+=============================================  ============================================
+``<module>.base_layer.weight``                 ``<module>.weight`` (the base model's)
+``<module>.lora_A.default.weight``             ``base_model.model.<module>.lora_A.weight``
+``<module under modules_to_save>.<param>``     ``base_model.model.<module>.<param>``
+=============================================  ============================================
+
+Parameter dtypes: fp32 runs keep the factors in fp32; ``bf16=True`` (mixed) keeps fp32
+factors and computes them in bf16 like the base; ``param_dtype="bfloat16"`` stores them in
+bf16 with the base.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ray_disagg.models.loading import name_seed
+
+__all__ = [
+    "ADAPTER",
+    "FILE_PREFIX",
+    "PartLora",
+    "base_name",
+    "check_adapter_file",
+    "check_lora_config",
+    "file_key",
+    "hf_name_map",
+    "inject",
+    "is_factor",
+    "lora_weights",
+    "read_adapter_config",
+]
+
+ADAPTER = "default"  # PEFT's adapter name inside the layers
+FILE_PREFIX = "base_model.model."  # PeftModel's prefix of every key in its files
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+_INITS = (True, False, "gaussian")
+# LoraConfig fields this package does not train with, and their off values
+_UNSUPPORTED = {
+    "use_dora": (False, "DoRA"),
+    "lora_bias": (False, "LoRA biases"),
+    "target_parameters": (None, "target_parameters (LoRA on raw parameters, e.g. MoE experts)"),
+    "trainable_token_indices": (None, "trainable_token_indices"),
+    "layer_replication": (None, "layer_replication"),
+    "use_qalora": (False, "QALoRA"),
+    "alora_invocation_tokens": (None, "aLoRA"),
+}
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError as e:
+        raise ValueError("LoRA needs PEFT: pip install 'ray_disagg[lora]' (peft 0.21).") from e
+    return peft
+
+
+def check_lora_config(config: Any, label: str) -> None:
+    """``ValueError`` naming ``label`` (e.g. ``"groups['text'].peft_config"``) unless
+    ``config`` is a ``peft.LoraConfig`` this package trains with."""
+    peft = _peft()
+    if not isinstance(config, peft.LoraConfig):
+        raise ValueError(
+            f"{label}: a {type(config).__name__}; only LoRA is supported "
+            "(peft.LoraConfig(r=..., lora_alpha=..., target_modules=[...]))."
+        )
+    if not config.target_modules:
+        raise ValueError(
+            f"{label}: target_modules is not set; name the modules to adapt, e.g. "
+            "target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj'] or 'all-linear'."
+        )
+    if config.bias != "none":
+        raise ValueError(f"{label}: bias={config.bias!r} is not supported; use bias='none'.")
+    if config.init_lora_weights not in _INITS:
+        raise ValueError(
+            f"{label}: init_lora_weights={config.init_lora_weights!r} rewrites the base "
+            "weights (PiSSA, OLoRA, LoftQ, EVA, CorDA ...), which sharded loading does not "
+            "do; use True, False or 'gaussian'."
+        )
+    for field, (off, what) in _UNSUPPORTED.items():
+        if getattr(config, field, off) not in (off, None, False, [], {}):
+            raise ValueError(f"{label}: {what} is not supported; leave {field} unset.")
+
+
+def read_adapter_config(path: str) -> Any:
+    """The ``LoraConfig`` of a PEFT adapter directory (``PeftModel.save_pretrained``),
+    checked (``ValueError`` naming the missing file or the unsupported setting)."""
+    peft = _peft()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise ValueError(
+                f"peft_path={path!r} has no {name}; pass a directory written by "
+                "PeftModel.save_pretrained (safetensors)."
+            )
+    with open(os.path.join(path, CONFIG_FILE)) as f:
+        kind = json.load(f).get("peft_type")
+    if kind != "LORA":
+        raise ValueError(f"peft_path={path!r}: a {kind} adapter; only LoRA is supported.")
+    config = peft.LoraConfig.from_pretrained(path)
+    check_lora_config(config, f"peft_path={path!r}")
+    return config
+
+
+@dataclass(frozen=True)
+class PartLora:
+    """The adapter of one part: PEFT's config and where its initial factors come from."""
+
+    config: Any
+    """The ``peft.LoraConfig``."""
+    path: str | None = None
+    """A PEFT adapter directory the factors (and ``modules_to_save``) start from; ``None``:
+    fresh factors, initialized as ``init_lora_weights`` says."""
+    seed: int = 0
+    """Seed of fresh factors (a function of the seed and the parameter's name alone)."""
+
+
+def inject(model: nn.Module, config: Any) -> list[str]:
+    """Put PEFT's LoRA layers into ``model`` in place (on ``meta`` their factors stay on
+    ``meta``), freeze every other parameter and train the ``modules_to_save`` modules in
+    place; returns the adapted modules' names (empty: nothing matched, model unchanged)."""
+    peft = _peft()
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+    from peft.utils.error import NoMatchingPeftModuleError
+
+    # trained here whatever the saved config says (PeftModel.from_pretrained(is_trainable=True))
+    config = dataclasses.replace(config, inference_mode=False)
+    try:
+        peft.inject_adapter_in_model(config, model, ADAPTER, low_cpu_mem_usage=True)
+    except NoMatchingPeftModuleError:
+        # nothing of this part matched: its base is frozen all the same (PEFT's meaning)
+        model.requires_grad_(False)
+        for name in saved_modules(config, [n for n, _ in model.named_modules()]):
+            model.get_submodule(name).requires_grad_(True)
+        return []
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, ModulesToSaveWrapper):
+            trained = mod.modules_to_save[ADAPTER]
+            trained.requires_grad_(True)
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, trained)
+    if hasattr(model, "peft_config"):
+        del model.peft_config  # PEFT's bookkeeping; the config travels with the spec
+    return [n for n, m in model.named_modules() if isinstance(m, LoraLayer)]
+
+
+def check_adapter_file(path: str, module: nn.Module, part: str) -> None:
+    """On the driver: the adapter file in ``path`` holds every factor of ``module`` (a
+    part with the adapter injected, on ``meta``) in the shape the base needs."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, WEIGHTS_FILE), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    for name, p in module.named_parameters():
+        if not is_factor(name):
+            continue
+        key = file_key(name)
+        if key not in shapes:
+            raise ValueError(
+                f"peft_path={path!r}: {WEIGHTS_FILE} has no {key!r} although its config "
+                f"adapts that module of the {part} part; the file is incomplete."
+            )
+        if shapes[key] != tuple(p.shape):
+            raise ValueError(
+                f"peft_path={path!r}: {key} has shape {shapes[key]} but the base model's "
+                f"module needs {tuple(p.shape)}; the adapter was saved from another model."
+            )
+
+
+def is_factor(name: str) -> bool:
+    """A LoRA factor of the part (``....lora_A.default.weight``)."""
+    return f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
+
+
+def base_name(name: str) -> str:
+    """The HF name of a part parameter that comes from the base model."""
+    return name.replace(".base_layer.", ".")
+
+
+def file_key(name: str) -> str:
+    """The key of a factor or a ``modules_to_save`` parameter in PEFT's adapter file."""
+    return FILE_PREFIX + name.replace(f".{ADAPTER}.", ".")
+
+
+def saved_modules(config: Any, names) -> set[str]:
+    """The modules of ``names`` that ``modules_to_save`` trains in full (PEFT's rule: the
+    module name ends with an entry)."""
+    keys = config.modules_to_save or ()
+    return {n for n in names if any(n.endswith(k) for k in keys)}
+
+
+def _under(name: str, modules) -> bool:
+    return any(name.startswith(m + ".") for m in modules)
+
+
+def fresh_factor(name: str, shape, config: Any, seed: int) -> torch.Tensor:
+    """A new factor as PEFT initializes it: ``init_lora_weights=True``: ``A`` as
+    ``nn.Linear`` (Kaiming uniform), ``B`` zeros; ``"gaussian"``: ``A`` normal with std
+    ``1/r``, ``B`` zeros; ``False``: both as ``nn.Linear``. A function of ``(seed, name)``
+    alone, so every layout starts from the same factors."""
+    out = torch.empty(shape)
+    gen = torch.Generator().manual_seed(name_seed(seed, name))
+    init, is_b = config.init_lora_weights, f".lora_B.{ADAPTER}." in name
+    if is_b and init is not False:
+        return out.zero_()
+    if init == "gaussian":
+        return out.normal_(0.0, 1.0 / shape[0], generator=gen)
+    return nn.init.kaiming_uniform_(out, a=math.sqrt(5), generator=gen)
+
+
+class LoraWeights:
+    """A part's initial tensors by part name (see the module's name map): the factors
+    from the adapter file or :func:`fresh_factor`, ``modules_to_save`` parameters from
+    the adapter file when it holds them, the rest from ``base`` (``.get(hf_name)``)."""
+
+    def __init__(self, base, lora: PartLora, module: nn.Module):
+        self.base, self.lora = base, lora
+        self.saved = saved_modules(lora.config, [n for n, _ in module.named_modules()])
+        self.shapes = {n: tuple(p.shape) for n, p in module.named_parameters() if is_factor(n)}
+        self.file = None
+        if lora.path is not None:
+            from safetensors import safe_open
+
+            self.file = safe_open(os.path.join(lora.path, WEIGHTS_FILE), "pt")
+            self.keys = set(self.file.keys())
+
+    def _from_file(self, name: str) -> bool:
+        if self.file is None:
+            return False
+        return is_factor(name) or (_under(name, self.saved) and file_key(name) in self.keys)
+
+    def get(self, name: str) -> torch.Tensor:
+        if self._from_file(name):
+            key = file_key(name)
+            if key not in self.keys:
+                raise ValueError(f"{WEIGHTS_FILE} in {self.lora.path!r} has no {key!r}")
+            return self.file.get_tensor(key)
+        if is_factor(name):
+            return fresh_factor(name, self.shapes[name], self.lora.config, self.lora.seed)
+        return self.base.get(base_name(name))
+
+
+class _RegionLoraWeights(LoraWeights):
+    """:class:`LoraWeights` over a base that reads blocks (``SafetensorsSource``)."""
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if self._from_file(name):
+            return tuple(self.file.get_slice(file_key(name)).get_shape())
+        if is_factor(name):
+            return self.shapes[name]
+        return self.base.shape(base_name(name))
+
+    def read(self, name: str, region) -> torch.Tensor:
+        if self._from_file(name) or is_factor(name):
+            return self.get(name)[region]
+        return self.base.read(base_name(name), region)
+
+
+def lora_weights(base, lora: PartLora, module: nn.Module) -> LoraWeights:
+    """The initial tensors of ``module`` (a part under ``lora``) over the base model's
+    source ``base``."""
+    cls = _RegionLoraWeights if hasattr(base, "read") else LoraWeights
+    return cls(base, lora, module)
+
+
+def hf_name_map(hf_param_name):
+    """The family's ``hf_param_name`` over part names with PEFT's ``base_layer``."""
+
+    def mapped(name: str):
+        if is_factor(name):
+            return name, None, 1
+        return hf_param_name(base_name(name))
+
+    return mapped
