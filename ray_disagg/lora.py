@@ -28,7 +28,15 @@ from collections.abc import Mapping
 from torch import nn
 
 from ray_disagg.config import ModuleGroup
-from ray_disagg.models.lora import PartLora, check_adapter_file, inject
+from ray_disagg.freezing import apply_freeze
+from ray_disagg.models.lora import (
+    PartLora,
+    check_adapter_file,
+    inject,
+    saved_modules,
+    tied_saved,
+    unsupported_layers,
+)
 
 __all__ = ["apply_lora", "check_lora", "part_lora"]
 
@@ -52,62 +60,85 @@ def _trainable(model: nn.Module) -> list[str]:
 
 
 def check_lora(spec, groups: Mapping[str, ModuleGroup]) -> dict[str, PartLora]:
-    """On the driver, on ``meta`` models: every part's adapter matches its part and
-    leaves something to train. Returns the parts under LoRA (``ValueError`` naming the
-    group, the setting and the fix otherwise)."""
-    out, adapted = {}, {}
-    if not any(part_lora(spec, p, g) for p, g in groups.items()):
-        return out
+    """On the driver, on ``meta`` models: every part's adapter matches its part, is one
+    this package trains, and leaves something to train. Returns the parts under LoRA
+    (``ValueError`` naming the group, the setting and the fix otherwise)."""
+    chosen = {p: part_lora(spec, p, g) for p, g in groups.items()}
+    chosen = {p: lora for p, lora in chosen.items() if lora is not None}
+    if not chosen:
+        return {}
     if getattr(spec.load_config(), "quantization_config", None) is not None:
         raise ValueError(
             "LoRA on a quantized base (its config.json has a quantization_config) is not "
             "supported (no QLoRA); start from the unquantized weights."
         )
-    for part, group in groups.items():
-        lora = part_lora(spec, part, group)
-        if lora is None:
-            continue
-        label = f"groups[{part!r}].peft_config" if group.peft_config is not None else None
-        if spec.peft_path is not None and label is not None:
+    injected = {}
+    for part, lora in chosen.items():
+        if spec.peft_path is not None and groups[part].peft_config is not None:
             raise ValueError(
-                f"{label} and HFModelSpec(peft_path=...) both put an adapter on the {part} "
-                "part; drop one of them."
+                f"groups[{part!r}].peft_config and HFModelSpec(peft_path=...) both put an "
+                f"adapter on the {part} part; drop one of them."
             )
-        _check_layout(part, group, label or f"peft_path={spec.peft_path!r}")
         model = copy.deepcopy(spec.meta_model(part))  # a planner caches its meta models
-        names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-        adapted[part] = apply_lora(model, lora)
-        if label is not None and not adapted[part]:
-            raise ValueError(
-                f"{label}: target_modules={lora.config.target_modules!r} matches no module "
-                f"of the {part} part (its Linear modules are e.g. {names[:4]}); name modules "
-                "of this part."
-            )
-        if group.trainable and not _trainable(model):
-            raise ValueError(
-                f"peft_path={spec.peft_path!r} adapts nothing in the {part} part and trains "
-                f"no module of it in full, so it has nothing to train: set "
-                f"groups[{part!r}] trainable=False, or give it its own peft_config."
-            )
-        if lora.path is not None:
-            check_adapter_file(lora.path, model, part)
-        out[part] = lora
-    if spec.peft_path is not None and not any(adapted.values()):
+        injected[part] = (model, apply_lora(model, lora))
+    if spec.peft_path is not None and not any(names for _, names in injected.values()):
         raise ValueError(
             f"peft_path={spec.peft_path!r}: target_modules="
             f"{spec.adapter_config.target_modules!r} matches no module of any part; it "
             "was not saved from this model."
         )
-    return out
+    for part, (model, adapted) in injected.items():
+        _check_part(spec, part, groups[part], chosen[part], model, adapted)
+    return chosen
+
+
+def _check_part(spec, part: str, group: ModuleGroup, lora: PartLora, model, adapted) -> None:
+    """The checks of one part under ``lora`` (``model``: its meta model, injected)."""
+    own = group.peft_config is not None
+    label = f"groups[{part!r}].peft_config" if own else f"peft_path={spec.peft_path!r}"
+    if own and not adapted:
+        names = [n for n, m in spec.meta_model(part).named_modules() if isinstance(m, nn.Linear)]
+        raise ValueError(
+            f"{label}: target_modules={lora.config.target_modules!r} matches no module of "
+            f"the {part} part (its Linear modules are e.g. {names[:4]}); name modules of "
+            "this part."
+        )
+    all_names = [n for n, _ in model.named_modules()]
+    for key in lora.config.modules_to_save or () if own else ():
+        if not saved_modules([key], all_names):
+            raise ValueError(
+                f"{label}: modules_to_save entry {key!r} matches no module of the {part} "
+                "part; drop it or put it on the group of its part."
+            )
+    bad = unsupported_layers(model, adapted)
+    if bad:
+        raise ValueError(f"{label}: {bad}; target Linear modules (e.g. q_proj, gate_proj).")
+    tied = tied_saved(model, lora.config)
+    if tied:
+        raise ValueError(
+            f"{label}: modules_to_save {tied} holds a tied parameter (tie_word_embeddings), "
+            "which is not supported; adapt it with LoRA or untie the embeddings."
+        )
+    if group.trainable:
+        _check_layout(part, group, label)
+        apply_freeze(model, group)
+        if not _trainable(model):
+            raise ValueError(
+                f"{label}: the {part} part has nothing to train (no adapted module, no "
+                f"modules_to_save, or all frozen by freeze=...): set groups[{part!r}] "
+                "trainable=False, or adapt modules of it."
+            )
+    if lora.path is not None:
+        saved = saved_modules(lora.config.modules_to_save, all_names)
+        check_adapter_file(lora.path, model, part, saved)
 
 
 def _check_layout(part: str, group: ModuleGroup, label: str) -> None:
     """The layouts LoRA is not tested with yet."""
     from ray_disagg.config import ExpertParallel
 
-    p = group.parallelism
-    if isinstance(p, ExpertParallel) or group.model_parallel_size > 1:
+    if isinstance(group.parallelism, ExpertParallel):
         raise ValueError(
-            f"{label}: LoRA on the {part} part with {type(p).__name__} is not supported "
-            "yet; use DataParallel (zero1 or fsdp=True) for this group."
+            f"{label}: LoRA on the {part} part with ExpertParallel is not supported yet; use "
+            "DataParallel (zero1 or fsdp=True) or TensorParallel for this group."
         )

@@ -29,8 +29,8 @@ def _hf_shapes(module: nn.Module, adapter: ModelAdapter) -> dict[str, tuple[int,
     shapes = {}
     for name, p in module.named_parameters():
         if lora.is_factor(name):
-            continue  # from the adapter directory (HFModelSpec.check_adapter) or fresh
-        fused, index, blocks = adapter.hf_param_name(lora.base_name(name))
+            continue  # from the adapter directory (checked on the driver) or fresh
+        fused, index, blocks = lora.hf_name_map(adapter.hf_param_name)(name)
         shape = tuple(p.shape)
         shapes[fused] = (blocks * shape[0], *shape[1:]) if index is not None else shape
     return shapes
@@ -141,7 +141,7 @@ class HFModelSpec:
             params.check(_hf_shapes(module, self.adapter))
         hf_name = self.adapter.hf_param_name
         if adapter is not None:
-            params = lora.lora_weights(params, adapter, module)
+            params = lora.lora_weights(params, adapter, module, hf_name)
             hf_name = lora.hf_name_map(hf_name)
         progress = None
         if log is not None:

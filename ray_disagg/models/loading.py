@@ -50,13 +50,13 @@ def meta_model(adapter, attn_implementation: str = "sdpa") -> nn.Module:
     return model.float().train()
 
 
-def cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
+def cast_parameters(module: nn.Module, dtype: torch.dtype, keep=frozenset()) -> None:
     """Parameters (not buffers: rope ``inv_freq`` stays fp32) to ``dtype``, keeping tied
-    parameters tied."""
+    parameters tied; the parameters named in ``keep`` keep their dtype."""
     done: dict[int, nn.Parameter] = {}
-    for mod in module.modules():
+    for prefix, mod in module.named_modules():
         for k, p in mod._parameters.items():
-            if p is not None:
+            if p is not None and f"{prefix}.{k}".lstrip(".") not in keep:
                 if id(p) not in done:
                     done[id(p)] = nn.Parameter(p.to(dtype), requires_grad=p.requires_grad)
                 mod._parameters[k] = done[id(p)]

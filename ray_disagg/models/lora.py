@@ -18,9 +18,9 @@ part parameter                                 HF weights / PEFT adapter file
 ``<module under modules_to_save>.<param>``     ``base_model.model.<module>.<param>``
 =============================================  ============================================
 
-Parameter dtypes: fp32 runs keep the factors in fp32; ``bf16=True`` (mixed) keeps fp32
-factors and computes them in bf16 like the base; ``param_dtype="bfloat16"`` stores them in
-bf16 with the base.
+Factor dtypes: always fp32 (as PEFT's ``autocast_adapter_dtype``), also beside a bf16 base
+with ``param_dtype="bfloat16"``; under ``bf16=True`` FSDP2's policy computes them in bf16
+like the base (its master copy stays fp32).
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ __all__ = [
     "is_factor",
     "lora_weights",
     "read_adapter_config",
+    "saved_modules",
+    "tied_saved",
+    "unsupported_layers",
 ]
 
 ADAPTER = "default"  # PEFT's adapter name inside the layers
@@ -65,7 +68,16 @@ _UNSUPPORTED = {
     "layer_replication": (None, "layer_replication"),
     "use_qalora": (False, "QALoRA"),
     "alora_invocation_tokens": (None, "aLoRA"),
+    "ensure_weight_tying": (False, "ensure_weight_tying"),
+    "use_bdlora": (None, "BD-LoRA"),
+    "velora_config": (None, "VeLoRA"),
+    "monteclora_config": (None, "MonteCLoRA"),
+    "arrow_config": (None, "Arrow"),
+    "kasa_config": (None, "KaSA"),
 }
+# initializations whose factors pair with a rewritten base (PiSSA, OLoRA, CorDA, LoftQ,
+# LoRA-GA subtract their start from the base weights)
+_REWRITES_BASE = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 
 def _peft():
@@ -76,9 +88,10 @@ def _peft():
     return peft
 
 
-def check_lora_config(config: Any, label: str) -> None:
+def check_lora_config(config: Any, label: str, saved: bool = False) -> None:
     """``ValueError`` naming ``label`` (e.g. ``"groups['text'].peft_config"``) unless
-    ``config`` is a ``peft.LoraConfig`` this package trains with."""
+    ``config`` is a ``peft.LoraConfig`` this package trains with (``saved``: the config of
+    an adapter directory, whose factors are read rather than initialized)."""
     peft = _peft()
     if not isinstance(config, peft.LoraConfig):
         raise ValueError(
@@ -92,11 +105,18 @@ def check_lora_config(config: Any, label: str) -> None:
         )
     if config.bias != "none":
         raise ValueError(f"{label}: bias={config.bias!r} is not supported; use bias='none'.")
-    if config.init_lora_weights not in _INITS:
+    init = config.init_lora_weights
+    if saved and str(init).lower().startswith(_REWRITES_BASE):
         raise ValueError(
-            f"{label}: init_lora_weights={config.init_lora_weights!r} rewrites the base "
-            "weights (PiSSA, OLoRA, LoftQ, EVA, CorDA ...), which sharded loading does not "
-            "do; use True, False or 'gaussian'."
+            f"{label}: made with init_lora_weights={init!r}, whose factors pair with a "
+            "rewritten base, not the pretrained weights; convert it to a plain LoRA first "
+            "(PEFT: save_pretrained(path_initial_model_for_weight_conversion=...))."
+        )
+    if not saved and init not in _INITS:
+        raise ValueError(
+            f"{label}: init_lora_weights={init!r} is not supported (PiSSA, OLoRA, LoftQ, "
+            "CorDA and LoRA-GA rewrite the base weights; EVA needs data): use True, False "
+            "or 'gaussian'."
         )
     for field, (off, what) in _UNSUPPORTED.items():
         if getattr(config, field, off) not in (off, None, False, [], {}):
@@ -118,7 +138,7 @@ def read_adapter_config(path: str) -> Any:
     if kind != "LORA":
         raise ValueError(f"peft_path={path!r}: a {kind} adapter; only LoRA is supported.")
     config = peft.LoraConfig.from_pretrained(path)
-    check_lora_config(config, f"peft_path={path!r}")
+    check_lora_config(config, f"peft_path={path!r}", saved=True)
     return config
 
 
@@ -151,7 +171,7 @@ def inject(model: nn.Module, config: Any) -> list[str]:
     except NoMatchingPeftModuleError:
         # nothing of this part matched: its base is frozen all the same (PEFT's meaning)
         model.requires_grad_(False)
-        for name in saved_modules(config, [n for n, _ in model.named_modules()]):
+        for name in saved_modules(config.modules_to_save, [n for n, _ in model.named_modules()]):
             model.get_submodule(name).requires_grad_(True)
         return []
     for name, mod in list(model.named_modules()):
@@ -165,21 +185,22 @@ def inject(model: nn.Module, config: Any) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, LoraLayer)]
 
 
-def check_adapter_file(path: str, module: nn.Module, part: str) -> None:
+def check_adapter_file(path: str, module: nn.Module, part: str, saved: set[str]) -> None:
     """On the driver: the adapter file in ``path`` holds every factor of ``module`` (a
-    part with the adapter injected, on ``meta``) in the shape the base needs."""
+    part with the adapter injected, on ``meta``) and every parameter of its ``saved``
+    modules (``modules_to_save``), in the shapes the base needs."""
     from safetensors import safe_open
 
     with safe_open(os.path.join(path, WEIGHTS_FILE), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
     for name, p in module.named_parameters():
-        if not is_factor(name):
+        if not (is_factor(name) or _under(name, saved)):
             continue
         key = file_key(name)
         if key not in shapes:
             raise ValueError(
                 f"peft_path={path!r}: {WEIGHTS_FILE} has no {key!r} although its config "
-                f"adapts that module of the {part} part; the file is incomplete."
+                f"adapts or saves that module of the {part} part; the file is incomplete."
             )
         if shapes[key] != tuple(p.shape):
             raise ValueError(
@@ -203,11 +224,32 @@ def file_key(name: str) -> str:
     return FILE_PREFIX + name.replace(f".{ADAPTER}.", ".")
 
 
-def saved_modules(config: Any, names) -> set[str]:
-    """The modules of ``names`` that ``modules_to_save`` trains in full (PEFT's rule: the
-    module name ends with an entry)."""
-    keys = config.modules_to_save or ()
-    return {n for n in names if any(n.endswith(k) for k in keys)}
+def saved_modules(keys, names) -> set[str]:
+    """The modules of ``names`` that the ``modules_to_save`` entries ``keys`` train in
+    full (PEFT's rule: the module name ends with an entry)."""
+    return {n for n in names if any(n.endswith(k) for k in keys or ())}
+
+
+def unsupported_layers(model: nn.Module, adapted: list[str]) -> str:
+    """What is wrong with the first adapted module that is not a plain LoRA ``Linear``
+    (PEFT's ``lora.Linear`` without a variant such as DoRA); ``""`` when none."""
+    from peft.tuners.lora import Linear
+
+    for name in adapted:
+        layer = model.get_submodule(name)
+        if type(layer) is not Linear or layer.lora_variant:
+            what = type(layer.get_base_layer()).__name__
+            return f"LoRA on {name} (a {what}) is not supported"
+    return ""
+
+
+def tied_saved(model: nn.Module, config: Any) -> list[str]:
+    """The ``modules_to_save`` modules of ``model`` that hold a tied parameter."""
+    from ray_disagg.models.loading import tied_parameters
+
+    tied = {n for pair in tied_parameters(model).items() for n in pair}
+    saved = saved_modules(config.modules_to_save, [n for n, _ in model.named_modules()])
+    return sorted(m for m in saved if any(t.startswith(m + ".") for t in tied))
 
 
 def _under(name: str, modules) -> bool:
@@ -234,10 +276,16 @@ class LoraWeights:
     from the adapter file or :func:`fresh_factor`, ``modules_to_save`` parameters from
     the adapter file when it holds them, the rest from ``base`` (``.get(hf_name)``)."""
 
-    def __init__(self, base, lora: PartLora, module: nn.Module):
+    def __init__(self, base, lora: PartLora, module: nn.Module, hf_param_name):
         self.base, self.lora = base, lora
-        self.saved = saved_modules(lora.config, [n for n, _ in module.named_modules()])
-        self.shapes = {n: tuple(p.shape) for n, p in module.named_parameters() if is_factor(n)}
+        names = [n for n, _ in module.named_modules()]
+        self.saved = saved_modules(lora.config.modules_to_save, names)
+        self.shapes = {}  # every factor's global shape, a split one's as the fused factor
+        for name, p in module.named_parameters():
+            if is_factor(name):
+                fused, index, blocks = hf_param_name(name)
+                rows = p.shape[0] * (blocks if index is not None else 1)
+                self.shapes[fused] = (rows, *p.shape[1:])
         self.file = None
         if lora.path is not None:
             from safetensors import safe_open
@@ -277,19 +325,20 @@ class _RegionLoraWeights(LoraWeights):
         return self.base.read(base_name(name), region)
 
 
-def lora_weights(base, lora: PartLora, module: nn.Module) -> LoraWeights:
+def lora_weights(base, lora: PartLora, module: nn.Module, hf_param_name) -> LoraWeights:
     """The initial tensors of ``module`` (a part under ``lora``) over the base model's
-    source ``base``."""
+    source ``base``; ``hf_param_name``: the family's (row blocks of split Linears)."""
     cls = _RegionLoraWeights if hasattr(base, "read") else LoraWeights
-    return cls(base, lora, module)
+    return cls(base, lora, module, hf_param_name)
 
 
 def hf_name_map(hf_param_name):
-    """The family's ``hf_param_name`` over part names with PEFT's ``base_layer``."""
+    """The family's ``hf_param_name`` for the part's names under LoRA: a base parameter's
+    fused HF name (``base_layer`` dropped), a factor's fused factor name (a split
+    ``lora_B``'s row blocks re-joined)."""
 
     def mapped(name: str):
-        if is_factor(name):
-            return name, None, 1
-        return hf_param_name(base_name(name))
+        fused, index, blocks = hf_param_name(name)
+        return (fused if is_factor(fused) else base_name(fused)), index, blocks
 
     return mapped

@@ -102,6 +102,55 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def _is_lora(module: torch.nn.Module) -> bool:
+    """PEFT's LoRA layer: the wrapped ``base_layer`` plus ``lora_A`` / ``lora_B`` dicts."""
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A")
+
+
+def _lora_styles(root: torch.nn.Module, name: str, style: str) -> dict[str, str]:
+    """The plan entries of module ``name`` of ``root``: itself, or for a LoRA layer its
+    ``base_layer`` sharded as the plan says and the factor that meets the shard sharded
+    with it: a column-wise base's ``lora_B`` by rows (``lora_A`` whole), a row-wise base's
+    ``lora_A`` by columns (``lora_B`` whole). A piece of a split Linear under LoRA
+    (``<fused>.<piece>``): that piece of the split base and of the split ``lora_B``."""
+    owner, _, piece = name.rpartition(".")
+    if owner and _has(root, owner) and _is_lora(root.get_submodule(owner)):  # a split piece
+        keys = root.get_submodule(owner).lora_B
+        return {f"{owner}.base_layer.{piece}": style} | {
+            f"{owner}.lora_B.{key}.{piece}": style for key in keys
+        }
+    if not _has(root, name):
+        return {}  # e.g. an MoE layer has no dense MLP
+    mod = root.get_submodule(name)
+    if not _is_lora(mod):
+        return {name: style}
+    factor = "lora_B" if style == "colwise" else "lora_A"
+    return {f"{name}.base_layer": style} | {
+        f"{name}.{factor}.{key}": style for key in getattr(mod, factor)
+    }
+
+
+def _plan(root: torch.nn.Module, styles: dict[str, str]) -> dict:
+    """``parallelize_module``'s plan of ``styles`` (name -> ``"colwise"``/``"rowwise"``)
+    for the modules ``root`` has, LoRA layers expanded (:func:`_lora_styles`)."""
+    out = {}
+    for name, style in styles.items():
+        out.update(_lora_styles(root, name, style))
+    return {n: _STYLES[s]() for n, s in out.items()}
+
+
+def _split(blk: torch.nn.Module, path: str, pieces: tuple[str, ...]) -> None:
+    """Replace the fused Linear at ``path`` by a :class:`SplitLinear`; under LoRA its
+    ``base_layer`` and ``lora_B`` (rows in the same blocks; ``lora_A`` is shared)."""
+    mod = blk.get_submodule(path)
+    if not _is_lora(mod):
+        _set(blk, path, SplitLinear(mod, pieces))
+        return
+    mod.base_layer = SplitLinear(mod.base_layer, pieces)
+    for key in list(mod.lora_B):
+        mod.lora_B[key] = SplitLinear(mod.lora_B[key], pieces)
+
+
 def _has(module: torch.nn.Module, name: str) -> bool:
     try:
         module.get_submodule(name)
@@ -125,8 +174,7 @@ def parallelize_text(
     vocab row of this rank's logits (for :class:`VocabParallelCrossEntropy`)."""
     tied = lm_head.weight is lm.embed_tokens.weight
     for layer in lm.layers:  # a layer may lack entries (an MoE layer has no dense MLP)
-        plan = {n: _STYLES[s]() for n, s in layer_plan.items() if _has(layer, n)}
-        parallelize_module(layer, tp_mesh, plan)
+        parallelize_module(layer, tp_mesh, _plan(layer, layer_plan))
     mark_partial_grads(lm, per_head_norms)
     # vocab-parallel embedding: row shards of the table, partial lookups summed
     parallelize_module(
@@ -158,11 +206,17 @@ class LinearSplit:
 
     def fused_name(self, name: str) -> tuple[str, int | None]:
         """``(fused name, row block index)`` of a block's parameter ``name``;
-        ``(name, None)`` for any other name."""
+        ``(name, None)`` for any other name. Under LoRA the blocks sit inside PEFT's
+        layer: ``<module>.base_layer.<piece>.<leaf>`` and
+        ``<module>.lora_B.<adapter>.<piece>.<leaf>`` are rows of the same names without
+        ``<piece>``."""
         head, sep, tail = name.rpartition(f".{self.module}.")
-        piece, dot, leaf = tail.partition(".")
-        if sep and dot and piece in self.pieces:
-            return f"{head}.{self.module}.{leaf}", self.pieces.index(piece)
+        parts = tail.split(".") if sep else []
+        if len(parts) < 2 or parts[-2] not in self.pieces:
+            return name, None
+        inner = parts[:-2]
+        if inner in ([], ["base_layer"]) or (len(inner) == 2 and inner[0] == "lora_B"):
+            return ".".join([head, self.module, *inner, parts[-1]]), self.pieces.index(parts[-2])
         return name, None
 
 
@@ -214,11 +268,12 @@ def _set(root: torch.nn.Module, path: str, value) -> None:
 def parallelize_vision(tower, plan: BlockTPPlan, tp_mesh) -> None:
     """Shard every block of ``tower`` in place with ``plan``: attention by heads, the MLP
     by its width; everything outside the blocks (patch embedding, merger) stays
-    replicated. The plan's fused Linears are split first (:class:`SplitLinear`)."""
+    replicated. The plan's fused Linears are split first (:class:`SplitLinear`). LoRA
+    layers: see :func:`_lora_styles`."""
     for blk in tower.get_submodule(plan.blocks):
         for path, split in plan.splits.items():
-            _set(blk, path, SplitLinear(blk.get_submodule(path), split.pieces))
-        parallelize_module(blk, tp_mesh, {name: _STYLES[s]() for name, s in plan.styles.items()})
+            _split(blk, path, split.pieces)
+        parallelize_module(blk, tp_mesh, _plan(blk, plan.styles))
         owner, _, attr = plan.heads.rpartition(".")
         attn = blk.get_submodule(owner) if owner else blk
         setattr(attn, attr, getattr(attn, attr) // tp_mesh.size())

@@ -10,6 +10,7 @@ from ray_disagg.config import ExpertParallel
 from ray_disagg.freezing import apply_freeze
 from ray_disagg.lora import apply_lora, part_lora
 from ray_disagg.models import loading
+from ray_disagg.models.lora import is_factor
 from ray_disagg.parallel import expert_parallel as ep
 from ray_disagg.parallel import fsdp
 from ray_disagg.parallel import tensor_parallel as tp
@@ -83,8 +84,9 @@ class PartWorker:
         model = self.args.spec.meta_model(self.part)
         self.lora = part_lora(self.args.spec, self.part, self.group)
         apply_lora(model, self.lora)  # PEFT's layers; the base frozen
-        if self.cfg.param_dtype == "bfloat16":  # pure bf16
-            loading.cast_parameters(model, torch.bfloat16)
+        if self.cfg.param_dtype == "bfloat16":  # pure bf16; LoRA factors stay fp32 (PEFT)
+            factors = {n for n, _ in model.named_parameters() if is_factor(n)}
+            loading.cast_parameters(model, torch.bfloat16, keep=factors)
         apply_freeze(model, self.group)  # before any plan: every wrapper keeps the flag
         if self.group.activation_checkpointing:
             for root in self.adapter.part_roots(model, self.part):

@@ -1,57 +1,36 @@
 """Tier 2 (the groups' workers without Ray, ``testing.local``): LoRA from a saved PEFT
-adapter directory (nonzero ``lora_B``, LoRA on both parts, the merger trained in full
-through ``modules_to_save``) equals an independent single-process Hugging Face + PEFT run
-(``PeftModel.from_pretrained(..., is_trainable=True)``, AdamW, fp32, 3 steps): the
-losses, the trained adapter under PEFT's file keys, the merged weights, and base weights
-that never move."""
+adapter directory (nonzero ``lora_B``, LoRA on both parts including the tower's fused
+``qkv``, the merger trained in full through ``modules_to_save``) equals an independent
+single-process Hugging Face + PEFT run (``PeftModel.from_pretrained(...,
+is_trainable=True)``, AdamW, fp32, 3 steps) in every layout: the losses, the trained
+adapter under PEFT's file keys, the merged weights, and base weights that never move."""
+
+import dataclasses
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-from safetensors.torch import load_file
+from peft import LoraConfig
 
-from ray_disagg import DataParallel, HFModelSpec, TrainLoopConfig, tiny_qwen2_5_vl_config
-from ray_disagg.data.examples import synthetic_samples
-from ray_disagg.models.lora import base_name, file_key, is_factor
+from ray_disagg import (
+    ContextParallel,
+    DataParallel,
+    HFModelSpec,
+    SequenceParallel,
+    TensorParallel,
+    TrainLoopConfig,
+)
+from ray_disagg.models.lora import is_factor
 from ray_disagg.testing.reference import reference_train_peft
 from tests.helpers import checkpoint_state, group, run_layout, vt
+from tests.lora_data import assert_matches_peft, save_base_and_adapter
 
-GRIDS = [(1, 4, 4), None, (1, 4, 8), (1, 8, 4)]
 LOOP = {"global_batch_size": 4, "max_steps": 3, "checkpoint_every": 1, "eps": 1e-6, "seed": 3}
-LORA = LoraConfig(
-    r=4,
-    lora_alpha=8,
-    target_modules=["qkv", "q_proj", "v_proj", "gate_proj"],  # tower and LLM
-    modules_to_save=["merger"],
-    init_lora_weights=False,  # lora_B nonzero: a sharding bug in A cannot hide
-)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A pretrained directory and a PEFT adapter directory saved from it."""
-    cfg = tiny_qwen2_5_vl_config()
     base, adapter = tmp_path_factory.mktemp("base"), tmp_path_factory.mktemp("adapter")
-    model = HFModelSpec(config=cfg, seed=11).build_full()
-    model.save_pretrained(base)
-    torch.manual_seed(0)
-    peft_model = get_peft_model(model, LORA)
-    with torch.no_grad():  # the saved merger differs from the base's
-        for p in peft_model.base_model.model.model.visual.merger.modules_to_save.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    peft_model.save_pretrained(adapter)
-    return base, adapter, synthetic_samples(cfg, 8, grids=GRIDS)
-
-
-def merged(state: dict, scale: float) -> dict:
-    """``W + scale * B @ A`` of every adapted module; the other base weights as they are."""
-    out = {base_name(k): v for k, v in state.items() if not is_factor(k)}
-    for k, a in state.items():
-        if ".lora_A." in k:
-            module = k.split(".lora_A.")[0]
-            b = state[k.replace(".lora_A.", ".lora_B.")]
-            out[f"{module}.weight"] = out[f"{module}.weight"] + scale * b @ a
-    return out
+    return base, adapter, save_base_and_adapter(base, adapter)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +42,18 @@ def reference(saved):
 
 LAYOUTS = {
     "vision1-text-fsdp2": (lambda: vt(group(1), group(2, DataParallel(fsdp=True))), {}),
+    "vision-sp2-text-tp2": (
+        lambda: vt(group(2, SequenceParallel(size=2)), group(2, TensorParallel(size=2))),
+        {},
+    ),
+    "vision-tp2-split-qkv-text-fsdp2xtp2": (
+        lambda: vt(
+            group(2, TensorParallel(size=2)),
+            group(4, TensorParallel(size=2, fsdp=True), cpus=0.25),
+        ),
+        {},
+    ),
+    "vision1-text-cp2": (lambda: vt(group(1), group(2, ContextParallel(size=2))), {}),
     "vision-zero1-dp2-text1-1f1b": (
         lambda: vt(group(2, DataParallel(zero1=True)), group(1)),
         {"micro_batches": 2},
@@ -78,52 +69,45 @@ def test_lora_layouts_equal_hf_peft(saved, reference, tmp_path, layout):
     spec = HFModelSpec(pretrained_path=base, peft_path=adapter)
     result = run_layout(spec, data, LOOP | loop, groups(), tmp_path, layout, local=True)
 
-    got = result.metrics_dataframe.sort_values("step")
-    torch.testing.assert_close(
-        torch.tensor(got["loss"].tolist()), torch.tensor(ref_losses), rtol=1e-5, atol=0.0
-    )
-    state = checkpoint_state(result.checkpoint)
-    trained = get_peft_model_state_dict(ref)  # PEFT's file keys
-    ours = {file_key(k): v for k, v in state.items() if is_factor(k) or ".merger." in k}
-    assert set(ours) == set(trained)
-    for key, value in trained.items():
-        torch.testing.assert_close(ours[key], value, rtol=0.0, atol=1e-5, msg=key)
-    start = load_file(adapter / "adapter_model.safetensors")
-    moved = [k for k in trained if (trained[k] - start[k]).abs().max() > 1e-4]
-    assert len(moved) == len(trained)  # every factor and merger tensor trained
-
-    ref_merged = merged_reference(ref)
-    ours_merged = merged(state, LORA.lora_alpha / LORA.r)
-    assert set(ours_merged) == set(ref_merged)
-    for key, value in ref_merged.items():
-        torch.testing.assert_close(ours_merged[key], value, rtol=0.0, atol=1e-5, msg=key)
-    start = HFModelSpec(pretrained_path=base).build_full().state_dict()
-    frozen = [k for k in state if ".base_layer." in k or "layernorm" in k]
-    assert frozen and all(torch.equal(state[k], start[base_name(k)]) for k in frozen)
-
-
-def merged_reference(ref) -> dict:
-    """PEFT's own merge (``merge_and_unload``) of a copy: the reference stays a PeftModel
-    for the next layout."""
-    import copy
-
-    return copy.deepcopy(ref).merge_and_unload().state_dict()
+    assert_matches_peft(result, ref_losses, ref, base, adapter)
 
 
 @pytest.mark.parametrize(("mode", "dtype"), [("bf16", torch.float32), ("pure", torch.bfloat16)])
 def test_lora_factor_dtypes_under_fsdp2_bf16(saved, reference, tmp_path, mode, dtype):
-    """``bf16=True``: fp32 factors (bf16 compute, as the base); ``param_dtype="bfloat16"``:
-    bf16 factors. Both in one FSDP2 unit with the frozen base, close to the fp32 losses."""
+    """fp32 factors in both bf16 modes (bf16 compute under FSDP2's policy), in one FSDP2
+    unit with the frozen base of ``dtype``; losses close to fp32's."""
     base, adapter, data = saved
-    loop = LOOP | {"max_steps": 2, "bf16": True}
-    if mode == "pure":
+    loop = LOOP | {"max_steps": 2, "bf16": mode == "bf16"}
+    if mode == "pure":  # no cast policy: FSDP2 all-gathers bf16 base and fp32 factors
         loop["param_dtype"] = "bfloat16"
     groups = vt(group(1), group(2, DataParallel(fsdp=True)))
     spec = HFModelSpec(pretrained_path=base, peft_path=adapter)
     result = run_layout(spec, data, loop, groups, tmp_path, mode, local=True)
     state = checkpoint_state(result.checkpoint)
-    assert {v.dtype for k, v in state.items() if is_factor(k)} == {dtype}
+    assert {v.dtype for k, v in state.items() if is_factor(k)} == {torch.float32}
+    assert {v.dtype for k, v in state.items() if ".base_layer." in k} == {dtype}
     losses = result.metrics_dataframe.sort_values("step")["loss"].tolist()
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(reference[0][:2]), rtol=0.02, atol=0.0
     )
+
+
+def test_a_fresh_adapter_starts_the_same_in_every_layout(saved, tmp_path):
+    """``ModuleGroup(peft_config=...)``: factors drawn per name (``init_lora_weights=False``:
+    both random, as ``nn.Linear``), so 1 worker and FSDP2(2) train the same run."""
+    base, _, data = saved
+    config = LoraConfig(r=4, target_modules=["q_proj", "gate_proj"], init_lora_weights=False)
+    spec = HFModelSpec(pretrained_path=base)
+    states, losses = [], []
+    for name, parallelism in (("one", "none"), ("fsdp2", DataParallel(fsdp=True))):
+        text = group(1 if name == "one" else 2, parallelism)
+        text = dataclasses.replace(text, peft_config=config)
+        vision = dataclasses.replace(group(1), trainable=False)
+        result = run_layout(spec, data, LOOP, vt(vision, text), tmp_path, name, local=True)
+        losses.append(result.metrics_dataframe.sort_values("step")["loss"].tolist())
+        states.append(checkpoint_state(result.checkpoint))
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=1e-5, atol=0)
+    factors = [k for k in states[0] if is_factor(k)]
+    assert len(factors) == 8  # q_proj and gate_proj of 2 layers, A and B
+    for k in factors:
+        torch.testing.assert_close(states[0][k], states[1][k], rtol=0, atol=1e-5, msg=k)

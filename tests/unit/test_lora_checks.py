@@ -9,14 +9,19 @@ import torch
 from peft import IA3Config, LoraConfig, get_peft_model
 
 from ray_disagg import (
+    ADAPTERS,
+    ContextParallel,
     DataParallel,
+    ExpertParallel,
     HFModelSpec,
     ModuleGroup,
+    SequenceParallel,
     TensorParallel,
     tiny_qwen2_5_vl_config,
+    tiny_qwen3_vl_moe_config,
 )
 from ray_disagg.layout import DataSpec, resolve
-from ray_disagg.models.lora import file_key, inject, is_factor
+from ray_disagg.models.lora import check_lora_config, file_key, fresh_factor, inject, is_factor
 from tests.helpers import group, vt
 
 LOOP = {"max_steps": 2, "global_batch_size": 2}
@@ -58,7 +63,7 @@ def test_a_lora_group_is_accepted_and_only_its_part_is_under_lora():
             target_modules=["q_proj"], feedforward_modules=[])), "only LoRA"),
         (lambda: lora_group(bias="all"), "bias='none'"),
         (lambda: lora_group(use_dora=True), "DoRA"),
-        (lambda: lora_group(init_lora_weights="pissa"), "rewrites the base"),
+        (lambda: lora_group(init_lora_weights="pissa"), "rewrite the base"),
         (lambda: lora_group(target_modules=None), "target_modules is not set"),
         (lambda: ModuleGroup(scaling_config=group(1).scaling_config, trainable=False,
                              peft_config=LoraConfig(target_modules=["q_proj"])), "trainable=False"),
@@ -74,15 +79,24 @@ def test_targets_matching_nothing_in_the_groups_part_name_its_modules():
         check(vt(lora_group(1), group(1)))
 
 
-def test_lora_with_tensor_parallelism_is_refused_for_now():
-    with pytest.raises(ValueError, match="TensorParallel is not supported yet"):
-        check(vt(group(1), lora_group(2, TensorParallel(size=2))))
+def test_lora_under_tp_sp_cp_is_accepted_and_expert_parallel_refused():
+    layout = check(
+        vt(
+            lora_group(2, SequenceParallel(size=2), target_modules=["qkv"]),
+            lora_group(4, TensorParallel(size=2, fsdp=True)),
+        )
+    )
+    assert layout.lora_parts == {"vision", "text"}
+    check(vt(group(1), lora_group(2, ContextParallel(size=2))))
+    moe = HFModelSpec(config=tiny_qwen3_vl_moe_config())
+    with pytest.raises(ValueError, match="ExpertParallel is not supported yet"):
+        check(vt(group(1), lora_group(2, ExpertParallel(size=2))), moe)
 
 
 def test_adapter_directories_are_checked(saved, tmp_path):
     base, adapter = saved
     spec = HFModelSpec(pretrained_path=base, peft_path=adapter)
-    with pytest.raises(ValueError, match=r"adapts nothing in the vision part.*trainable=False"):
+    with pytest.raises(ValueError, match=r"the vision part has nothing to train.*trainable=False"):
         check(vt(group(1), group(1)), spec)
     frozen_vision = ModuleGroup(scaling_config=group(1).scaling_config, trainable=False)
     layout = check(vt(frozen_vision, group(1)), spec)
@@ -131,3 +145,32 @@ def test_part_names_map_to_peft_file_keys():
         "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_B.weight",
     }
     assert all(p.device == torch.device("meta") for p in model.parameters())
+
+
+def test_what_peft_would_do_differently_is_refused():
+    with pytest.raises(ValueError, match="'merger' matches no module of the text part"):
+        check(vt(group(1), lora_group(1, modules_to_save=["merger"])))
+    with pytest.raises(ValueError, match=r"embed_tokens \(a Embedding\) is not supported"):
+        check(vt(group(1), lora_group(1, target_modules=["q_proj", "embed_tokens"])))
+    tied = HFModelSpec(config=ADAPTERS["internvl"].tiny_config())
+    with pytest.raises(ValueError, match=r"modules_to_save \['lm_head'\] holds a tied"):
+        check(vt(group(1), lora_group(1, modules_to_save=["lm_head"])), tied)
+    frozen_factors = lora_group(1)
+    frozen_factors.freeze = ("model.language_model",)
+    with pytest.raises(ValueError, match="the text part has nothing to train"):
+        check(vt(group(1), frozen_factors))
+    with pytest.raises(ValueError, match="pair with a rewritten base"):
+        check_lora_config(LoraConfig(target_modules=["q"], init_lora_weights="pissa"), "x", True)
+
+
+def test_fresh_factors_follow_peft_init_lora_weights():
+    a, b = "m.q_proj.lora_A.default.weight", "m.q_proj.lora_B.default.weight"
+    default = LoraConfig(r=8, target_modules=["q_proj"])
+    assert fresh_factor(b, (64, 8), default, 0).abs().max() == 0  # B zero: starts at the base
+    a0 = fresh_factor(a, (8, 64), default, 0)
+    assert 0 < a0.abs().max() <= 1 / 64**0.5  # nn.Linear's Kaiming uniform bound
+    assert torch.equal(a0, fresh_factor(a, (8, 64), default, 0))  # a function of (seed, name)
+    assert not torch.equal(a0, fresh_factor(a, (8, 64), default, 1))
+    gauss = fresh_factor(a, (8, 4096), LoraConfig(r=8, init_lora_weights="gaussian"), 0)
+    assert abs(float(gauss.std()) - 1 / 8) < 0.01
+    assert fresh_factor(b, (64, 8), LoraConfig(init_lora_weights=False), 0).abs().max() > 0
