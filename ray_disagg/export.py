@@ -15,8 +15,10 @@ from ray.train import Checkpoint
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig
 
+from ray_disagg.export_lora import LoraExport
 from ray_disagg.models import get_adapter
 from ray_disagg.models.lora import is_factor
+from ray_disagg.models.lora_files import read_record
 from ray_disagg.models.safetensors_stream import parse_size, save_streaming
 from ray_disagg.worker.shards import load_alone, read_metadata
 
@@ -76,12 +78,22 @@ def export_hf(
     checkpoint: Checkpoint | str | os.PathLike,
     out_dir: str | os.PathLike,
     max_shard_size: int | str = "5GB",
+    *,
+    merge_lora: bool = True,
+    base_path: str | os.PathLike | None = None,
 ) -> str:
     """Write the model of ``checkpoint`` (a ``ray.train.Checkpoint`` of any layout, or its
     directory) to ``out_dir`` in the ``save_pretrained`` layout (safetensors + config.json)
     of the family's ``...ForConditionalGeneration``, under the model's own state-dict keys.
     The groups' sharded (DCP) tensors are assembled in this process one tensor at a time,
     into files of at most ``max_shard_size`` (bytes, or a size like ``"5GB"``/``"500MB"``).
+
+    A checkpoint of LoRA parts holds their adapters; the base is read from the model's
+    weights (the checkpoint names its directory; ``base_path``: a copy elsewhere). By
+    default each adapted weight is merged (``W + scaling * B @ A`` in fp32, saved in the
+    base's dtype); ``merge_lora=False`` writes a PEFT adapter directory instead
+    (``adapter_config.json`` + ``adapter_model.safetensors``) for
+    ``PeftModel.from_pretrained(base, out_dir)``.
 
     Example:
         >>> path = export_hf(result.checkpoint, "/tmp/my-vlm")  # doctest: +SKIP
@@ -97,31 +109,66 @@ def export_hf(
         sources: dict[str, _Source] = {}
         for part in adapter.parts:
             _read_sources(os.path.join(root, part), sources, adapter.hf_param_name)
-        if any(is_factor(k) for k in sources):
-            raise ValueError(
-                "This checkpoint trained a LoRA adapter; export_hf does not write LoRA "
-                "checkpoints yet (merged or as a PEFT adapter directory)."
-            )
-        with torch.device("meta"):  # names and shapes only
-            model = adapter.hf_class(config)
-        expected = model.state_dict()
-        missing = sorted(expected.keys() - sources.keys())
-        unexpected = sorted(sources.keys() - expected.keys())
-        wrong = [
-            k for k in expected.keys() & sources.keys() if sources[k].shape != expected[k].shape
-        ]
-        if missing or unexpected or wrong:
-            raise ValueError(
-                f"The checkpoint does not match {adapter.hf_class.__name__}: missing "
-                f"{missing[:5]}, unexpected {unexpected[:5]}, wrong shape {sorted(wrong)[:5]}"
-            )
-        specs = [(k, sources[k].dtype, sources[k].shape) for k in expected]
-        os.makedirs(out, exist_ok=True)
-        save_streaming(out, specs, lambda name: _load(sources[name]), limit)
-        # as save_pretrained: the class and the dtype of the first floating-point parameter
-        config.architectures = [adapter.hf_class.__name__]
-        dtypes = [sources[n].dtype for n, p in model.named_parameters() if p.is_floating_point()]
-        if dtypes:
-            config.dtype = str(dtypes[0]).split(".")[1]
-        config.save_pretrained(out)
+        records = {p: r for p in adapter.parts if (r := read_record(os.path.join(root, p)))}
+        if not merge_lora:
+            _export_adapter(records, sources, config, out, base_path)
+            return out
+        lora = LoraExport(config, records, base_path and os.fspath(base_path)) if records else None
+        _export_model(config, adapter, sources, lora, out, limit)
     return out
+
+
+def _export_adapter(records, sources, config, out: str, base_path) -> None:
+    if not records:
+        raise ValueError(
+            "merge_lora=False: this checkpoint trained no LoRA adapter; export the model "
+            "(merge_lora=True)."
+        )
+    lora = LoraExport(config, records, base_path and os.fspath(base_path))
+    saved = lora.saved(sources)
+    tensors = {name: _load(src) for name, src in sources.items()}
+    for name, tensor in tensors.items():  # a part trained in full is not an adapter's
+        if not (is_factor(name) or name in saved) and not torch.equal(
+            tensor, lora.base.get(name).to(tensor.dtype)
+        ):
+            raise ValueError(
+                f"merge_lora=False: {name} was trained in full (its group had no LoRA "
+                "adapter), which a PEFT adapter directory cannot hold; export the merged "
+                "model instead."
+            )
+    lora.write_adapter(out, {n: t for n, t in tensors.items() if is_factor(n) or n in saved})
+
+
+def _export_model(config, adapter, sources, lora, out: str, limit: int) -> None:
+    with torch.device("meta"):  # names and shapes only
+        model = adapter.hf_class(config)
+    expected = model.state_dict()
+    factors = {k for k in sources if is_factor(k)}
+    from_base = set() if lora is None else (expected.keys() - sources.keys()) & lora.part_keys
+    missing = sorted(expected.keys() - sources.keys() - from_base)
+    unexpected = sorted(sources.keys() - expected.keys() - factors)
+    held = {k: sources[k].shape for k in expected.keys() & sources.keys()}
+    wrong = [k for k, shape in held.items() if shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"The checkpoint does not match {adapter.hf_class.__name__}: missing "
+            f"{missing[:5]}, unexpected {unexpected[:5]}, wrong shape {sorted(wrong)[:5]}"
+        )
+
+    def dtype(name: str) -> torch.dtype:
+        return sources[name].dtype if name in sources else lora.base_dtype(name)
+
+    def get(name: str) -> torch.Tensor:
+        if name in sources:
+            return _load(sources[name])
+        return lora.merged(name, lambda key: _load(sources[key]))
+
+    specs = [(k, dtype(k), tuple(expected[k].shape)) for k in expected]
+    os.makedirs(out, exist_ok=True)
+    save_streaming(out, specs, get, limit)
+    # as save_pretrained: the class and the dtype of the first floating-point parameter
+    config.architectures = [adapter.hf_class.__name__]
+    dtypes = [dtype(n) for n, p in model.named_parameters() if p.is_floating_point()]
+    if dtypes:
+        config.dtype = str(dtypes[0]).split(".")[1]
+    config.save_pretrained(out)

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Mapping
 
 from torch import nn
@@ -37,8 +38,9 @@ from ray_disagg.models.lora import (
     tied_saved,
     unsupported_layers,
 )
+from ray_disagg.models.lora_files import base_record, check_resume
 
-__all__ = ["apply_lora", "check_lora", "part_lora"]
+__all__ = ["apply_lora", "check_lora", "check_lora_resume", "part_lora"]
 
 
 def part_lora(spec, part: str, group: ModuleGroup) -> PartLora | None:
@@ -142,3 +144,14 @@ def _check_layout(part: str, group: ModuleGroup, label: str) -> None:
             f"{label}: LoRA on the {part} part with ExpertParallel is not supported yet; use "
             "DataParallel (zero1 or fsdp=True) or TensorParallel for this group."
         )
+
+
+def check_lora_resume(root: str, spec, groups: Mapping[str, ModuleGroup]) -> None:
+    """On the driver, before a resume: every part of the checkpoint under ``root`` was
+    trained as this run trains it (in full, or with the same adapter on the same base)."""
+    base = base_record(spec.pretrained_path, spec.seed)
+    for part, group in groups.items():
+        if os.path.isdir(os.path.join(root, part)):
+            lora = part_lora(spec, part, group)
+            config = None if lora is None else lora.config
+            check_resume(os.path.join(root, part), part, config, base)

@@ -30,6 +30,7 @@ from ray_disagg.launch.resources import (
 )
 from ray_disagg.layout import DataSpec, resolve
 from ray_disagg.loop_config import TrainLoopConfig
+from ray_disagg.lora import check_lora_resume
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan
 from ray_disagg.transport.base import Tier
@@ -184,6 +185,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
         if resume_from_checkpoint is not None:
             with resume_from_checkpoint.as_directory() as root:
                 check_compatible(root, model.load_config(), self.loop_config.max_steps)
+                check_lora_resume(root, model, self.groups)
         self.plan = self._batch_plan()
         self._val_data, self.val_plan = dsc.validation_set(
             datasets, adapter, self.loop_config, self.groups, validate_samples

@@ -39,9 +39,10 @@ def save_base_and_adapter(base, adapter, samples: int = 8):
     return synthetic_samples(cfg, samples, grids=GRIDS)
 
 
-def merged(state: dict, scale: float) -> dict:
-    """``W + scale * B @ A`` of every adapted module; the other base weights as they are."""
-    out = {base_name(k): v for k, v in state.items() if not is_factor(k)}
+def merged(state: dict, base: dict, scale: float) -> dict:
+    """``W + scale * B @ A`` of every adapted module, from a LoRA checkpoint's ``state``
+    (factors and saved modules) over the ``base`` weights."""
+    out = {**base, **{base_name(k): v for k, v in state.items() if not is_factor(k)}}
     for k, a in state.items():
         if ".lora_A." in k:
             module = k.split(".lora_A.")[0]
@@ -53,7 +54,7 @@ def merged(state: dict, scale: float) -> dict:
 def assert_matches_peft(result, ref_losses, ref, base, adapter, atol: float = 1e-5) -> None:
     """Losses (relative 1e-5), the trained adapter under PEFT's file keys and the merged
     weights (``atol``) equal the reference ``ref`` (a trained ``PeftModel``); every factor
-    and merger tensor moved; the frozen base did not."""
+    and merger tensor moved; the checkpoint holds no base weight."""
     got = result.metrics_dataframe.sort_values("step")["loss"].tolist()
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref_losses), rtol=1e-5, atol=0.0)
     state = checkpoint_state(result.checkpoint)
@@ -66,10 +67,9 @@ def assert_matches_peft(result, ref_losses, ref, base, adapter, atol: float = 1e
     assert all((trained[k] - start[k]).abs().max() > 1e-4 for k in trained)
 
     ref_merged = copy.deepcopy(ref).merge_and_unload().state_dict()  # ref stays a PeftModel
-    ours_merged = merged(state, LORA.lora_alpha / LORA.r)
+    assert not any(".base_layer." in k or "layernorm" in k for k in state)  # base not saved
+    initial = HFModelSpec(pretrained_path=base).build_full().state_dict()
+    ours_merged = merged(state, initial, LORA.lora_alpha / LORA.r)
     assert set(ours_merged) == set(ref_merged)
     for key, value in ref_merged.items():
         torch.testing.assert_close(ours_merged[key], value, rtol=0.0, atol=atol, msg=key)
-    initial = HFModelSpec(pretrained_path=base).build_full().state_dict()
-    frozen = [k for k in state if ".base_layer." in k or "layernorm" in k]
-    assert frozen and all(torch.equal(state[k], initial[base_name(k)]) for k in frozen)

@@ -32,13 +32,15 @@ __all__ = [
     "InitSource",
     "SafetensorsSource",
     "materialize",
-    "merge_row_blocks",
     "meta_model",
     "name_seed",
     "part_tensor",
     "cast_parameters",
     "tied_parameters",
 ]
+
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def meta_model(adapter, attn_implementation: str = "sdpa") -> nn.Module:
@@ -215,11 +217,17 @@ class SafetensorsSource:
     def _check_dtype(self, key: str) -> None:
         fname, ck_key = self.where[key]
         dtype = self._file(fname).get_slice(ck_key).get_dtype()
-        if dtype not in ("F32", "BF16", "F16"):
+        if dtype not in _DTYPES:
             raise ValueError(
                 f"{ck_key!r} in {os.path.join(self.path, fname)} has dtype {dtype}; only "
                 "float32/bfloat16/float16 weights are supported (no quantized models)."
             )
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The stored dtype of ``name`` (a converted tensor: that of its first source)."""
+        conv = self.converted.get(name)
+        fname, ck_key = self.where[name if conv is None else conv.source_keys()[0]]
+        return _DTYPES[self._file(fname).get_slice(ck_key).get_dtype()]
 
     def _converted_shape(self, name: str, conv: Converted) -> tuple[int, ...]:
         op = unsupported_operation(conv.converter)
@@ -276,23 +284,6 @@ def part_tensor(source, name: str, hf_name=hf_param_name) -> torch.Tensor:
     full = source.get(fused)
     rows = full.shape[0] // blocks
     return full[index * rows : (index + 1) * rows]
-
-
-def merge_row_blocks(state: dict[str, torch.Tensor], hf_name=hf_param_name) -> dict:
-    """``state`` under HF names: the row blocks of split Linears (as ``hf_name`` names
-    them) concatenated back into the fused tensors."""
-    out, pending = {}, {}
-    for key, value in state.items():
-        fused, index, blocks = hf_name(key)
-        if index is None:
-            out[key] = value
-        else:
-            pending.setdefault(fused, [None] * blocks)[index] = value
-    for key, blocks in pending.items():
-        if any(b is None for b in blocks):
-            raise ValueError(f"{key}: only some of its row blocks are present.")
-        out[key] = torch.cat(blocks, dim=0)
-    return out
 
 
 @torch.no_grad()

@@ -39,6 +39,8 @@ from ray_disagg.models.loading import name_seed
 
 __all__ = [
     "ADAPTER",
+    "adapter_names",
+    "scalings",
     "FILE_PREFIX",
     "PartLora",
     "base_name",
@@ -228,6 +230,24 @@ def saved_modules(keys, names) -> set[str]:
     """The modules of ``names`` that the ``modules_to_save`` entries ``keys`` train in
     full (PEFT's rule: the module name ends with an entry)."""
     return {n for n in names if any(n.endswith(k) for k in keys or ())}
+
+
+def adapter_names(model: nn.Module, config: Any) -> set[str]:
+    """The parameters of ``model`` (a part under ``config``) that its adapter owns: the
+    factors and the ``modules_to_save`` parameters (what a checkpoint keeps)."""
+    saved = saved_modules(config.modules_to_save, [n for n, _ in model.named_modules()])
+    return {n for n, _ in model.named_parameters() if is_factor(n) or _under(n, saved)}
+
+
+def scalings(model: nn.Module) -> dict[str, tuple[float, int, float]]:
+    """PEFT's own ``(scaling, r, lora_alpha)`` of every LoRA layer of ``model``."""
+    from peft.tuners.lora import LoraLayer
+
+    return {
+        n: (m.scaling[ADAPTER], m.r[ADAPTER], m.lora_alpha[ADAPTER])
+        for n, m in model.named_modules()
+        if isinstance(m, LoraLayer)
+    }
 
 
 def unsupported_layers(model: nn.Module, adapted: list[str]) -> str:

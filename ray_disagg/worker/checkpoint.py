@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 
+from ray_disagg.models.lora_files import check_resume
 from ray_disagg.worker.session import get_session
 from ray_disagg.worker.shards import (
     DATA_STATE,
@@ -139,22 +140,29 @@ def _data_state(module_dir: str) -> dict | None:
         return json.load(f)
 
 
-def restore(model, optimizer, module: str, args, log=None, ckpt=None) -> tuple[int, dict | None]:
+def restore(
+    model, optimizer, module: str, args, log=None, ckpt=None, writer=None
+) -> tuple[int, dict | None]:
     """Load ``ckpt``, else the latest checkpoint of this run (Ray Train hands it to
     restarted workers) or ``resume_from_checkpoint``, into the built model and optimizer
     (also in place, mid-run: a survivor of a group restart); returns the step to start
     from and the data position saved with it (``None``: none, or not written by a
-    stream). ``log`` gets a note when the checkpoint's lr schedule differs from this run's."""
+    stream). ``log`` gets a note when the checkpoint's lr schedule differs from this run's.
+    ``writer``: the part's ``ShardWriter``, whose ``names`` / ``lora`` say what a LoRA
+    part's checkpoint holds (its adapter; the base stays as loaded)."""
     if ckpt is None:
         ckpt = get_session().restart_checkpoint() or args.resume_from_checkpoint
     if ckpt is None:
         return 0, None
+    names = None if writer is None else writer.names
+    lora = None if writer is None else writer.lora
     with ckpt.as_directory() as root:
         check_compatible(root, args.spec.load_config(), args.cfg.max_steps)
         module_dir = os.path.join(root, module)
-        if not load_sharded(model, optimizer, module_dir):
+        check_resume(module_dir, module, *(lora or (None, {})))
+        if not load_sharded(model, optimizer, module_dir, names):
             model_state, optimizer_state = read_full(module_dir)
-            load_model(model, model_state)
+            load_model(model, model_state, names)
             load_optimizer(optimizer, model, optimizer_state)
         note = _schedule_note(module_dir, args.cfg)
         if note and log is not None:

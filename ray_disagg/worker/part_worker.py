@@ -10,7 +10,8 @@ from ray_disagg.config import ExpertParallel
 from ray_disagg.freezing import apply_freeze
 from ray_disagg.lora import apply_lora, part_lora
 from ray_disagg.models import loading
-from ray_disagg.models.lora import is_factor
+from ray_disagg.models.lora import adapter_names, is_factor
+from ray_disagg.models.lora_files import base_record
 from ray_disagg.parallel import expert_parallel as ep
 from ray_disagg.parallel import fsdp
 from ray_disagg.parallel import tensor_parallel as tp
@@ -116,12 +117,17 @@ class PartWorker:
         hf_config = self.args.spec.load_config() if self.is_llm else None
         lead = self.group_rank == 0
         self.writer = ShardWriter(self.part, lead, hf_config, self.cfg)
+        if self.lora is not None:  # the checkpoint keeps the adapter and names the base
+            self.writer.names = adapter_names(model, self.lora.config)
+            spec = self.args.spec
+            base = base_record(spec.pretrained_path, spec.seed)
+            self.writer.lora = (self.lora.config, base)
         if self.channel is None:  # a standby: until it takes a failed group's place
             standby.wait_take_over()
             self.channel = self.rt.wait_channel(self.cfg.collective_timeout_s)
         # data_state: a stream's read position, saved with the LLM's checkpoint
         self.start, self.data_state = checkpoint.restore(
-            model, self.opt, self.part, self.args, log=log
+            model, self.opt, self.part, self.args, log=log, writer=self.writer
         )
         if log is not None:
             n_all = sum(p.numel() for p in model.parameters())

@@ -96,7 +96,9 @@ def recover(w, model) -> int:
     w.opt.zero_grad(set_to_none=True)
     log = log_line if w.group_rank == 0 else None
     # while the failed group starts again
-    start, _ = checkpoint.restore(model, w.opt, w.part, w.args, log=log, ckpt=resume)
+    start, _ = checkpoint.restore(
+        model, w.opt, w.part, w.args, log=log, ckpt=resume, writer=w.writer
+    )
     w.rt.reloaded.set()
     w.channel = w.rt.wait_rejoin(generation, timeout)
     w.args = w.args.at_sizes(w.channel.spec.sizes)  # an elastic group resized

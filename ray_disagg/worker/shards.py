@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ray_disagg.lr_schedule import lr_at
 from ray_disagg.models import hf_param_name
-from ray_disagg.models.loading import fill, merge_row_blocks, part_tensor
+from ray_disagg.models.loading import fill, part_tensor
+from ray_disagg.models.lora_files import write_record
 from ray_disagg.worker import background_save
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "load_model",
     "load_optimizer",
     "load_sharded",
+    "merge_row_blocks",
     "read_full",
     "read_metadata",
     "save_sharded",
@@ -51,9 +53,16 @@ _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 DATA_STATE = "data_state.json"  # a conversation stream's position, in the LLM's directory
 
 
-def sharded_state(model, optimizer) -> dict[str, torch.Tensor]:
-    """This rank's tensors for ``dcp.save`` (see module docstring)."""
-    out = {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
+def _kept(model, names) -> dict[str, torch.Tensor]:
+    """``model``'s state dict, only ``names`` when given (a LoRA part: its adapter)."""
+    state = model.state_dict()
+    return state if names is None else {k: v for k, v in state.items() if k in names}
+
+
+def sharded_state(model, optimizer, names=None) -> dict[str, torch.Tensor]:
+    """This rank's tensors for ``dcp.save`` (see module docstring); ``names``: only these
+    parameters (a LoRA part's adapter; its frozen base is not saved)."""
+    out = {f"model.{k}": v.detach() for k, v in _kept(model, names).items()}
     inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1: this rank's shard
     for name, p in model.named_parameters():
         st = inner.state.get(p)
@@ -65,9 +74,10 @@ def sharded_state(model, optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_sharded(model, optimizer, directory: str) -> None:
+def save_sharded(model, optimizer, directory: str, names=None) -> None:
     """Collective over the group's default process group."""
-    dcp.save(sharded_state(model, optimizer), storage_writer=dcp.FileSystemWriter(directory))
+    state = sharded_state(model, optimizer, names)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(directory))
 
 
 def read_metadata(directory: str):
@@ -80,14 +90,14 @@ def read_metadata(directory: str):
     return dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
 
 
-def load_sharded(model, optimizer, directory: str) -> bool:
+def load_sharded(model, optimizer, directory: str, names=None) -> bool:
     """Collective over the group: read the checkpoint straight into this rank's shards
     (DTensor TP/FSDP2 parameters and AdamW state, ZeRO-1 owned state, plain tensors); DCP
     re-shards from whatever layout wrote it. No rank holds a full model. Returns False
     (nothing loaded) when the names differ from the model's (a split-qkv vision-TP
     checkpoint into a fused tower or back): use :func:`read_full` then."""
     meta = read_metadata(directory)
-    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    state = {f"model.{k}": v for k, v in _kept(model, names).items()}
     saved = {k for k in meta if k.startswith("model.")}
     if set(state) != saved:
         fused = {hf_param_name(k)[0] for k in saved}
@@ -131,6 +141,23 @@ def load_alone(targets: dict[str, torch.Tensor], directory: str) -> None:
         dcp.load(targets, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
 
 
+def merge_row_blocks(state: dict[str, torch.Tensor], hf_name=hf_param_name) -> dict:
+    """``state`` under HF names: the row blocks of split Linears (as ``hf_name`` names
+    them) concatenated back into the fused tensors."""
+    out, pending = {}, {}
+    for key, value in state.items():
+        fused, index, blocks = hf_name(key)
+        if index is None:
+            out[key] = value
+        else:
+            pending.setdefault(fused, [None] * blocks)[index] = value
+    for key, blocks in pending.items():
+        if any(b is None for b in blocks):
+            raise ValueError(f"{key}: only some of its row blocks are present.")
+        out[key] = torch.cat(blocks, dim=0)
+    return out
+
+
 def read_full(directory: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """Global (unsharded) tensors of a module directory, in this process alone:
     ``(model state by HF name, AdamW state by HF name)``. Used for split-qkv checkpoints
@@ -159,10 +186,12 @@ class _Dict:
         self.get = d.__getitem__
 
 
-def load_model(part, source: dict[str, torch.Tensor]) -> None:
-    """Copy full HF-named tensors into the (possibly sharded) ``part``."""
+def load_model(part, source: dict[str, torch.Tensor], names=None) -> None:
+    """Copy full HF-named tensors into the (possibly sharded) ``part`` (``names``: only
+    these parameters)."""
     for name, p in part.named_parameters():
-        fill(p, part_tensor(_Dict(source), name))
+        if names is None or name in names:
+            fill(p, part_tensor(_Dict(source), name))
 
 
 def load_optimizer(opt, part, fields: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -265,6 +294,8 @@ class ShardWriter:
     cfg: object = None  # the TrainLoopConfig: its lr schedule is recorded
     data_state: dict | None = None  # a stream's position, written with the next checkpoint
 
+    names: set | None = None  # a LoRA part: only its adapter's parameters are saved
+    lora: tuple | None = None  # a LoRA part: (its LoraConfig, the base's record)
     pending: object = None  # an asynchronous checkpoint not yet reported (worker.checkpoint)
     stager: object = None  # the staging buffers in shared memory, reused by each checkpoint
     staging: object = None  # the future of a staging copy still running (see wait_staged)
@@ -277,9 +308,12 @@ class ShardWriter:
         os.makedirs(d, exist_ok=True)
         future = None
         if background is None:
-            save_sharded(model, optimizer, d)
+            save_sharded(model, optimizer, d, self.names)
         else:
-            future = background_save.start(self, sharded_state(model, optimizer), d, background)
+            state = sharded_state(model, optimizer, self.names)
+            future = background_save.start(self, state, d, background)
+        if self.lead and self.lora is not None:
+            write_record(d, *self.lora)
         if self.lead:
             state = {"step": step + 1}
             if self.cfg is not None:  # the schedule is a function of the step

@@ -5,7 +5,9 @@ single-process Hugging Face + PEFT run (``PeftModel.from_pretrained(...,
 is_trainable=True)``, AdamW, fp32, 3 steps) in every layout: the losses, the trained
 adapter under PEFT's file keys, the merged weights, and base weights that never move."""
 
+import copy
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -75,7 +77,8 @@ def test_lora_layouts_equal_hf_peft(saved, reference, tmp_path, layout):
 @pytest.mark.parametrize(("mode", "dtype"), [("bf16", torch.float32), ("pure", torch.bfloat16)])
 def test_lora_factor_dtypes_under_fsdp2_bf16(saved, reference, tmp_path, mode, dtype):
     """fp32 factors in both bf16 modes (bf16 compute under FSDP2's policy), in one FSDP2
-    unit with the frozen base of ``dtype``; losses close to fp32's."""
+    unit with the frozen base; the merger (``modules_to_save``) in ``dtype``; losses
+    close to fp32's."""
     base, adapter, data = saved
     loop = LOOP | {"max_steps": 2, "bf16": mode == "bf16"}
     if mode == "pure":  # no cast policy: FSDP2 all-gathers bf16 base and fp32 factors
@@ -85,7 +88,7 @@ def test_lora_factor_dtypes_under_fsdp2_bf16(saved, reference, tmp_path, mode, d
     result = run_layout(spec, data, loop, groups, tmp_path, mode, local=True)
     state = checkpoint_state(result.checkpoint)
     assert {v.dtype for k, v in state.items() if is_factor(k)} == {torch.float32}
-    assert {v.dtype for k, v in state.items() if ".base_layer." in k} == {dtype}
+    assert {v.dtype for k, v in state.items() if ".merger." in k} == {dtype}
     losses = result.metrics_dataframe.sort_values("step")["loss"].tolist()
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(reference[0][:2]), rtol=0.02, atol=0.0
@@ -111,3 +114,60 @@ def test_a_fresh_adapter_starts_the_same_in_every_layout(saved, tmp_path):
     assert len(factors) == 8  # q_proj and gate_proj of 2 layers, A and B
     for k in factors:
         torch.testing.assert_close(states[0][k], states[1][k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_checkpoints_resume_and_exports_that_peft_loads(saved, reference, tmp_path):
+    """The checkpoint keeps the adapter only (and ``lora.json``); resuming in the same
+    layout is bit-identical on CPU, resuming in another (vision TP2, split ``qkv``) equals
+    the reference; the merged export loads with ``from_pretrained`` and equals PEFT's
+    ``merge_and_unload``; the adapter export loads with ``PeftModel.from_pretrained``."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import Qwen2_5_VLForConditionalGeneration as HF
+
+    from ray_disagg import export_hf
+
+    base, adapter, data = saved
+    ref_losses, ref = reference
+    spec = HFModelSpec(pretrained_path=base, peft_path=adapter)
+    fsdp = lambda: vt(group(1), group(2, DataParallel(fsdp=True)))  # noqa: E731
+    tp = lambda: vt(group(2, TensorParallel(size=2)), group(1))  # noqa: E731
+
+    def fit(groups, steps, name, resume=None):
+        loop = LOOP | {"max_steps": steps}
+        return run_layout(spec, data, loop, groups(), tmp_path, name, local=True, resume=resume)
+
+    first = fit(fsdp, 2, "first")
+    state = checkpoint_state(first.checkpoint)
+    assert state and not any(".base_layer." in k for k in state)  # the base is not saved
+    assert os.path.isfile(os.path.join(first.checkpoint.path, "text", "lora.json"))
+    same, straight = fit(fsdp, 3, "same", first.checkpoint), fit(fsdp, 3, "straight")
+    a, b = checkpoint_state(same.checkpoint), checkpoint_state(straight.checkpoint)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert same.metrics["loss"] == straight.metrics["loss"]
+
+    moved = fit(tp, 3, "moved", first.checkpoint)  # q/k/v split: lora_B by blocks
+    assert moved.metrics["loss"] == pytest.approx(ref_losses[2], rel=1e-5)
+    merged = export_hf(moved.checkpoint, tmp_path / "merged")
+    want = copy.deepcopy(ref).merge_and_unload().state_dict()
+    got = HF.from_pretrained(merged).state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=k)
+    out = export_hf(moved.checkpoint, tmp_path / "adapter", merge_lora=False)
+    loaded = PeftModel.from_pretrained(HF.from_pretrained(base), out)
+    want, got = get_peft_model_state_dict(ref), get_peft_model_state_dict(loaded)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=k)
+
+    full_spec = HFModelSpec(pretrained_path=base)
+    with pytest.raises(ValueError, match="trained a LoRA adapter, but this run trains it in"):
+        run_layout(full_spec, data, LOOP, fsdp(), tmp_path, "full", local=True,
+                   resume=first.checkpoint)  # fmt: skip
+    frozen = dataclasses.replace(group(1), trainable=False)
+    full = run_layout(full_spec, data, LOOP | {"max_steps": 1}, vt(frozen, group(1)), tmp_path,
+                      "full1", local=True)  # fmt: skip
+    with pytest.raises(ValueError, match="trained in full, but this run trains a LoRA"):
+        fit(fsdp, 2, "lora-on-full", full.checkpoint)
+    with pytest.raises(ValueError, match="merge_lora=False: this checkpoint trained no LoRA"):
+        export_hf(full.checkpoint, tmp_path / "nothing", merge_lora=False)

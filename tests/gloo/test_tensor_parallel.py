@@ -104,8 +104,8 @@ def _tp_vision(rank, world, model_type):
 
     from ray_disagg import ADAPTERS, HFModelSpec
     from ray_disagg.data.examples import synthetic_samples
-    from ray_disagg.models.loading import merge_row_blocks
     from ray_disagg.parallel.tensor_parallel import parallelize_vision
+    from ray_disagg.worker.shards import merge_row_blocks
 
     cfg = ADAPTERS[model_type].tiny_config()
     spec = HFModelSpec(config=cfg, seed=3)
