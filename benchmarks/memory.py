@@ -27,7 +27,10 @@ steps with text FSDP2 over 2 workers + vision 1. ``--tiny`` shrinks everything (
 LLM) for a quick check; its ratios are dominated by allocator noise.
 
     python benchmarks/memory.py [--tiny] [--skip-big] [--steps 3] [--cache DIR]
-        [--layouts 1,tp2,fsdp2,fsdp2xtp2,ep2]
+        [--layouts 1,tp2,fsdp2,fsdp2xtp2,ep2] [--lora]
+
+``--lora`` adds the LoRA rows (``benchmarks/lora_rows.py``): text TP2 trained in full and
+with LoRA r=16 on every linear of the LLM, the plan's estimate and the ratios.
 
 The ``ep2`` row trains a Qwen3-VL-MoE of the same scale (~324M LLM parameters, 8 experts
 of which each token takes 2, 226M of them in experts) with its experts split over 2
@@ -242,8 +245,10 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--cache", default="/tmp/ray_disagg_bench", help="saved model directory")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated keys")
+    p.add_argument("--lora", action="store_true", help="also the LoRA rows (lora_rows.py)")
     args = p.parse_args()
-    layouts = [LAYOUTS[k] for k in args.layouts.split(",")]
+    keys = [k for k in args.layouts.split(",") if k in LAYOUTS]  # "none": the LoRA rows only
+    layouts = [LAYOUTS[k] for k in keys]
 
     size = "tiny" if args.tiny else "300m"
     cfg = make_config(size)
@@ -252,7 +257,7 @@ def main():
     loop = {"max_steps": args.steps, "global_batch_size": 2, "shuffle": False}
     total = {part: shard_params(spec, part) for part in ("vision", "text")}
     moe = None  # (spec, data) of the MoE model, saved when an MoE layout runs
-    if any(LAYOUTS[k][5] > 1 for k in args.layouts.split(",")):
+    if any(LAYOUTS[k][5] > 1 for k in keys):
         moe_cfg = make_moe_config(size)
         moe_spec = HFModelSpec(pretrained_path=saved_model(moe_cfg, size, args.cache))
         moe = moe_spec, synthetic_samples(moe_cfg, 2 * args.steps, grids=[(1, 8, 8)])
@@ -286,6 +291,10 @@ def main():
             b = {g: n * BYTES_PER_PARAM / MB for g, n in b.items()}
             runs.append((name, peaks, b, procs, steps))
         big = None if args.skip_big else run_big(args, storage)
+        if args.lora:
+            from lora_rows import lora_rows
+
+            lora_rows(spec, data, loop, storage, base, group, fit)
     finally:
         ray.shutdown()
         shutil.rmtree(storage, ignore_errors=True)

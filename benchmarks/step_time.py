@@ -2,13 +2,16 @@
 
 CPU/gloo figures on a small model (they show overheads and relative costs on this
 machine, not GPU throughput). Layouts: the single-process HF model, 1+1 workers, DP only
-(2+2), vision Ulysses SP=2 + text TP=2, and uniform TP=2 for both groups.
+(2+2), vision Ulysses SP=2 + text TP=2 (trained in full, and with LoRA r=16 on every linear
+of the LLM), and uniform TP=2 for both groups.
 
     python benchmarks/step_time.py [--steps 12] [--batch 8] [--only 1+1]
 """
 
 import argparse
+import dataclasses
 import os
+import re
 import statistics
 import tempfile
 
@@ -17,6 +20,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1
 
 import ray  # noqa: E402
 import torch  # noqa: E402
+from peft import LoraConfig  # noqa: E402
 from ray.train import RunConfig, ScalingConfig  # noqa: E402
 
 from ray_disagg import (  # noqa: E402
@@ -32,6 +36,13 @@ from ray_disagg.data.examples import synthetic_samples  # noqa: E402
 from ray_disagg.testing.reference import reference_train  # noqa: E402
 from ray_disagg.worker.memory import peak_memory_mb  # noqa: E402
 
+# LoRA on every linear of the LLM (the vision tower trained in full)
+LORA = LoraConfig(
+    r=16,
+    lora_alpha=32,
+    target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+)
+
 
 def group(n, parallelism="none"):
     return ModuleGroup(
@@ -46,6 +57,10 @@ LAYOUTS = {
     "vision SP2 + text TP2": lambda: (
         group(2, SequenceParallel(size=2)),
         group(2, TensorParallel(size=2)),
+    ),
+    "vision SP2 + text TP2, text LoRA r=16": lambda: (
+        group(2, SequenceParallel(size=2)),
+        dataclasses.replace(group(2, TensorParallel(size=2)), peft_config=LORA),
     ),
     "uniform TP2 (both groups)": lambda: (
         group(2, TensorParallel(size=2)),
@@ -91,7 +106,7 @@ def main():
             groups={"vision": vision, "text": text},
             train_loop_config=loop,
             datasets={"train": data},
-            run_config=RunConfig(name=name.split()[0], storage_path=storage),
+            run_config=RunConfig(name=re.sub(r"\W+", "-", name), storage_path=storage),
         ).fit()
         m = result.metrics
         rows.append(

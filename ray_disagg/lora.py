@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import json
 import os
 from collections.abc import Mapping
 
@@ -38,9 +39,9 @@ from ray_disagg.models.lora import (
     tied_saved,
     unsupported_layers,
 )
-from ray_disagg.models.lora_files import base_record, check_resume
+from ray_disagg.models.lora_files import base_record, check_resume, config_dict
 
-__all__ = ["apply_lora", "check_lora", "check_lora_resume", "part_lora"]
+__all__ = ["apply_lora", "check_lora", "check_lora_resume", "lora_key", "part_lora"]
 
 
 def part_lora(spec, part: str, group: ModuleGroup) -> PartLora | None:
@@ -69,6 +70,25 @@ def check_lora(spec, groups: Mapping[str, ModuleGroup]) -> dict[str, PartLora]:
     chosen = {p: lora for p, lora in chosen.items() if lora is not None}
     if not chosen:
         return {}
+    cache = getattr(spec, "memory_cache", None)  # the planner asks for thousands of layouts
+    key = ("check_lora", *((p, g.trainable, g.freeze, type(g.parallelism).__name__,
+                            lora_key(g.peft_config, spec)) for p, g in groups.items()))  # fmt: skip
+    if cache is not None and key in cache:
+        return cache[key]
+    out = _check_parts(spec, groups, chosen)
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def lora_key(config, spec) -> str:
+    """The adapter settings of a group (its ``peft_config``, else the spec's adapter
+    directory's) as one string (``""``: none)."""
+    config = config if config is not None else spec.adapter_config
+    return "" if config is None else json.dumps(config_dict(config), sort_keys=True)
+
+
+def _check_parts(spec, groups, chosen: dict[str, PartLora]) -> dict[str, PartLora]:
     if getattr(spec.load_config(), "quantization_config", None) is not None:
         raise ValueError(
             "LoRA on a quantized base (its config.json has a quantization_config) is not "

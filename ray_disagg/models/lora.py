@@ -52,6 +52,7 @@ __all__ = [
     "is_factor",
     "lora_weights",
     "read_adapter_config",
+    "require_peft",
     "saved_modules",
     "tied_saved",
     "unsupported_layers",
@@ -82,7 +83,8 @@ _UNSUPPORTED = {
 _REWRITES_BASE = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 
-def _peft():
+def require_peft():
+    """The ``peft`` module (``ValueError`` naming the extra when it is not installed)."""
     try:
         import peft
     except ImportError as e:
@@ -94,7 +96,7 @@ def check_lora_config(config: Any, label: str, saved: bool = False) -> None:
     """``ValueError`` naming ``label`` (e.g. ``"groups['text'].peft_config"``) unless
     ``config`` is a ``peft.LoraConfig`` this package trains with (``saved``: the config of
     an adapter directory, whose factors are read rather than initialized)."""
-    peft = _peft()
+    peft = require_peft()
     if not isinstance(config, peft.LoraConfig):
         raise ValueError(
             f"{label}: a {type(config).__name__}; only LoRA is supported "
@@ -128,7 +130,7 @@ def check_lora_config(config: Any, label: str, saved: bool = False) -> None:
 def read_adapter_config(path: str) -> Any:
     """The ``LoraConfig`` of a PEFT adapter directory (``PeftModel.save_pretrained``),
     checked (``ValueError`` naming the missing file or the unsupported setting)."""
-    peft = _peft()
+    peft = require_peft()
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not os.path.isfile(os.path.join(path, name)):
             raise ValueError(
@@ -161,7 +163,7 @@ def inject(model: nn.Module, config: Any) -> list[str]:
     """Put PEFT's LoRA layers into ``model`` in place (on ``meta`` their factors stay on
     ``meta``), freeze every other parameter and train the ``modules_to_save`` modules in
     place; returns the adapted modules' names (empty: nothing matched, model unchanged)."""
-    peft = _peft()
+    peft = require_peft()
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
     from peft.utils.error import NoMatchingPeftModuleError

@@ -52,7 +52,6 @@ Per step, for a recipe ``r`` (one candidate layout) on a :class:`Cluster` with
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 
@@ -60,7 +59,19 @@ from ray_disagg.config import ExpertParallel
 from ray_disagg.models.costs import depth
 from ray_disagg.pipeline.timing import pipeline_seconds
 from ray_disagg.planner.cluster import Cluster, DeviceFigures
-from ray_disagg.planner.memory import GiB, count_blocks, memory_per_worker, schedule, seq_len
+from ray_disagg.planner.facts import (
+    CachedModel,
+    ModelFacts,
+    Workload,
+    model_facts,
+    workload,
+)
+from ray_disagg.planner.memory import (
+    GiB,
+    count_blocks,
+    memory_per_worker,
+    schedule,
+)
 
 __all__ = [
     "CachedModel",
@@ -75,96 +86,6 @@ __all__ = [
     "with_layout",
     "workload",
 ]
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one sample costs: LLM tokens, tower patches (before merging), images."""
-
-    tokens: float
-    patches: float
-    images: float
-    source: str
-
-
-@dataclass(frozen=True)
-class PartFacts:
-    params: float
-    """Parameters a token passes (routed experts counted ``top_k / num_experts``),
-    without the embeddings."""
-    total: float
-    trainable: bool
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    parts: dict
-    text: object
-    vision: object
-    llm_part: str
-
-
-class CachedModel:
-    """The recipe's model spec with its meta models built once (the planner calls the
-    memory estimate for thousands of layouts)."""
-
-    def __init__(self, spec):
-        spec = getattr(spec, "spec", spec)  # never wrapped twice
-        self._spec = self.spec = spec
-        self.memory_cache: dict = {}
-
-    @functools.cache  # noqa: B019 (one instance per planning)
-    def meta_model(self, part=None):
-        return self._spec.meta_model(part)
-
-    @functools.cached_property
-    def adapter(self):
-        return self._spec.adapter
-
-    def load_config(self):
-        return self._config
-
-    def __getattr__(self, name: str):  # the rest of the spec (seed, peft_path, ...)
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self._spec, name)
-
-    @functools.cached_property
-    def _config(self):
-        return self._spec.load_config()
-
-
-def model_facts(r) -> ModelFacts:
-    cfg = r.model.load_config()
-    t = cfg.text_config
-    parts = {}
-    for part, group in r.groups.items():
-        n = body = 0.0
-        experts = getattr(t, "num_experts", None)
-        k = getattr(t, "num_experts_per_tok", None)
-        for name, p in r.model.meta_model(part).named_parameters():
-            n += p.numel()
-            if "embed_tokens" in name:
-                continue
-            share = k / experts if experts and k and ".mlp.experts." in name else 1.0
-            body += p.numel() * share
-        parts[part] = PartFacts(params=body, total=n, trainable=group.trainable)
-    return ModelFacts(parts, t, getattr(cfg, "vision_config", None), r.model.adapter.llm_part)
-
-
-def workload(r, stats: dict | None = None) -> Workload:
-    """From the data's statistics (``data_stats.record_statistics``) when given, else
-    the recipe's ``plan`` (image size, images per sample, seq_len)."""
-    cfg = r.model.load_config()
-    v = getattr(cfg, "vision_config", None)
-    images = r.plan["images_per_sample"] if v is not None else 0
-    per_image = r.model.adapter.image_patches(r.plan["image_size"])[0] if v is not None else 0
-    if stats and stats.get("tokens"):
-        merge = getattr(v, "spatial_merge_size", 1) ** 2 if v is not None else 1
-        tokens = sum(stats["tokens"]) / len(stats["tokens"])
-        patches = sum(stats["media"]) / len(stats["tokens"]) * merge
-        return Workload(tokens, patches, images, f"{len(stats['tokens'])} sampled records")
-    return Workload(seq_len(r), images * per_image, images, "recipe plan")
 
 
 @dataclass
@@ -240,7 +161,7 @@ def _sync(r, part: str, facts: ModelFacts, c: Cluster, f: DeviceFigures) -> floa
         return 0.0
     deg = _degrees(g)
     mp = math.prod(v for k, v in deg.items() if k not in ("dp", "dp_shard"))
-    local, p_bytes = pf.total / mp, 2 if r.loop.param_dtype == "bfloat16" else 4
+    local, p_bytes = pf.trained / mp, 2 if r.loop.param_dtype == "bfloat16" else 4
     dp = g.dp_size
     seconds = 0.0
     if dp > 1:
@@ -310,10 +231,14 @@ def _core_bound(r, compute: dict, c: Cluster) -> float:
 
 def passes(r, part: str, facts) -> int:
     """Forward-sized passes of a part per microbatch: 1 forward, 2 backward, 1 more
-    forward under activation checkpointing; 1 when frozen."""
-    if not facts.parts[part].trainable:
+    forward under activation checkpointing; 1 when frozen; under LoRA the backward is
+    one pass (input gradients; the factors' are small)."""
+    pf = facts.parts[part]
+    if not pf.trainable:
         return 1
-    return 4 if r.groups[part].activation_checkpointing else 3
+    return (
+        (3 if pf.lora else 4) if r.groups[part].activation_checkpointing else (2 if pf.lora else 3)
+    )
 
 
 def part_flops(r, facts, work) -> dict[str, float]:

@@ -62,13 +62,16 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
 
-from ray_disagg.freezing import is_frozen
+from ray_disagg.freezing import apply_freeze, is_frozen
 from ray_disagg.launch.ray_compat import resources_per_worker
+from ray_disagg.lora import lora_key, part_lora
 from ray_disagg.models.costs import ActivationShape, depth
+from ray_disagg.models.lora import base_name, inject, is_factor
 from ray_disagg.planner.cluster import Cluster, DeviceFigures
 
 __all__ = [
@@ -78,6 +81,7 @@ __all__ = [
     "estimate",
     "memory_per_worker",
     "mesh",
+    "part_model",
     "per_gpu",
     "schedule",
     "seq_len",
@@ -114,7 +118,41 @@ def degree(group, axis: str) -> int:
     return dict(zip(axes, shape)).get(axis, 1)
 
 
+def part_model(r, part: str):
+    """The part's meta model as it trains: under LoRA (:mod:`ray_disagg.lora`) with PEFT's
+    layers injected and the group's freezing applied (cached per adapter)."""
+    group = r.groups[part]
+    lora = part_lora(r.model, part, group)
+    if lora is None:
+        return r.model.meta_model(part)
+    cache = getattr(r.model, "memory_cache", {})
+    key = ("lora", part, group.freeze, group.trainable, lora_key(group.peft_config, r.model))
+    if key not in cache:
+        model = copy.deepcopy(r.model.meta_model(part))
+        inject(model, lora.config)
+        apply_freeze(model, group)
+        cache[key] = model
+    return cache[key]
+
+
 def _tp_sharded(adapter, part: str, name: str) -> bool:
+    """Whether TP shards parameter ``name`` (under LoRA: a base as without it; the
+    factor that meets the shard: a column-wise module's ``lora_B``, a row-wise one's
+    ``lora_A``)."""
+    if is_factor(name):
+        module, _, factor = name.partition(".lora_")
+        style = _tp_style(adapter, part, f"{module}.weight")
+        return (style, factor[0]) in (("colwise", "B"), ("rowwise", "A"))
+    name = base_name(name)
+    style = _tp_style(adapter, part, name)
+    if style is True:
+        return True
+    return style == "colwise" or (style == "rowwise" and name.endswith(".weight"))
+
+
+def _tp_style(adapter, part: str, name: str):
+    """The TP style of the module of parameter ``name`` (``True``: the vocab-parallel
+    embedding and lm_head)."""
     if part == adapter.llm_part:
         if name.endswith("embed_tokens.weight") or name.startswith("lm_head."):
             return True
@@ -122,16 +160,12 @@ def _tp_sharded(adapter, part: str, name: str) -> bool:
     else:
         tower = adapter.tower_tp_plan(part)
         if tower is None:
-            return False
+            return None
         plan, layers = tower.styles, rf"\.{re.escape(tower.blocks)}\.\d+\."
         # a split Linear's fused tensor is sharded like its row blocks
         plan = {**plan, **{p: plan[f"{p}.{s.pieces[0]}"] for p, s in tower.splits.items()}}
     m = re.search(layers + r"(.+)\.(weight|bias)$", name)
-    if not m:
-        return False
-    module, kind = m.groups()
-    style = plan.get(module)
-    return style == "colwise" or (style == "rowwise" and kind == "weight")
+    return plan.get(m.group(1)) if m else None
 
 
 def _is_ep(group) -> bool:
@@ -192,39 +226,45 @@ def estimate(r) -> dict[str, WorkerMemory]:
     a = 2 if (r.loop.bf16 or r.loop.param_dtype == "bfloat16") else 4
     out = {}
     for part, group in r.groups.items():
-        params = dict(r.model.meta_model(part).named_parameters())
-        local, trainable = _local_params(adapter, part, group, params)
+        params = dict(part_model(r, part).named_parameters())
+        local, trainable, factors = _local_params(adapter, part, group, params)
         act = _activations(r, part, group, sched, a, params)
-        if act is not None and part != adapter.llm_part and trainable == 0:
+        if act is not None and part != adapter.llm_part and trainable + factors[1] == 0:
             blocks = depth(cfg.vision_config)
             act /= sched.max_in_flight * max(1, blocks)  # no_grad: about one block
+        trained = trainable * p_bytes + factors[1] * 4  # LoRA factors: fp32 always
         if act is not None and r.loop.bf16 and r.loop.param_dtype == "float32" and not group.fsdp:
-            act += 2 * trainable  # autocast caches bf16 copies of trainable leaf weights
+            act += trained / 2  # autocast caches bf16 copies of trainable leaf weights
         zero1 = group.num_workers if getattr(group.parallelism, "zero1", False) else 1
         out[part] = WorkerMemory(
-            num_params=local,
-            params=local * p_bytes,
-            grads=trainable * p_bytes,
-            optimizer=2 * trainable * p_bytes / zero1,
+            num_params=local + factors[0],
+            params=local * p_bytes + factors[0] * 4,
+            grads=trained,
+            optimizer=2 * trained / zero1,
             activations=act,
         )
     return out
 
 
-def _local_params(adapter, part: str, group, params: dict) -> tuple[float, float]:
-    """``(parameters, trainable parameters)`` on one rank of ``group``."""
+def _local_params(adapter, part: str, group, params: dict) -> tuple[float, float, tuple]:
+    """``(parameters, trainable parameters, (LoRA factors, trainable ones))`` on one rank
+    of ``group`` (under LoRA ``params`` come frozen as they train)."""
     tp = degree(group, "tp")
     fsdp = group.num_workers // tp if group.fsdp else 1
     ep = getattr(group.parallelism, "size", 1) if _is_ep(group) else 1
-    local = trainable = 0.0
+    lora = any(is_factor(n) for n in params)
+    local = trainable = factors = trained_factors = 0.0
     for name, p in params.items():
         if ep > 1 and _expert_sharded(name):  # over ep only (FSDP2 leaves experts)
             n = p.numel() / ep
         else:
             n = p.numel() / (tp if tp > 1 and _tp_sharded(adapter, part, name) else 1) / fsdp
-        local += n
-        trainable += 0 if is_frozen(name, group) else n
-    return local, trainable
+        trains = p.requires_grad if lora else not is_frozen(name, group)
+        if is_factor(name):
+            factors, trained_factors = factors + n, trained_factors + n * trains
+        else:
+            local, trainable = local + n, trainable + n * trains
+    return local, trainable, (factors, trained_factors)
 
 
 def per_gpu(r, memory: dict[str, WorkerMemory]) -> dict[str, float]:
@@ -277,7 +317,7 @@ def worker_terms(r, part: str) -> tuple[float, float, float]:
     g, loop = r.groups[part], r.loop
     key = (part, g.num_workers, g.parallelism, g.activation_checkpointing, g.trainable,
            g.freeze, loop.micro_batches, loop.bf16, loop.param_dtype, r.placement,
-           loop.schedule, loop.max_in_flight)  # fmt: skip
+           loop.schedule, loop.max_in_flight, lora_key(g.peft_config, r.model))  # fmt: skip
     cache = getattr(r.model, "memory_cache", None)
     if cache is not None and key in cache:
         return cache[key]

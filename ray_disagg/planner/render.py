@@ -23,6 +23,7 @@ from ray_disagg.config import (
     TensorParallel,
 )
 from ray_disagg.launch.ray_compat import resources_per_worker
+from ray_disagg.lora import part_lora
 from ray_disagg.planner.memory import (
     GiB,
     WorkerMemory,
@@ -127,6 +128,10 @@ def _layout_rows(r) -> list[list[str]]:
         axes, shape = mesh(g)
         sc = g.scaling_config
         trainable = "yes" + (f" (frozen: {', '.join(g.freeze)})" if g.freeze else "")
+        lora = part_lora(r.model, part, g)
+        if lora is not None:
+            c = lora.config
+            trainable = f"LoRA r={c.r} alpha={c.lora_alpha}" + trainable[3:] * g.trainable
         rows.append([
             part,
             str(g.num_workers),

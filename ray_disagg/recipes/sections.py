@@ -53,6 +53,7 @@ TOP = {
 MODEL = {
     "pretrained_path": None,
     "config": None,
+    "peft_path": None,
     **defaults(HFModelSpec, ("seed", "attn_implementation")),
 }
 SCALING = {  # Ray's ScalingConfig keys a recipe sets, with Ray's defaults
@@ -61,8 +62,18 @@ SCALING = {  # Ray's ScalingConfig keys a recipe sets, with Ray's defaults
     "resources_per_worker": None,
     "placement_strategy": "PACK",
 }
-# peft_config (a peft.LoraConfig object) is not a recipe key
+# peft_config (a peft.LoraConfig object) is written as `lora` (LORA's keys)
 GROUP = {**SCALING, **{k: v for k, v in defaults(ModuleGroup).items() if k != "peft_config"}}
+GROUP["lora"] = None
+LORA = {  # recipe key -> LoraConfig field, PEFT's defaults
+    "r": ("r", 8),
+    "alpha": ("lora_alpha", 8),
+    "dropout": ("lora_dropout", 0.0),
+    "target_modules": ("target_modules", None),
+    "modules_to_save": ("modules_to_save", None),
+    "use_rslora": ("use_rslora", False),
+    "init": ("init_lora_weights", True),
+}
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 PARALLELISM = {  # type -> (class, allowed keys: the class's fields)
     "none": (DataParallel, ()),
@@ -108,6 +119,8 @@ def model_section(value, for_training: bool) -> tuple[HFModelSpec, str]:
     m = section(value, "model", MODEL)
     choice(m["attn_implementation"], "model.attn_implementation", ("sdpa", "eager"))
     kw = {"seed": m["seed"], "attn_implementation": m["attn_implementation"]}
+    if m["peft_path"] is not None:
+        kw["peft_path"] = os.path.expanduser(str(m["peft_path"]))
     path = m["pretrained_path"]
     if path is not None:
         path = os.path.expanduser(str(path))
@@ -173,7 +186,21 @@ def group_section(name: str, value) -> ModuleGroup:
             freeze=g["freeze"] or (),
             lr_multiplier=g["lr_multiplier"],
             standby=g["standby"],
+            peft_config=lora_section(g["lora"], f"{p}.lora"),
         )
+
+
+def lora_section(value, path: str):
+    """``groups.<part>.lora``: a ``peft.LoraConfig`` (``None``: full fine-tuning)."""
+    if value is None:
+        return None
+    lora = section(value, path, {k: d for k, (_, d) in LORA.items()})
+    if lora["target_modules"] is None:
+        fail(f"{path}.target_modules: name the modules to adapt, e.g. [q_proj, v_proj].")
+    from ray_disagg.models.lora import require_peft
+
+    with at(path):
+        return require_peft().LoraConfig(**{LORA[k][0]: v for k, v in lora.items()})
 
 
 def run_config_section(value, name: str) -> RunConfig:

@@ -114,7 +114,7 @@ def test_enum_fields_are_literals_and_every_field_is_declared():
 def test_the_recipe_schema_takes_its_defaults_from_the_declarations():
     declared = {k: v for k, v in defaults(ModuleGroup).items() if k != "peft_config"}
     assert {k: sections.GROUP[k] for k in declared} == declared
-    assert set(sections.GROUP) == set(sections.SCALING) | set(declared)
+    assert set(sections.GROUP) == set(sections.SCALING) | set(declared) | {"lora"}
     assert sections.MODEL["seed"] == 0 and sections.MODEL["attn_implementation"] == "sdpa"
     assert (sections.TOP["placement"], sections.TOP["transfer"]) == ("separate", "auto")
     assert sections.PARALLELISM["context"][1] == ("size", "tp", "fsdp")
