@@ -15,10 +15,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import requests
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from ray_disagg import load_metrics
@@ -218,16 +220,24 @@ def test_example_as_ray_job(head_node):
         ]
     )
     # The Jobs API answers before the head's job agent has registered ("No available
-    # agent to submit job, please try again later"): retry that one answer.
-    deadline = time.monotonic() + START_TIMEOUT_S
+    # agent to submit job, please try again later"), or drops the connection while it
+    # starts: retry those, under one submission id (a dropped submission may have been
+    # taken: then that job is the one).
+    deadline, job_id = time.monotonic() + START_TIMEOUT_S, f"example-{uuid.uuid4().hex[:8]}"
     while True:
         try:
-            job_id = client.submit_job(entrypoint=entrypoint)
+            client.submit_job(entrypoint=entrypoint, submission_id=job_id)
             break
+        except requests.exceptions.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            with contextlib.suppress(Exception):
+                client.get_job_status(job_id)  # taken after all
+                break
         except RuntimeError as e:
             if "try again later" not in str(e) or time.monotonic() > deadline:
                 raise
-            time.sleep(1)
+        time.sleep(1)
 
     terminal = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
     deadline = time.monotonic() + JOB_TIMEOUT_S
