@@ -126,17 +126,16 @@ def _export_adapter(records, sources, config, out: str, base_path) -> None:
         )
     lora = LoraExport(config, records, base_path and os.fspath(base_path))
     saved = lora.saved(sources)
-    tensors = {name: _load(src) for name, src in sources.items()}
-    for name, tensor in tensors.items():  # a part trained in full is not an adapter's
-        if not (is_factor(name) or name in saved) and not torch.equal(
-            tensor, lora.base.get(name).to(tensor.dtype)
-        ):
+    adapter_keys = {n for n in sources if is_factor(n) or n in saved}
+    for name in sources.keys() - adapter_keys:  # a part trained in full is not an adapter's
+        tensor = _load(sources[name])  # one at a time: a frozen tower may be large
+        if not torch.equal(tensor, lora.base.get(name).to(tensor.dtype)):
             raise ValueError(
                 f"merge_lora=False: {name} was trained in full (its group had no LoRA "
                 "adapter), which a PEFT adapter directory cannot hold; export the merged "
                 "model instead."
             )
-    lora.write_adapter(out, {n: t for n, t in tensors.items() if is_factor(n) or n in saved})
+    lora.write_adapter(out, {n: _load(sources[n]) for n in adapter_keys})
 
 
 def _export_model(config, adapter, sources, lora, out: str, limit: int) -> None:

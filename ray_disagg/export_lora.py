@@ -37,10 +37,10 @@ class LoraExport:
             if path is None
             else loading.SafetensorsSource(path, self.meta)
         )
+        from peft import LoraConfig
+
         self.scaling, self.ranks, self.part_keys = {}, {}, set()
         for part, record in records.items():
-            from peft import LoraConfig
-
             config = LoraConfig(**_config_fields(record["peft_config"]))
             model = self.adapter.prune(loading.meta_model(self.adapter), part)
             self.part_keys |= set(model.state_dict())  # what the base gives

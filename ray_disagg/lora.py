@@ -41,7 +41,14 @@ from ray_disagg.models.lora import (
 )
 from ray_disagg.models.lora_files import base_record, check_resume, config_dict
 
-__all__ = ["apply_lora", "check_lora", "check_lora_resume", "lora_key", "part_lora"]
+__all__ = [
+    "apply_lora",
+    "check_lora",
+    "check_lora_resume",
+    "lora_key",
+    "lora_meta_part",
+    "part_lora",
+]
 
 
 def part_lora(spec, part: str, group: ModuleGroup) -> PartLora | None:
@@ -56,6 +63,15 @@ def part_lora(spec, part: str, group: ModuleGroup) -> PartLora | None:
 def apply_lora(model: nn.Module, lora: PartLora | None) -> list[str]:
     """Inject ``lora`` into ``model`` (a part on ``meta``); the adapted modules."""
     return [] if lora is None else inject(model, lora.config)
+
+
+def lora_meta_part(spec, part: str, group: ModuleGroup, lora: PartLora):
+    """``(model, adapted modules)``: a copy of ``part``'s meta model (the spec's may be a
+    planner's cached one) as it trains under ``lora``, with the group's freezing."""
+    model = copy.deepcopy(spec.meta_model(part))
+    adapted = apply_lora(model, lora)
+    apply_freeze(model, group)
+    return model, adapted
 
 
 def _trainable(model: nn.Module) -> list[str]:
@@ -101,8 +117,7 @@ def _check_parts(spec, groups, chosen: dict[str, PartLora]) -> dict[str, PartLor
                 f"groups[{part!r}].peft_config and HFModelSpec(peft_path=...) both put an "
                 f"adapter on the {part} part; drop one of them."
             )
-        model = copy.deepcopy(spec.meta_model(part))  # a planner caches its meta models
-        injected[part] = (model, apply_lora(model, lora))
+        injected[part] = lora_meta_part(spec, part, groups[part], lora)
     if spec.peft_path is not None and not any(names for _, names in injected.values()):
         raise ValueError(
             f"peft_path={spec.peft_path!r}: target_modules="
@@ -143,7 +158,6 @@ def _check_part(spec, part: str, group: ModuleGroup, lora: PartLora, model, adap
         )
     if group.trainable:
         _check_layout(part, group, label)
-        apply_freeze(model, group)
         if not _trainable(model):
             raise ValueError(
                 f"{label}: the {part} part has nothing to train (no adapted module, no "

@@ -26,11 +26,11 @@ __all__ = ["HFModelSpec", "IGNORE_INDEX"]
 def _hf_shapes(module: nn.Module, adapter: ModelAdapter) -> dict[str, tuple[int, ...]]:
     """The HF tensors ``module``'s parameters come from, with their global shapes (a row
     block of a split Linear reads the fused tensor)."""
-    shapes = {}
+    shapes, hf_name = {}, lora.hf_name_map(adapter.hf_param_name)
     for name, p in module.named_parameters():
         if lora.is_factor(name):
             continue  # from the adapter directory (checked on the driver) or fresh
-        fused, index, blocks = lora.hf_name_map(adapter.hf_param_name)(name)
+        fused, index, blocks = hf_name(name)
         shape = tuple(p.shape)
         shapes[fused] = (blocks * shape[0], *shape[1:]) if index is not None else shape
     return shapes

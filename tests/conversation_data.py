@@ -54,6 +54,22 @@ RECORDS = [
 ]
 
 
+def qwen_oracle(proc, messages, paths, media) -> list[int]:
+    """The token ids of ``messages`` as the oracle sees them: the template tokenized by
+    ``apply_chat_template`` itself, each single image pad id then repeated by hand for its
+    image's merged patch count (independent of the processor's expansion)."""
+    ids = proc.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    counts = []
+    for p in paths:
+        with Image.open(media / p) as im:
+            grid = proc.image_processor(images=[im.convert("RGB")], return_tensors="np")
+        counts.append(int(np.prod(grid["image_grid_thw"])) // 4)
+    out = []
+    for t in ids:
+        out += [t] * (counts.pop(0) if t == SPECIAL["<|image_pad|>"] else 1)
+    return out
+
+
 def make_processor(model_dir, media, cfg, **kw):
     return ConversationProcessor(
         tokenizer=AutoTokenizer.from_pretrained(model_dir, local_files_only=True),

@@ -162,7 +162,8 @@ class PartLora:
 def inject(model: nn.Module, config: Any) -> list[str]:
     """Put PEFT's LoRA layers into ``model`` in place (on ``meta`` their factors stay on
     ``meta``), freeze every other parameter and train the ``modules_to_save`` modules in
-    place; returns the adapted modules' names (empty: nothing matched, model unchanged)."""
+    place; returns the adapted modules' names (empty: nothing matched; the base is
+    frozen all the same)."""
     peft = require_peft()
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper

@@ -62,16 +62,15 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import re
 
-from ray_disagg.freezing import apply_freeze, is_frozen
+from ray_disagg.freezing import is_frozen
 from ray_disagg.launch.ray_compat import resources_per_worker
-from ray_disagg.lora import lora_key, part_lora
+from ray_disagg.lora import lora_key, lora_meta_part, part_lora
 from ray_disagg.models.costs import ActivationShape, depth
-from ray_disagg.models.lora import base_name, inject, is_factor
+from ray_disagg.models.lora import base_name, is_factor
 from ray_disagg.planner.cluster import Cluster, DeviceFigures
 
 __all__ = [
@@ -128,10 +127,7 @@ def part_model(r, part: str):
     cache = getattr(r.model, "memory_cache", {})
     key = ("lora", part, group.freeze, group.trainable, lora_key(group.peft_config, r.model))
     if key not in cache:
-        model = copy.deepcopy(r.model.meta_model(part))
-        inject(model, lora.config)
-        apply_freeze(model, group)
-        cache[key] = model
+        cache[key] = lora_meta_part(r.model, part, group, lora)[0]
     return cache[key]
 
 

@@ -23,6 +23,7 @@ from tests.conversation_data import (
     build_media,
     build_model_dir,
     make_processor,
+    qwen_oracle,
 )
 
 
@@ -37,20 +38,10 @@ def media(tmp_path_factory):
 
 
 def _expected_ids(proc, record, media):
-    """The oracle: the template tokenized by ``apply_chat_template`` itself, each single
-    image pad id then repeated by hand for its image's merged patch count."""
+    """The oracle's ids of ``record`` (:func:`qwen_oracle`) and its image paths."""
     messages, media_list = to_messages(record)
     paths = [p for kind, p in media_list if kind == "image"]
-    ids = proc.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
-    counts = []
-    for p in paths:
-        with Image.open(media / p) as im:
-            grid = proc.image_processor(images=[im.convert("RGB")], return_tensors="np")
-        counts.append(int(np.prod(grid["image_grid_thw"])) // 4)
-    out = []
-    for t in ids:
-        out += [t] * (counts.pop(0) if t == SPECIAL["<|image_pad|>"] else 1)
-    return out, paths
+    return qwen_oracle(proc, messages, paths, media), paths
 
 
 @pytest.mark.parametrize("config", [tiny_qwen2_5_vl_config, tiny_qwen3_vl_config])

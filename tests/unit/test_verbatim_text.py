@@ -10,13 +10,12 @@ LLaVA-OneVision write the newline after an image themselves, Gemma 3 trims each 
 
 import numpy as np
 import pytest
-from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer
 
 from ray_disagg import ADAPTERS, tiny_qwen2_5_vl_config
 from ray_disagg.data.conversations import ConversationProcessor, to_messages
 from ray_disagg.testing.conversations import build_model_dir, build_tile_model_dir
-from tests.conversation_data import SPECIAL, build_media
+from tests.conversation_data import build_media, qwen_oracle
 
 FAMILIES = ["qwen2_5_vl", "internvl", "llava_onevision", "gemma3"]
 IMG = {"type": "image"}
@@ -98,21 +97,6 @@ def by_hand(family: str, name: str) -> dict:
     user = [{"type": "image", "image": next(it)} if p is IMG else p for p in user]
     msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": [text(answer)]}]
     return {"id": name, "messages": msgs}
-
-
-def qwen_oracle(proc, messages, paths, media) -> list[int]:
-    """``apply_chat_template(tokenize=True)`` with each image pad repeated by hand for
-    its image's merged patches (independent of the processor's expansion)."""
-    ids = proc.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
-    counts = []
-    for p in paths:
-        with Image.open(media / p) as im:
-            grid = proc.image_processor(images=[im.convert("RGB")], return_tensors="np")
-        counts.append(int(np.prod(grid["image_grid_thw"])) // 4)
-    out = []
-    for t in ids:
-        out += [t] * (counts.pop(0) if t == SPECIAL["<|image_pad|>"] else 1)
-    return out
 
 
 @pytest.mark.parametrize("name", list(RECORDS))
