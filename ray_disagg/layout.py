@@ -34,6 +34,7 @@ from ray_disagg.launch.checks import (
     validate_groups,
     validate_layout,
     validate_loop,
+    validate_objective,
     validate_transfer,
 )
 from ray_disagg.launch.elastic import elastic_ranges, elastic_sizes
@@ -142,6 +143,7 @@ def resolve(
     validated = data.validate_samples and not data.streamed
     loop = resolve_schedule(loop, placement, data.kind, validated)
     validate_loop(adapter, loop)
+    validate_objective(loop, data.kind, data.validation, lora)
     if loop.eval_every is not None and not data.validation:
         raise ValueError(
             "train_loop_config['eval_every'] is set but there is no validation set: "

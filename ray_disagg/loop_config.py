@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ray_disagg.objectives import Objective, objective_from_any
 from ray_disagg.settings import check_settings, setting
 
 __all__ = ["TrainLoopConfig"]
@@ -142,6 +143,12 @@ class TrainLoopConfig:
     once (long sequences, large vocabularies). ``None``: all label positions at once
     (logits are only ever computed where the next token is a label)."""
 
+    objective: Objective | None = dataclasses.field(default=None)
+    """What the LLM trains on: ``None``, the token cross-entropy of the labels (SFT); or a
+    per-sequence :class:`~ray_disagg.objectives.Objective` such as
+    ``ray_disagg.DPO(beta=0.1)`` (``{"type": "dpo", "beta": 0.1}`` in a dict or recipe),
+    whose samples are preference pairs and whose ``global_batch_size`` counts pairs."""
+
     report_sample_ids: bool = setting(False)
     """Add the metric ``sample_ids``: the indices of the samples each step trained on, in
     order (an audit that no sample is repeated or dropped within an epoch)."""
@@ -155,6 +162,7 @@ class TrainLoopConfig:
 
     def __post_init__(self) -> None:
         check_settings(self, lambda name, value: f"train_loop_config[{name!r}]={value!r}")
+        self.objective = objective_from_any(self.objective)
         for key, fix in REMOVED_EXTRA.items():
             if key in self.extra:
                 raise ValueError(

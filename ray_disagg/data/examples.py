@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["WORDS", "digits_samples", "synthetic_samples"]
+__all__ = ["WORDS", "digits_samples", "synthetic_pairs", "synthetic_samples"]
 
 NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 # Word-level vocabulary of the captions; ids 100-103 are Qwen2.5-VL's vision tokens in
@@ -111,4 +111,27 @@ def synthetic_samples(config, n: int, *, seed: int = 0, grids: list | None = Non
             **fields,
         }
         out.append(sample)
+    return out
+
+
+def synthetic_pairs(config, n: int, *, seed: int = 0, grids: list | None = None) -> list[dict]:
+    """Random-input preference pairs (pre-tokenized, for ``ray_disagg.DPO``): each the
+    prompt of :func:`synthetic_samples` (media by ``grids``) with two different answers
+    of different lengths, ``chosen_input_ids`` / ``chosen_labels`` and
+    ``rejected_input_ids`` / ``rejected_labels`` (labels on the answer and ``<eos>``)."""
+    rng = np.random.default_rng(seed + 1)
+    out = []
+    for sample in synthetic_samples(config, n, seed=seed, grids=grids):
+        labels = np.asarray(sample.pop("labels"))
+        ids = np.asarray(sample.pop("input_ids"))
+        prefix = ids[: int(np.argmax(labels != -100))].tolist()
+        pair = {}
+        first = int(rng.integers(10))
+        answers = {"chosen": ["a", NUMBER_WORDS[first]]}
+        answers["rejected"] = ["a", "handwritten", "digit", NUMBER_WORDS[(first + 3) % 10]]
+        for name, words in answers.items():
+            target = _ids(words) + [EOS]
+            pair[f"{name}_input_ids"] = np.asarray(prefix + target, dtype=np.int64)
+            pair[f"{name}_labels"] = np.asarray([-100] * len(prefix) + target, dtype=np.int64)
+        out.append({**sample, **pair})
     return out

@@ -192,3 +192,30 @@ def resolve_schedule(cfg: TrainLoopConfig, placement: str, kind: str, validated:
     return dataclasses.replace(
         cfg, schedule=schedule, max_in_flight=in_flight, assignment=assignment
     )
+
+
+def validate_objective(cfg: TrainLoopConfig, data_kind: str, validation: bool, lora) -> None:
+    """Refuse what a per-sequence objective (``train_loop_config["objective"]``, e.g.
+    DPO) does not run with yet, naming the fix."""
+    obj = cfg.objective
+    if obj is None:
+        return
+    name = type(obj).__name__
+    if data_kind != "map":
+        raise ValueError(
+            f"train_loop_config['objective']={name}: reads map-style datasets (a list of "
+            "pre-tokenized pairs, a datasets.Dataset) in this release, not a "
+            f"{'ray.data.Dataset' if data_kind == 'ray' else 'ConversationStream'}; "
+            "materialize the pairs into a list."
+        )
+    if validation:
+        raise ValueError(
+            f"train_loop_config['objective']={name}: validation sets are not evaluated "
+            "under a per-sequence objective yet; drop datasets['validation']."
+        )
+    if lora:
+        raise ValueError(
+            f"train_loop_config['objective']={name} with LoRA on {sorted(lora)}: the "
+            "reference for adapters (reference='adapters_disabled') is not available in "
+            "this release; train those groups in full (drop groups.<part>.lora)."
+        )

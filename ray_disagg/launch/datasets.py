@@ -9,6 +9,7 @@ import logging
 import numpy as np
 
 from ray_disagg.loop_config import TrainLoopConfig
+from ray_disagg.models.base import SampleError, sample_name
 from ray_disagg.models.packing import check_fits
 from ray_disagg.pipeline.assignment import BatchPlan
 from ray_disagg.worker.ingest import is_ray_dataset, is_record_stream, is_stream, sample_from_row
@@ -59,29 +60,50 @@ def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups, validate: bo
 
 def scan(data, adapter, cfg: TrainLoopConfig, validate: bool, min_tokens: int = 1):
     """One pass over a map-style dataset: validate every sample (``validate``: fields,
-    the length when packing, at least ``min_tokens`` tokens: the context-parallel degree)
-    and, for balanced assignment, its costs (LLM tokens, each encoder part's estimate)."""
+    the objective's pairs, each sequence's length when packing, at least ``min_tokens``
+    tokens: the context-parallel degree) and, for balanced assignment, its costs (LLM
+    tokens of its sequences, each encoder part's estimate)."""
     balanced = cfg.assignment == "balanced"
     if is_stream(data) or not (validate or balanced):
         return None
     costs = {part: np.zeros(len(data), np.float32) for part in adapter.parts}
     for i in range(len(data)):
         sample = data[i]
+        seqs = _sequences(sample, i, cfg.objective, validate)
         if validate:
-            adapter.validate_sample(sample, i)
-            if cfg.pack_sequences:
-                check_fits(sample, i, cfg.max_seq_len)
-            if len(sample["input_ids"]) < min_tokens:
-                raise ValueError(
-                    f"sample {sample.get('id', i)!r} has {len(sample['input_ids'])} tokens, fewer "
-                    f"than the LLM group's ContextParallel(size={min_tokens}): every rank needs "
-                    "a token of each sequence; drop the sample or lower the size."
-                )
+            for seq in seqs:
+                _check_sequence(seq, i, adapter, cfg, min_tokens)
         if balanced:
-            costs[adapter.llm_part][i] = len(sample["input_ids"])
+            costs[adapter.llm_part][i] = sum(len(seq["input_ids"]) for seq in seqs)
             for part in adapter.encoder_parts:
                 costs[part][i] = adapter.encoder_cost(part, sample)
     return costs if balanced else None
+
+
+def _sequences(sample: dict, i: int, objective, validate: bool) -> list[dict]:
+    """The sample's LLM sequences (one without an objective; a pair's two with DPO)."""
+    if objective is None:
+        if validate and "input_ids" not in sample and "chosen_input_ids" in sample:
+            raise SampleError(
+                f"{sample_name(sample, i)} is a preference pair (chosen/rejected); train "
+                "pairs with train_loop_config['objective']=ray_disagg.DPO(...)."
+            )
+        return [sample]
+    if validate:
+        objective.check_sample(sample, i)
+    return objective.sequences(sample)
+
+
+def _check_sequence(seq: dict, i: int, adapter, cfg: TrainLoopConfig, min_tokens: int) -> None:
+    adapter.validate_sample(seq, i)
+    if cfg.pack_sequences:
+        check_fits(seq, i, cfg.max_seq_len)
+    if len(seq["input_ids"]) < min_tokens:
+        raise ValueError(
+            f"sample {seq.get('id', i)!r} has {len(seq['input_ids'])} tokens, fewer "
+            f"than the LLM group's ContextParallel(size={min_tokens}): every rank needs "
+            "a token of each sequence; drop the sample or lower the size."
+        )
 
 
 def train_set(datasets):

@@ -1,5 +1,6 @@
 """The LLM's loss: the summed next-token cross-entropy over the label positions (vocab-
-parallel under TP, in chunks with ``loss_chunk_tokens``), divided by the caller."""
+parallel under TP, in chunks with ``loss_chunk_tokens``), divided by the caller; and the
+per-sequence log-probabilities that preference objectives take, through the same path."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 
 from ray_disagg.models.base import IGNORE_INDEX
 
-__all__ = ["lm_loss", "loss_index"]
+__all__ = ["lm_loss", "loss_index", "sequence_logps"]
 
 
 def loss_index(labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
@@ -31,6 +32,74 @@ def _token_loss_sum(hidden, targets, lm_head, tp_group, vocab_start) -> torch.Te
         )
         return per_token.sum()
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _token_ce(hidden, targets, lm_head, tp_group, vocab_start) -> torch.Tensor:
+    """Per-position cross-entropy ``(n,)`` of ``hidden`` ``(n, d)`` against ``targets``."""
+    logits = lm_head(hidden).float()
+    if tp_group is not None:
+        from ray_disagg.parallel.tensor_parallel import VocabParallelCrossEntropy
+
+        return VocabParallelCrossEntropy.apply(logits, targets, vocab_start, IGNORE_INDEX, tp_group)
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def _label_positions(hidden, labels, index, shifted):
+    """``(hidden rows, targets)`` at the label positions ``index``."""
+    if index is None:
+        index = loss_index(labels.cpu(), shifted).to(hidden.device)
+    if not shifted:
+        hidden, labels = hidden[:, :-1], labels[:, 1:]
+    return hidden.flatten(0, 1).index_select(0, index), labels.flatten().index_select(0, index)
+
+
+def _num_chunks(positions: int, chunk_tokens: int | None, min_chunks: int) -> int:
+    return 1 if chunk_tokens is None else max(-(-positions // chunk_tokens), min_chunks)
+
+
+def sequence_logps(
+    hidden: torch.Tensor,
+    lm_head: nn.Module,
+    labels: torch.Tensor,
+    sequence: torch.Tensor,
+    num_sequences: int,
+    tp_group=None,
+    vocab_start: int = 0,
+    *,
+    index: torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
+    shifted: bool = False,
+    min_chunks: int = 1,
+) -> torch.Tensor:
+    """``(num_sequences,)`` float32: each sequence's summed log-probability of its label
+    tokens (``log p(label | prefix)``), through the path of :func:`lm_loss` (label
+    positions only, vocab-parallel under ``tp_group``, ``chunk_tokens`` positions at a time
+    under activation checkpointing, a context slice's targets with ``shifted``).
+    ``sequence`` ``(len(index),)``: the sequence of each label position (several per row
+    when rows are packed). With a context slice these are the slice's partial sums."""
+    flat, targets = _label_positions(hidden, labels, index, shifted)
+    chunks = _num_chunks(len(targets), chunk_tokens, min_chunks)
+    if chunks == 1:
+        ce = _token_ce(flat, targets, lm_head, tp_group, vocab_start)
+    else:
+        from torch.utils.checkpoint import checkpoint
+
+        ce = torch.cat(
+            [
+                checkpoint(
+                    _token_ce,
+                    flat[lo : lo + chunk_tokens],
+                    targets[lo : lo + chunk_tokens],
+                    lm_head,
+                    tp_group,
+                    vocab_start,
+                    use_reentrant=False,
+                )
+                for lo in range(0, chunks * chunk_tokens, chunk_tokens)
+            ]
+        )
+    sums = ce.new_zeros(num_sequences, dtype=torch.float32)
+    return -sums.index_add(0, sequence.to(ce.device), ce.float())
 
 
 def lm_loss(
@@ -57,13 +126,8 @@ def lm_loss(
     next-token targets, same length as ``hidden`` (a context-parallel slice's).
     ``min_chunks``: run at least this many chunks (empty ones last), so that ranks whose
     ``lm_head`` is one FSDP2 unit call it equally often (its collectives must match)."""
-    if index is None:
-        index = loss_index(labels.cpu(), shifted).to(hidden.device)
-    if not shifted:
-        hidden, labels = hidden[:, :-1], labels[:, 1:]
-    flat = hidden.flatten(0, 1).index_select(0, index)
-    targets = labels.flatten().index_select(0, index)
-    chunks = 1 if chunk_tokens is None else max(-(-len(index) // chunk_tokens), min_chunks)
+    flat, targets = _label_positions(hidden, labels, index, shifted)
+    chunks = _num_chunks(len(targets), chunk_tokens, min_chunks)
     if chunks == 1:
         total = _token_loss_sum(flat, targets, lm_head, tp_group, vocab_start)
         return total / num_label_tokens

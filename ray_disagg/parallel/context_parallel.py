@@ -35,6 +35,7 @@ from ray_disagg.parallel.ulysses import HeadsToSeq, SeqToHeads
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "ContextSlice",
+    "SumOverContext",
     "context_attention",
     "enable_context_parallel",
     "local_targets",
@@ -63,6 +64,26 @@ def local_targets(labels: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Next-token targets of positions ``[lo, hi)`` (the last position has none)."""
     shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], 1)
     return shifted[:, lo:hi]
+
+
+class SumOverContext(torch.autograd.Function):
+    """Per-sequence values summed over the ``cp`` ranks of a replica, with gradients.
+
+    Forward: ``x`` (any shape; this rank's partial sums, e.g. a slice's log-probabilities
+    of each sequence) all-reduced (SUM) over ``group``: every rank gets the replica's
+    totals and computes the same loss from them. Backward: the gradient passes unchanged,
+    since each rank's partial enters the total with coefficient 1 (the parameters'
+    gradients are then summed over the ``cp`` ranks with the rest)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 @dataclass(frozen=True)

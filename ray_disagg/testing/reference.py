@@ -37,6 +37,35 @@ def _param_groups(spec: HFModelSpec, model, groups) -> list[dict]:
     return out
 
 
+class _Updates:
+    """AdamW over parameter groups (each with its LR multiplier ``mult``) on the run's
+    global batches, with its clipping and learning-rate schedule."""
+
+    def __init__(self, param_groups: list[dict], num_samples: int, cfg: TrainLoopConfig):
+        self.cfg, self.trained = cfg, [p for g in param_groups for p in g["params"]]
+        self.opt = torch.optim.AdamW(
+            param_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
+        self.plan = BatchPlan(
+            num_samples=num_samples,
+            global_batch_size=cfg.global_batch_size,
+            seed=cfg.seed,
+            shuffle=cfg.shuffle,
+        )
+
+    def batch(self, dataset, step: int) -> list:
+        return [dataset[i] for i in self.plan.global_indices(step)]
+
+    def apply(self, step: int) -> None:
+        """Clip, set the scheduled learning rate, step and zero the gradients."""
+        if self.cfg.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.trained, self.cfg.max_grad_norm)
+        for g in self.opt.param_groups:
+            g["lr"] = lr_at(self.cfg, step, g["mult"])
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
 @torch.no_grad()
 def reference_val_loss(spec: HFModelSpec, model, dataset, cfg: TrainLoopConfig) -> float:
     """Mean token loss over the label tokens of the validation batches (in order)."""
@@ -57,29 +86,13 @@ def reference_train(spec: HFModelSpec, dataset, cfg: TrainLoopConfig, groups=Non
     returns ``(losses, step_times_s, model)``, and with a validation set ``val`` also the
     ``val_loss`` after every step."""
     model = spec.build_full()
-    param_groups = _param_groups(spec, model, groups)
-    opt = torch.optim.AdamW(
-        param_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
-    )
-    trained = [p for g in param_groups for p in g["params"]]
-    plan = BatchPlan(
-        num_samples=len(dataset),
-        global_batch_size=cfg.global_batch_size,
-        seed=cfg.seed,
-        shuffle=cfg.shuffle,
-    )
+    updates = _Updates(_param_groups(spec, model, groups), len(dataset), cfg)
     losses, times, val_losses = [], [], []
     for step in range(cfg.max_steps):
         t0 = time.perf_counter()
-        batch = reference_batch(spec, [dataset[i] for i in plan.global_indices(step)])
-        loss = model(**batch).loss
+        loss = model(**reference_batch(spec, updates.batch(dataset, step))).loss
         loss.backward()
-        if cfg.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(trained, cfg.max_grad_norm)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(cfg, step, g["mult"])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        updates.apply(step)
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
         if val is not None:
@@ -98,24 +111,56 @@ def reference_train_peft(spec: HFModelSpec, adapter_dir: str, dataset, cfg: Trai
 
     model = PeftModel.from_pretrained(spec.build_full(), adapter_dir, is_trainable=True)
     trained = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        trained, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
-    )
-    plan = BatchPlan(
-        num_samples=len(dataset),
-        global_batch_size=cfg.global_batch_size,
-        seed=cfg.seed,
-        shuffle=cfg.shuffle,
-    )
+    updates = _Updates([{"params": trained, "mult": 1.0}], len(dataset), cfg)
     losses = []
     for step in range(cfg.max_steps):
-        loss = model(**reference_batch(spec, [dataset[i] for i in plan.global_indices(step)])).loss
+        loss = model(**reference_batch(spec, updates.batch(dataset, step))).loss
         loss.backward()
-        if cfg.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(trained, cfg.max_grad_norm)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(cfg, step, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        updates.apply(step)
         losses.append(loss.item())
     return losses, model
+
+
+def _pair_logps(spec: HFModelSpec, model, pairs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, 2)`` summed log-probabilities of the chosen and rejected answers' label
+    tokens (full logits, ``log_softmax``, gathered), and ``(B, 2)`` label-token counts."""
+    seqs = []
+    for pair in pairs:
+        rest = {k: v for k, v in pair.items() if not k.startswith(("chosen_", "rejected_"))}
+        for a in ("chosen", "rejected"):
+            seqs.append(
+                {**rest, "input_ids": pair[f"{a}_input_ids"], "labels": pair[f"{a}_labels"]}
+            )
+    kwargs = reference_batch(spec, seqs)
+    labels = kwargs.pop("labels")[:, 1:]
+    logits = model(**kwargs).logits[:, :-1].float()
+    mask = labels != -100
+    per_token = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1))
+    logps = (per_token.squeeze(-1) * mask).sum(-1)
+    return logps.view(-1, 2), mask.sum(-1).float().view(-1, 2)
+
+
+def reference_preference(spec: HFModelSpec, pairs, cfg: TrainLoopConfig, pair_loss, groups=None):
+    """Single-process preference training of the whole HF model against a frozen copy
+    of its initial weights (the reference), on the same global batches of pairs as
+    ``DisaggregatedTrainer``: ``pair_loss(policy, reference, tokens, pairs)`` (each
+    ``(B, 2)``: chosen, rejected; the batch's pairs) gives the per-pair losses, whose
+    mean is the step's loss; AdamW with the run's schedule. Returns ``(losses,
+    [(policy, reference) log-probs per step], model)``."""
+    import copy
+
+    model = spec.build_full()
+    reference = copy.deepcopy(model).requires_grad_(False)
+    updates = _Updates(_param_groups(spec, model, groups), len(pairs), cfg)
+    losses, logps = [], []
+    for step in range(cfg.max_steps):
+        batch = updates.batch(pairs, step)
+        policy, tokens = _pair_logps(spec, model, batch)
+        with torch.no_grad():
+            ref, _ = _pair_logps(spec, reference, batch)
+        loss = pair_loss(policy, ref, tokens, batch).mean()
+        loss.backward()
+        updates.apply(step)
+        losses.append(loss.item())
+        logps.append((policy.detach(), ref))
+    return losses, logps, model

@@ -51,7 +51,9 @@ class LoopArgs:
     def stats(self) -> StepStats:
         a = self.adapter
         counters = [c for p in a.encoder_parts for c in a.counter_names(p)]
-        return StepStats(list(self.groups), counters)
+        objective = self.cfg.objective
+        metrics = None if objective is None else objective.metric_names
+        return StepStats(list(self.groups), counters, metrics)
 
     def leader_side_rank(self, channel, group: str, dp_rank: int) -> int:
         """Side rank of the model-parallel rank 0 of replica ``dp_rank`` of ``group``."""

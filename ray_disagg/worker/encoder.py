@@ -21,6 +21,7 @@ from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expe
 from ray_disagg.pipeline.schedule import WAITS, Op, encoder_actions, peak_in_flight
 from ray_disagg.worker import faults_hook, ingest
 from ray_disagg.worker.args import LoopArgs
+from ray_disagg.worker.objective import REF
 from ray_disagg.worker.part_worker import PartWorker
 from ray_disagg.worker.step import finish_step
 
@@ -35,15 +36,16 @@ def _row_offsets(adapter, part, samples) -> dict[str, list[int]]:
     return out
 
 
-def _encode(w: PartWorker, samples) -> dict:
-    """The part's crossings for ``samples`` (one FSDP2 root call)."""
+def _encode(w: PartWorker, samples, runner=None) -> dict:
+    """The part's crossings for ``samples`` (one FSDP2 root call of ``runner``, by
+    default the trained part's)."""
     sp = w.mp_mesh.get_group() if w.is_sp else None
 
     def run(model):
         return w.adapter.encode(model, w.part, samples, w.device, sp=sp)
 
     with torch.autocast(w.device.type, torch.bfloat16, enabled=w.cfg.bf16):
-        return w.runner(run)
+        return (runner or w.runner)(run)
 
 
 def _receive_inputs(w: PartWorker, plan, plan_step: int, key: StepKey):
@@ -64,7 +66,7 @@ def _receive_inputs(w: PartWorker, plan, plan_step: int, key: StepKey):
 class _Microbatch:
     """One microbatch between its forward and its backward: its outputs hold the graph."""
 
-    def __init__(self, w: PartWorker, samples, routes, j: int, grad: bool):
+    def __init__(self, w: PartWorker, samples, routes, j: int, grad: bool, reference=None):
         self.samples, self.routes, self.j = samples, routes, j
         # FSDP2: every rank must run the same units; one without inputs runs a stand-in
         self.counts = w.adapter.item_counts(w.part, samples)
@@ -72,6 +74,10 @@ class _Microbatch:
         inputs = samples if self.real else w.adapter.stand_in_samples(w.part)
         with torch.set_grad_enabled(grad):  # forward only: frozen group, validation
             self.outputs = _encode(w, inputs)
+        self.ref_outputs = {}  # an objective's reference copy: its outputs go along
+        if reference is not None:
+            with torch.no_grad():
+                self.ref_outputs = _encode(w, inputs, reference.runner)
         self.offsets = _row_offsets(w.adapter, w.part, samples)
         self.grads = {c.name: [] for c in w.adapter.crossings(w.part)}
 
@@ -84,6 +90,8 @@ class _Microbatch:
                 a, b = self.offsets[c.name][first], self.offsets[c.name][first + n]
                 if b > a:
                     tensors[c.name] = self.outputs[c.name][a:b].detach()
+                    if c.name in self.ref_outputs:
+                        tensors[REF + c.name] = self.ref_outputs[c.name][a:b]
             first += n
             msg = Crossings(key=key, mb=self.j)
             w.pending.append(w.channel.send_tensors(w.side_rank(llm, t), tensors, msg, False))
@@ -111,16 +119,18 @@ class _Microbatch:
         if outs:
             torch.autograd.backward(outs, out_grads)
             w.backward_passes += 1
-        self.outputs = self.grads = None
+        self.outputs = self.grads = self.ref_outputs = None
 
 
 class EncoderStep:
     """Executes one step's encoder actions (a training step, or a validation batch with
     ``grad=False``); ``counts`` are the items (images, videos, ...) it encoded."""
 
-    def __init__(self, w: PartWorker, data, plan, plan_step: int, key: StepKey, grad: bool):
+    def __init__(
+        self, w: PartWorker, data, plan, plan_step: int, key: StepKey, grad: bool, reference=None
+    ):
         self.w, self.data, self.plan, self.plan_step = w, data, plan, plan_step
-        self.key, self.grad = key, grad
+        self.key, self.grad, self.reference = key, grad, reference
         self.inputs, self.live, self.counts = None, {}, {}
 
     def run(self, actions) -> None:
@@ -149,7 +159,7 @@ class EncoderStep:
         if self.grad:
             faults_hook.drill(w.part, w.group_rank, self.key.step, j)
         samples, routes = self.inputs[j]
-        mb = _Microbatch(w, samples, routes, j, self.grad)
+        mb = _Microbatch(w, samples, routes, j, self.grad, self.reference)
         if w.leader:
             mb.send(w, self.key)
         for name, n in mb.counts.items():
@@ -173,6 +183,7 @@ def encoder_train_loop(args: LoopArgs, part: str) -> None:
     w = PartWorker(args, part)
     model = w.build()
     start = w.setup(model)  # the plans (parallelize_part), FSDP2, weights, optimizer
+    reference = w.build_reference()  # an objective's frozen copy of a trained tower
     limit = w.cfg.max_in_flight or 1
     actions = encoder_actions(w.cfg.micro_batches, limit, trains=not w.frozen)
     data = ingest.Datasets({"train": args.dataset_ref, "validation": args.val_ref})
@@ -181,7 +192,8 @@ def encoder_train_loop(args: LoopArgs, part: str) -> None:
         evaluate = functools.partial(_evaluate, w, data, args.val_plan)
     for step in range(start, w.cfg.max_steps):
         faults_hook.drill(part, w.group_rank, step)
-        run = EncoderStep(w, data, args.plan, step, StepKey(step), grad=not w.frozen)
+        key = StepKey(step)
+        run = EncoderStep(w, data, args.plan, step, key, grad=not w.frozen, reference=reference)
         run.run(actions)
         stats = args.stats.new()
         if w.leader:

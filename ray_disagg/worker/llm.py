@@ -23,13 +23,14 @@ from ray_disagg.models import moe
 from ray_disagg.models.loss import lm_loss, loss_index
 from ray_disagg.parallel import context_parallel as cp
 from ray_disagg.pipeline.assignment import count_label_tokens
-from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expect
+from ray_disagg.pipeline.messages import StepKey
 from ray_disagg.pipeline.schedule import WAITS, Op, llm_actions
-from ray_disagg.worker import faults_hook, ingest, recovery
+from ray_disagg.worker import faults_hook, ingest, llm_io, recovery
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.checkpoint import record_data_position
 from ray_disagg.worker.metrics import plain, sample_ids, step_stats
-from ray_disagg.worker.part_worker import PartWorker
+from ray_disagg.worker.objective import ObjectiveRunner, sequence_index
+from ray_disagg.worker.part_worker import PartModel, PartWorker
 from ray_disagg.worker.session import get_session
 from ray_disagg.worker.step import finish_step
 
@@ -60,89 +61,9 @@ def _loss(adapter, lm_head, batch, received, n_labels, tp_group, vocab_start, ch
     return loss + aux
 
 
-def _send_inputs(w: PartWorker, samples: dict, mbs, plan, key: StepKey, plan_step: int, refs):
-    """One message per encoder replica it shares samples with: per microbatch, the
-    encoder fields of those samples, or with ``refs`` (map-style data) their
-    :class:`~ray_disagg.pipeline.messages.SampleRef` s (so encoders can run ahead)."""
-    adapter, mine = w.adapter, [set(mb[w.part][w.dp_rank]) for mb in mbs]
-    for part in adapter.encoder_parts:
-        keys = ("id", *adapter.encoder_fields(part))
-
-        def fields(p, keys=keys):
-            return refs[p] if refs else {k: samples[p][k] for k in keys if k in samples[p]}
-
-        for d in plan.peers(w.part, w.dp_rank, part, plan_step, mbs):
-            per_mb = [[fields(p) for p in mb[part][d] if p in m] for mb, m in zip(mbs, mine)]
-            msg = Inputs(key=key, microbatches=per_mb)
-            w.pending.append(w.channel.send_tensors(w.side_rank(part, d), {}, msg, False))
-
-
-def _receive_crossings(w: PartWorker, plan, key: StepKey, j: int, mb, samples: dict):
-    """``{crossing: rows of this replica's microbatch, in its samples' order}`` (float32)
-    and, per encoder replica it heard from, the positions, dtypes and every sample's
-    crossing rows (for the gradients)."""
-    adapter, mine = w.adapter, mb[w.part][w.dp_rank]
-    pieces, routes, own = {}, [], set(mine)
-    for part in adapter.encoder_parts:
-        part_rows = None  # {position: {crossing: rows}} of this replica's samples
-        for d in range(plan.dp_sizes[part]):
-            positions = [p for p in mb[part][d] if p in own]
-            if not positions:
-                continue
-            src = w.side_rank(part, d)
-            msg, tensors = w.channel.recv_tensors(src, w.device)
-            expect(msg, Crossings, key, j, receiver="LLM group")
-            if part_rows is None:
-                part_rows = {p: adapter.crossing_rows(part, samples[p]) for p in mine}
-            for name, t in tensors.items():
-                for p, piece in zip(positions, t.split([part_rows[p][name] for p in positions])):
-                    pieces[(name, p)] = piece
-            if part not in w.args.frozen_parts:  # a frozen encoder gets no gradients
-                dtypes = {n: t.dtype for n, t in tensors.items()}
-                routes.append((src, positions, dtypes, part_rows))
-    received = {}
-    for part in adapter.encoder_parts:
-        for c in adapter.crossings(part):
-            parts = [pieces[(c.name, p)] for p in mine if (c.name, p) in pieces]
-            if parts:  # the loss runs in float32 (autocast inside), as the single-process model
-                received[c.name] = (parts[0] if len(parts) == 1 else torch.cat(parts)).float()
-    return received, routes
-
-
-def _send_grads(w: PartWorker, received: dict, routes, mb, key: StepKey, j: int) -> None:
-    """Each encoder replica gets the gradients of the rows it sent (split once per
-    crossing, with the rows ``_receive_crossings`` computed)."""
-    mine, by_pos = mb[w.part][w.dp_rank], {}
-    for dst, positions, dtypes, part_rows in routes:
-        grads = {}
-        for name in dtypes:
-            if name not in by_pos:
-                g = received[name].grad
-                g = torch.zeros_like(received[name]) if g is None else g
-                by_pos[name] = dict(zip(mine, g.split([part_rows[p][name] for p in mine])))
-            grads[name] = torch.cat([by_pos[name][p] for p in positions]).to(dtypes[name])
-        w.pending.append(w.channel.send_tensors(dst, grads, Grads(key=key, mb=j), False))
-
-
-def _sum_over_cp(w: PartWorker, tensors: list[torch.Tensor]) -> None:
-    for t in tensors:
-        dist.all_reduce(t, group=w.cp_mesh.get_group())
-
-
-def _share(w: PartWorker, received):
-    """The leader's crossing tensors on every rank of its replica (tp, cp)."""
-    shapes = {k: tuple(v.shape) for k, v in received.items()} if w.leader else None
-    shapes = w.broadcast_object(shapes)
-    received = {k: v.to(w.device) for k, v in received.items()}
-    if w.mp_size > 1:
-        if not w.leader:
-            received = {k: torch.empty(s, device=w.device) for k, s in shapes.items()}
-        for k in sorted(received):
-            dist.broadcast(received[k], src=w.mp_src, group=w.mp_mesh.get_group())
-    return received
-
-
-def _collate(w: PartWorker, items: list[dict]) -> dict:
+def _collate(w: PartWorker, items: list[dict], sequences: bool = False) -> dict:
+    """The microbatch's LLM batch on the device; ``sequences``: with ``loss_seq``, the
+    sequence of each label position (a per-sequence objective)."""
     if w.cfg.pack_sequences:
         batch = w.adapter.collate_llm_packed(items, w.cfg.max_seq_len)
     else:
@@ -153,8 +74,12 @@ def _collate(w: PartWorker, items: list[dict]) -> dict:
         batch["loss_targets"] = cp.local_targets(batch["labels"], lo, hi)
         batch["loss_index"] = loss_index(batch["loss_targets"], shifted=True)
         batch["context"] = ctx
+        if sequences:
+            batch["loss_seq"] = sequence_index(batch, batch["loss_index"], (lo, hi))
     else:
         batch["loss_index"] = loss_index(batch["labels"])  # on the host: no device sync
+        if sequences:
+            batch["loss_seq"] = sequence_index(batch, batch["loss_index"])
     batch["loss_chunks"] = _loss_chunks(w, len(batch["loss_index"]))
     return {n: v.to(w.device) if torch.is_tensor(v) else v for n, v in batch.items()}
 
@@ -185,12 +110,15 @@ def _context(w: PartWorker, seq_len: int, items: list[dict]):
 class LLMModel:
     """The pieces of one LLM worker that training and validation share."""
 
-    def __init__(self, w: PartWorker, model, lm_head, tp_group, vocab_start):
+    def __init__(self, w: PartWorker, model, lm_head, tp_group, vocab_start, objective=None):
         self.w, self.model, self.lm_head = w, model, lm_head
         self.tp_group, self.vocab_start = tp_group, vocab_start
         load = moe.ExpertLoad(w.adapter.llm_modules(model)[0])  # hooks on MoE routers only
         self.load = load if load.routers else None
-        self.text_keys = ("id", "input_ids", "labels", *w.adapter.llm_fields())
+        self.objective = objective  # an ObjectiveRunner, or None: the token loss (SFT)
+        obj = w.cfg.objective
+        keys = ("input_ids", "labels") if obj is None else (*obj.sequence_keys, *obj.fields)
+        self.text_keys = ("id", *keys, *w.adapter.llm_fields())
         self.grad_names = {  # crossings whose encoder has something to train
             c.name
             for part in w.adapter.encoder_parts
@@ -198,7 +126,32 @@ class LLMModel:
             for c in w.adapter.crossings(part)
         }
 
-    def loss(self, items, mb, received, n_labels, grad: bool):
+    def label_tokens(self, items) -> int:
+        if self.objective is not None:
+            return self.objective.label_tokens(list(items))
+        return sum(count_label_tokens(self.w.adapter.labels(it)) for it in items)
+
+    def tokens(self, items) -> int:
+        seqs = items if self.objective is None else self.objective.sequences(items)[0]
+        return sum(len(q["input_ids"]) for q in seqs)
+
+    def loss(self, items, mb, received, rows, n_labels, grad: bool):
+        """The microbatch's loss: the token loss over ``n_labels`` (the global batch's
+        label tokens), or the objective's (``n_labels``: the global batch's samples)."""
+        w = self.w
+        if self.load is not None:  # count this forward's routing (not recomputations)
+            self.load.active = grad
+        try:
+            if self.objective is not None:
+                policy = PartModel(model=self.model, runner=w.runner, parallel=w.parallel)
+                samples = [items[p] for p in mb[w.part][w.dp_rank]]
+                return self.objective.loss(policy, samples, received, rows, n_labels, grad)
+            return self._token_loss(items, mb, received, n_labels, grad)
+        finally:
+            if self.load is not None:
+                self.load.active = False
+
+    def _token_loss(self, items, mb, received, n_labels, grad: bool):
         w = self.w
         batch = _collate(w, [items[p] for p in mb[w.part][w.dp_rank]])
         if grad and w.adapter.router is not None:  # validation reports the token loss
@@ -206,14 +159,8 @@ class LLMModel:
         ctx = batch.pop("context", None)
         chunk = w.cfg.loss_chunk_tokens
         loss_args = (batch, received, n_labels, self.tp_group, self.vocab_start, chunk, ctx)
-        if self.load is not None:  # count this forward's routing (not recomputations)
-            self.load.active = grad
-        try:
-            with torch.autocast(w.device.type, torch.bfloat16, enabled=w.cfg.bf16):
-                return w.runner(functools.partial(_loss, w.adapter, self.lm_head, *loss_args))
-        finally:
-            if self.load is not None:
-                self.load.active = False
+        with torch.autocast(w.device.type, torch.bfloat16, enabled=w.cfg.bf16):
+            return w.runner(functools.partial(_loss, w.adapter, self.lm_head, *loss_args))
 
     def expert_load(self) -> dict[str, float]:
         """The step's ``<part>_expert_load_max`` / ``_mean`` over the global batch (MoE;
@@ -234,7 +181,7 @@ class LLMStep:
         self.plan_step, self.key, self.grad = plan_step, key, grad
         self.mbs = plan.assign(plan_step)
         self.samples, self.items, self.local_labels, self.n_labels = {}, {}, 0, 1.0
-        self.received = {}  # microbatch -> (its crossings, their routes back)
+        self.received = {}  # microbatch -> (its crossings, their routes back, rows)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.w.device)
         self.tokens = 0
 
@@ -251,7 +198,7 @@ class LLMStep:
                 handlers[action.op](action.mb)
         recovery.agree(self.w)  # the step's last transfers went through on every rank
         if self.w.is_cp:  # the replica's loss: the sum of its ranks' slices
-            _sum_over_cp(self.w, [self.loss_sum])
+            llm_io.sum_over_cp(self.w, [self.loss_sum])
 
     def wait_sends(self, _mb=None) -> None:
         recovery.guarded(self.w, self.w.wait_pending)
@@ -270,14 +217,14 @@ class LLMStep:
             if isinstance(self.source, ingest.MapStyleSource):
                 refs = self.source.refs(self.plan_step, share)
             args = (w, self.samples, mbs, self.plan, self.key, self.plan_step, refs)
-            recovery.guarded(w, _send_inputs, *args)
+            recovery.guarded(w, llm_io.send_inputs, *args)
         keys = self.llm.text_keys
         items = {p: {k: s[k] for k in keys if k in s} for p, s in self.samples.items()}
         self.items = w.broadcast_object(items)
-        labels = (count_label_tokens(w.adapter.labels(it)) for it in self.items.values())
-        self.local_labels = sum(labels)
-        if self.grad:
-            n = torch.tensor([self.local_labels], dtype=torch.float64, device=w.device)
+        self.local_labels = self.llm.label_tokens(self.items.values())
+        if self.grad:  # the loss's normaliser: label tokens, or an objective's samples
+            local = self.local_labels if self.llm.objective is None else len(self.items)
+            n = torch.tensor([local], dtype=torch.float64, device=w.device)
             dist.all_reduce(n, group=w.dp_mesh.get_group())
             self.n_labels = max(float(n), 1.0)
 
@@ -285,37 +232,39 @@ class LLMStep:
         w = self.w
         if self.grad:
             faults_hook.drill(w.part, w.group_rank, self.key.step, j)
-        received = routes = None
+        got = (None, None, None)
         if w.leader:
             args = (w, self.plan, self.key, j, self.mbs[j], self.samples)
-            received, routes = recovery.guarded(w, _receive_crossings, *args, default=(None, None))
-        self.received[j] = (received or {}, routes or [])
+            got = recovery.guarded(w, llm_io.receive_crossings, *args, default=got)
+        self.received[j] = (got[0] or {}, got[1] or [], got[2] or {})
 
     def train(self, j: int) -> None:
         """Forward and backward of microbatch ``j`` (forward only when not ``grad``)."""
         w, mb = self.w, self.mbs[j]
         recovery.agree(w)  # every rank has its crossings, or the step is abandoned
-        received, routes = self.received[j]
+        received, routes, rows = self.received[j]
         with torch.set_grad_enabled(self.grad):
-            shared = _share(w, received)
+            shared, rows = llm_io.share(w, received, rows)
             names = self.llm.grad_names if self.grad else ()
             received = {n: v.requires_grad_(n in names) for n, v in shared.items()}
-            loss = self.llm.loss(self.items, mb, received, self.n_labels, self.grad)
+            loss = self.llm.loss(self.items, mb, received, rows, self.n_labels, self.grad)
         sends = self.grad and w.leader and self.llm.grad_names  # kept for SEND_GRADS
-        self.received[j] = (received, routes) if sends else None
+        self.received[j] = (received, routes, rows) if sends else None
         if loss.requires_grad:  # not: a frozen LLM with nothing trainable upstream
             loss.backward()
             w.backward_passes += 1
             if w.is_cp:  # each cp rank has its slice's part of the crossings' gradients
-                _sum_over_cp(w, [v.grad for v in received.values() if v.grad is not None])
-        self.loss_sum += loss.detach().to(torch.float64)
-        self.tokens += sum(len(self.items[p]["input_ids"]) for p in mb[w.part][w.dp_rank])
+                llm_io.sum_over_cp(w, [v.grad for v in received.values() if v.grad is not None])
+        # an objective's loss is whole on every cp rank (its log-probs were summed)
+        if self.llm.objective is None or not w.is_cp or w.cp_mesh.get_local_rank() == 0:
+            self.loss_sum += loss.detach().to(torch.float64)
+        self.tokens += self.llm.tokens([self.items[p] for p in mb[w.part][w.dp_rank]])
 
     def send_grads(self, j: int) -> None:
         w = self.w
         if w.leader:
-            received, routes = self.received[j]
-            recovery.guarded(w, _send_grads, w, received, routes, self.mbs[j], self.key, j)
+            received, routes = self.received[j][:2]
+            recovery.guarded(w, llm_io.send_grads, w, received, routes, self.mbs[j], self.key, j)
         self.received[j] = None
 
     def ordered_items(self) -> list[dict]:
@@ -344,7 +293,10 @@ def llm_train_loop(args: LoopArgs) -> None:
         data, args.plan, w.dp_rank, w.leader, w.part, w.rt.object_group, w.data_state
     )
     par = w.parallel
-    llm = LLMModel(w, model, par.lm_head, par.tp_group, par.vocab_start)
+    objective = None
+    if w.cfg.objective is not None:
+        objective = ObjectiveRunner(w, w.build_reference(), _collate)
+    llm = LLMModel(w, model, par.lm_head, par.tp_group, par.vocab_start, objective)
     evaluate = None
     if args.val_plan is not None:
         val_data = get_session().fetch(args.val_ref[0])
@@ -371,4 +323,5 @@ def _train_step(w: PartWorker, llm: LLMModel, source, step: int, actions, evalua
     ids, extra = sample_ids(w, run)
     extra.update(record_data_position(w, source, step))
     extra.update(llm.expert_load())
-    finish_step(w, step, step_stats(w, run), sample_ids=ids, evaluate=evaluate, extra=extra)
+    stats = step_stats(w, run, llm.objective and llm.objective.take_metrics())
+    finish_step(w, step, stats, sample_ids=ids, evaluate=evaluate, extra=extra)

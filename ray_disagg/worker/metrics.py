@@ -34,16 +34,21 @@ class StepStats:
     - ``<group>_{sq,time,wait,peak,inflight,bwd}``: squared grad norm, compute and wait
       seconds, peak memory (MB), most microbatches alive at once, backward passes run, of
       each group, from its rank 0;
-    - counters (``images``, ``videos``, ``audios``, ``tiles``): the encoder groups' DP leaders.
+    - counters (``images``, ``videos``, ``audios``, ``tiles``): the encoder groups' DP leaders;
+    - with a per-sequence objective, ``objective_samples`` and the sums of its
+      ``metric_names`` (reported as means over the samples): the LLM's DP leaders.
     """
 
-    def __init__(self, groups: list[str], counters: list[str]):
+    def __init__(self, groups: list[str], counters: list[str], objective_metrics=None):
         self.groups, self.counters = list(groups), list(counters)
+        self.objective_metrics = objective_metrics  # None: no objective (SFT)
         names = ["loss", "label_tokens", "llm_tokens", "cycle", "transfer_fallbacks"]
         names += ["checkpoint_writing"]
         per_group = ("sq", "time", "wait", "peak", "inflight", "bwd")
         names += [f"{g}_{k}" for g in groups for k in per_group]
         names += list(counters)
+        if objective_metrics is not None:
+            names += ["objective_samples", *objective_metrics]
         self.index = {n: i for i, n in enumerate(names)}
 
     def new(self) -> torch.Tensor:
@@ -75,6 +80,9 @@ class StepStats:
             out[f"{g}_max_in_flight"] = int(s[f"{g}_inflight"])
             out[f"{g}_backward_passes"] = int(s[f"{g}_bwd"])
         out.update({c: int(s[c]) for c in self.counters})
+        if self.objective_metrics is not None:
+            n = max(s["objective_samples"], 1.0)
+            out.update({m: s[m] / n for m in self.objective_metrics})
         return out
 
     def total_norm(self, stats) -> float:
@@ -206,13 +214,17 @@ def plain(v):
     return v.item() if hasattr(v, "item") else v
 
 
-def step_stats(w, run):
+def step_stats(w, run, objective_sums=None):
+    """The LLM's slots; ``objective_sums``: ``[samples, *metric sums]`` of an objective."""
     stats = w.args.stats.new()
     if w.leader:
         ix = w.args.stats.index
         stats[ix["loss"]] = float(run.loss_sum)  # after the last gradients were posted
         stats[ix["label_tokens"]] = run.local_labels
         stats[ix["llm_tokens"]] = run.tokens
+        if objective_sums:
+            first = ix["objective_samples"]
+            stats[first : first + len(objective_sums)] = torch.tensor(objective_sums)
     return stats
 
 

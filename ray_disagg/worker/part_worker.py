@@ -3,6 +3,8 @@ groups, its model (built on ``meta``, parallelized, then materialized) and optim
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -18,10 +20,20 @@ from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.worker import checkpoint, standby
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.metrics import StepClock, log_line
-from ray_disagg.worker.parallelize import parallelize_part
+from ray_disagg.worker.parallelize import ParallelPart, parallelize_part
 from ray_disagg.worker.runtime import get_runtime
 from ray_disagg.worker.shards import ShardWriter
 from ray_disagg.worker.step import build_optimizer
+
+
+@dataclass(frozen=True)
+class PartModel:
+    """A part's model with what runs it: the trained one, or a frozen copy
+    (:meth:`PartWorker.build_reference`)."""
+
+    model: torch.nn.Module
+    runner: fsdp.PartRunner
+    parallel: ParallelPart
 
 
 def _flat_mesh(mesh, device):
@@ -137,6 +149,27 @@ class PartWorker:
                 f"trainable; starting at step {self.start + 1}/{self.cfg.max_steps}"
             )
         return self.start
+
+    def build_reference(self) -> PartModel | None:
+        """A frozen copy of the part's initial weights for an objective's reference model
+        (``DPO(reference="copy")``), with the same plans and FSDP2 sharding as the
+        trained part: parameters only (no gradients, no optimizer state). ``None``
+        without such an objective or for a frozen part (its model is the reference)."""
+        obj = self.cfg.objective
+        if obj is None or not obj.needs_reference or self.frozen:
+            return None
+        model = self.args.spec.meta_model(self.part)
+        if self.cfg.param_dtype == "bfloat16":
+            loading.cast_parameters(model, torch.bfloat16)
+        model.requires_grad_(False)
+        parallel = parallelize_part(self, model)
+        runner = fsdp.PartRunner(model)
+        if self.fsdp:  # the same units as the policy's: its all-gathers in the same order
+            experts = set(ep.expert_parameters(model))
+            units = self._own_units(model)
+            fsdp.apply_fsdp(runner, self.shard_mesh, self.cfg.bf16, units, ignored=experts)
+        self.args.spec.materialize(model, self.device, self.part)
+        return PartModel(model=model, runner=runner, parallel=parallel)
 
     def _shard_mesh(self):
         """1-D mesh over the ranks whose gradients are partial sums of the same tensors:

@@ -1,0 +1,146 @@
+"""The LLM group's side of a per-sequence objective (``train_loop_config["objective"]``,
+:mod:`ray_disagg.objectives`): a sample's sequences, its crossings repeated for each of
+them, the sequence of each label position, the policy's and the reference's per-sequence
+log-probabilities, and the objective's loss and metrics of a microbatch.
+
+A sample's sequences (DPO: chosen, rejected) share the sample's encoder outputs: the
+encoder group encodes the sample once; here its crossing rows are repeated for each
+sequence, so the gradients of both sequences add up in the rows the encoder gets back.
+The reference's log-probabilities come from the frozen copy of each trained part
+(``ReferenceCopy``; a trained encoder sends its copy's outputs under :data:`REF` names),
+or from the trained model itself where the part is frozen.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ray_disagg.models import moe
+from ray_disagg.models.loss import sequence_logps
+from ray_disagg.models.packing import PACKED_KEY, host_to_device, is_packed
+from ray_disagg.objectives import SequenceLogps
+from ray_disagg.parallel.context_parallel import SumOverContext
+from ray_disagg.pipeline.assignment import count_label_tokens
+
+__all__ = ["REF", "ObjectiveRunner", "repeat_rows", "sequence_index"]
+
+REF = "ref/"
+"""Prefix of the crossing names that carry a trained encoder's reference outputs."""
+
+
+def sequence_index(batch: dict, loss_index: torch.Tensor, bounds=None) -> torch.Tensor:
+    """The sequence (item of the collated batch) of each label position in
+    ``loss_index`` (host tensors): one row per item, or a packed row's segments in item
+    order; ``bounds``: this context-parallel rank's ``[lo, hi)``, whose positions' targets
+    were shifted already."""
+    ids = batch["input_ids"]
+    rows, width = ids.shape
+    if is_packed(batch):
+        seq = torch.full((rows, width), -1, dtype=torch.long)
+        for i, (row, start, n, _) in enumerate(batch[PACKED_KEY]):
+            seq[row, start : start + n] = i
+    else:
+        seq = torch.arange(rows).unsqueeze(1).expand(rows, width)
+    nxt = seq[:, 1:]  # a position's target is the next token's label: that token's sequence
+    if bounds is not None:
+        lo, hi = bounds
+        nxt = torch.cat([nxt, seq.new_full((rows, 1), -1)], 1)[:, lo:hi]
+    return nxt.flatten().index_select(0, loss_index)
+
+
+def repeat_rows(received: dict, rows: dict, counts: list[int]) -> dict:
+    """``received`` (per crossing, the rows of each sample in order, sizes ``rows``) with
+    each sample's rows repeated ``counts[i]`` times, in the order of the sequences."""
+    out = {}
+    for name, t in received.items():
+        pieces = t.split(rows[name])
+        out[name] = torch.cat([p for p, k in zip(pieces, counts) for _ in range(k)])
+    return out
+
+
+def _logps(adapter, lm_head, batch, received, tp_group, vocab_start, chunk, ctx, n, model):
+    """Per-sequence log-probs of the microbatch (summed over the context slices) and the
+    MoE router's auxiliary loss share (``None`` without a router or without gradients)."""
+    hidden, router_logits = adapter.llm_outputs(model, batch, received, context=ctx)
+    labels = batch["labels"] if ctx is None else batch["loss_targets"]
+    logps = sequence_logps(
+        hidden, lm_head, labels, batch["loss_seq"], n, tp_group, vocab_start,
+        index=batch["loss_index"], chunk_tokens=chunk, shifted=ctx is not None,
+        min_chunks=batch["loss_chunks"],
+    )  # fmt: skip
+    if ctx is not None:
+        logps = SumOverContext.apply(logps, ctx.group)
+    if router_logits is None or "router" not in batch:
+        return logps, None
+    return logps, moe.router_aux_loss(
+        router_logits, adapter.router, batch["attention_mask"], batch["router"]
+    )
+
+
+class ObjectiveRunner:
+    """Runs a microbatch of an objective on one LLM worker: ``w`` its ``PartWorker``,
+    ``reference`` its ``ReferenceCopy`` (``None``: a frozen LLM, its own reference)."""
+
+    def __init__(self, w, reference, collate):
+        self.w, self.obj, self.reference, self.collate = w, w.cfg.objective, reference, collate
+        self.sums = torch.zeros(len(self.obj.metric_names), dtype=torch.float64, device=w.device)
+        self.samples = 0  # of this step, on this replica
+
+    def sequences(self, samples: list[dict]) -> tuple[list[dict], list[int]]:
+        seqs = [self.obj.sequences(s) for s in samples]
+        return [q for ss in seqs for q in ss], [len(ss) for ss in seqs]
+
+    def label_tokens(self, samples: list[dict]) -> int:
+        seqs, _ = self.sequences(samples)
+        return sum(count_label_tokens(self.w.adapter.labels(q)) for q in seqs)
+
+    def loss(self, policy, samples, received, rows, global_samples: float, grad: bool):
+        """The microbatch's loss (its metric sums added to :attr:`sums`); ``policy``: the
+        trained model's ``(model, runner, ParallelPart)``."""
+        w, adapter = self.w, self.w.adapter
+        seqs, counts = self.sequences(samples)
+        self.samples += len(samples)
+        batch = self.collate(w, seqs, sequences=True)
+        if grad and adapter.router is not None:
+            batch["router"] = w.dp_mesh.get_group() if w.dp_mesh.size() > 1 else None
+        ctx = batch.pop("context", None)
+        own = {k: v for k, v in received.items() if not k.startswith(REF)}
+        ref_in = {k: received.get(REF + k, v).detach() for k, v in own.items()}
+        ref_logps = None
+        if self.obj.needs_reference:  # its forward, before the policy's backward
+            ref_model = policy if self.reference is None else self.reference
+            with torch.no_grad():
+                ref_rows = repeat_rows(ref_in, rows, counts)
+                ref_logps, _ = self._run(ref_model, batch, ref_rows, ctx, seqs)
+        logps, aux = self._run(policy, batch, repeat_rows(own, rows, counts), ctx, seqs)
+        tokens = [count_label_tokens(adapter.labels(q)) for q in seqs]
+        fields = ("id", *self.obj.fields)
+        inputs = SequenceLogps(
+            policy=logps,
+            reference=ref_logps,
+            tokens=host_to_device(torch.tensor(tokens, dtype=torch.float32), logps.device),
+            samples=[{k: s[k] for k in fields if k in s} for s in samples],
+            global_samples=global_samples,
+        )
+        loss, metrics = self.obj.loss(inputs)
+        for i, name in enumerate(self.obj.metric_names):
+            self.sums[i] += metrics[name].detach().double()
+        return loss if aux is None else loss + aux
+
+    def _run(self, model, batch, received, ctx, seqs):
+        w = self.w
+        par = model.parallel
+        args = (batch, received, par.tp_group, par.vocab_start, w.cfg.loss_chunk_tokens, ctx)
+        fn = functools.partial(_logps, w.adapter, par.lm_head, *args, len(seqs))
+        with torch.autocast(w.device.type, torch.bfloat16, enabled=w.cfg.bf16):
+            return model.runner(fn)
+
+    def take_metrics(self) -> list[float]:
+        """The step's sample count and metric sums (read once, at the end of the step,
+        after its last gradients were posted), then zeroed."""
+        out = [float(self.samples), *self.sums.tolist()]
+        self.sums.zero_()
+        self.samples = 0
+        return out
