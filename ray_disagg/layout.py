@@ -30,11 +30,11 @@ from typing import Any, Literal
 from ray_disagg.config import ModuleGroup
 from ray_disagg.freezing import frozen_parts
 from ray_disagg.launch.checks import (
+    resolve_objective,
     resolve_schedule,
     validate_groups,
     validate_layout,
     validate_loop,
-    validate_objective,
     validate_transfer,
 )
 from ray_disagg.launch.elastic import elastic_ranges, elastic_sizes
@@ -143,7 +143,8 @@ def resolve(
     validated = data.validate_samples and not data.streamed
     loop = resolve_schedule(loop, placement, data.kind, validated)
     validate_loop(adapter, loop)
-    validate_objective(loop, data.kind, data.validation, lora)
+    trained = [p for p in groups if p not in frozen]
+    loop = resolve_objective(loop, data.kind, data.validation, lora, trained)
     if loop.eval_every is not None and not data.validation:
         raise ValueError(
             "train_loop_config['eval_every'] is set but there is no validation set: "

@@ -73,7 +73,8 @@ class Objective:
         ...     fields = ("advantage",)
         ...     metric_names = ("advantage",)
         ...     def loss(self, logps):
-        ...         adv = torch.tensor([s["advantage"] for s in logps.samples])
+        ...         adv = [s["advantage"] for s in logps.samples]
+        ...         adv = torch.tensor(adv, device=logps.policy.device)
         ...         loss = -(adv * logps.policy).sum() / logps.global_samples
         ...         return loss, {"advantage": adv.sum()}
     """
@@ -87,6 +88,8 @@ class Objective:
     over the global batch, under these names."""
     needs_reference: bool = False
     """Whether :meth:`loss` needs :attr:`SequenceLogps.reference`."""
+    reference: str = "copy"
+    """How the reference model is held (see :attr:`DPO.reference`)."""
 
     def sequences(self, sample: dict) -> list[dict]:
         """The sample's sequences (each a dict with ``input_ids`` and ``labels``, plus the
@@ -139,10 +142,15 @@ class DPO(Objective):
     """The probability that a preference label is flipped (``loss_type="robust"`` only)."""
 
     reference: Reference = setting("auto")
-    """The reference model: ``"copy"``, a frozen copy of the trained parts' initial
-    weights held by the same workers with the same sharding; ``"auto"``: the first that
-    applies (``"copy"`` in this release; ``"adapters_disabled"`` and ``"precompute"``
-    are not available yet)."""
+    """The reference model: ``"adapters_disabled"``, the trained model with its LoRA
+    adapters off (no extra memory; when every trained part has a fresh LoRA adapter with
+    ``lora_B`` at zero and no ``modules_to_save``, so that it is the initial model);
+    ``"copy"``, a frozen copy of the trained parts' initial weights held by the same
+    workers with the same sharding (parameters only); ``"precompute"``: one forward-only
+    pass with the initial weights over every training pair before the first step, its
+    log-probs kept by each pair's ``id`` (saved with every checkpoint: a resumed run does
+    not recompute them); ``"auto"``: the first of ``"adapters_disabled"`` and ``"copy"``
+    that applies (decided on the driver). A frozen part is its own reference."""
 
     sequence_keys: ClassVar[tuple[str, ...]] = PAIR_KEYS
     metric_names: ClassVar[tuple[str, ...]] = (
@@ -162,11 +170,6 @@ class DPO(Objective):
                 f"{self._where('label_smoothing', self.label_smoothing)}: label smoothing "
                 f"applies to loss_type='robust' only (TRL's meaning); set "
                 f"loss_type='robust' or label_smoothing=0."
-            )
-        if self.reference in ("adapters_disabled", "precompute"):
-            raise ValueError(
-                f"{self._where('reference', self.reference)}: not available in this "
-                "release; use reference='copy' (or 'auto')."
             )
 
     @staticmethod
@@ -198,6 +201,12 @@ class DPO(Objective):
         for answer in ANSWERS:
             if not (np.asarray(sample[f"{answer}_labels"]) != IGNORE_INDEX).any():
                 raise SampleError(f"{name}: the {answer} answer is empty (no label token).")
+        if self.reference == "precompute" and sample.get("id") is None:
+            raise SampleError(
+                f"{name} has no 'id': DPO(reference='precompute') keeps each pair's "
+                "reference log-probs by its id; give every pair a unique 'id' (e.g. its "
+                "row number)."
+            )
         if chosen.shape == rejected.shape and (chosen == rejected).all():
             raise SampleError(f"{name}: chosen and rejected are identical; drop the pair.")
         starts = [

@@ -3,6 +3,7 @@ starts. Every error names the setting to change."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 
@@ -194,12 +195,14 @@ def resolve_schedule(cfg: TrainLoopConfig, placement: str, kind: str, validated:
     )
 
 
-def validate_objective(cfg: TrainLoopConfig, data_kind: str, validation: bool, lora) -> None:
-    """Refuse what a per-sequence objective (``train_loop_config["objective"]``, e.g.
-    DPO) does not run with yet, naming the fix."""
+def resolve_objective(cfg: TrainLoopConfig, data_kind: str, validation: bool, lora, trained):
+    """``cfg`` with its objective's reference model decided (``"auto"``: the LoRA-free
+    model when it is the initial one, else a frozen copy), or ``ValueError`` naming the
+    fix for what a per-sequence objective does not run with. ``lora``: the parts under
+    LoRA (``{part: PartLora}``); ``trained``: the parts that train."""
     obj = cfg.objective
     if obj is None:
-        return
+        return cfg
     name = type(obj).__name__
     if data_kind != "map":
         raise ValueError(
@@ -213,9 +216,31 @@ def validate_objective(cfg: TrainLoopConfig, data_kind: str, validation: bool, l
             f"train_loop_config['objective']={name}: validation sets are not evaluated "
             "under a per-sequence objective yet; drop datasets['validation']."
         )
-    if lora:
+    if not obj.needs_reference or obj.reference not in ("auto", "adapters_disabled"):
+        return cfg
+    why = _adapters_not_reference(lora, trained)
+    if obj.reference == "adapters_disabled" and why:
         raise ValueError(
-            f"train_loop_config['objective']={name} with LoRA on {sorted(lora)}: the "
-            "reference for adapters (reference='adapters_disabled') is not available in "
-            "this release; train those groups in full (drop groups.<part>.lora)."
+            f"train_loop_config['objective']={name}(reference='adapters_disabled'): {why}, "
+            "so the model without adapters is not the initial model; use "
+            "reference='copy' (a frozen copy of the initial weights) or 'auto'."
         )
+    obj = copy.copy(obj)
+    object.__setattr__(obj, "reference", "copy" if why else "adapters_disabled")
+    return dataclasses.replace(cfg, objective=obj)
+
+
+def _adapters_not_reference(lora, trained) -> str:
+    """Why disabling the adapters does not give the initial model ("": it does)."""
+    full = [p for p in trained if p not in lora]
+    if full:
+        return f"the {full} part(s) train in full (no LoRA adapter)"
+    for part, part_lora in lora.items():
+        config = part_lora.config
+        if part_lora.path is not None:
+            return f"the {part} part starts from a saved adapter (HFModelSpec(peft_path=...))"
+        if config.modules_to_save:
+            return f"the {part} part trains modules_to_save {list(config.modules_to_save)}"
+        if config.init_lora_weights is False:
+            return f"the {part} part's lora_B starts non-zero (init_lora_weights=False)"
+    return ""

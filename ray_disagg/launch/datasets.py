@@ -67,9 +67,13 @@ def scan(data, adapter, cfg: TrainLoopConfig, validate: bool, min_tokens: int = 
     if is_stream(data) or not (validate or balanced):
         return None
     costs = {part: np.zeros(len(data), np.float32) for part in adapter.parts}
+    ids = {}  # id -> index, when the objective keeps values by record id
+    keyed = getattr(cfg.objective, "reference", None) == "precompute"
     for i in range(len(data)):
         sample = data[i]
         seqs = _sequences(sample, i, cfg.objective, validate)
+        if validate and keyed:
+            _check_unique(sample, i, ids)
         if validate:
             for seq in seqs:
                 _check_sequence(seq, i, adapter, cfg, min_tokens)
@@ -92,6 +96,17 @@ def _sequences(sample: dict, i: int, objective, validate: bool) -> list[dict]:
     if validate:
         objective.check_sample(sample, i)
     return objective.sequences(sample)
+
+
+def _check_unique(sample: dict, i: int, ids: dict) -> None:
+    key = sample["id"]
+    key = key.item() if hasattr(key, "item") else key
+    if key in ids:
+        raise SampleError(
+            f"samples {ids[key]} and {i} have the same id {key!r}: DPO(reference='precompute') "
+            "keeps each pair's reference log-probs by its id; give every pair a unique 'id'."
+        )
+    ids[key] = i
 
 
 def _check_sequence(seq: dict, i: int, adapter, cfg: TrainLoopConfig, min_tokens: int) -> None:

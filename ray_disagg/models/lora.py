@@ -25,6 +25,7 @@ like the base (its master copy stays fp32).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -40,6 +41,7 @@ from ray_disagg.models.loading import name_seed
 __all__ = [
     "ADAPTER",
     "adapter_names",
+    "adapters_disabled",
     "scalings",
     "FILE_PREFIX",
     "PartLora",
@@ -365,3 +367,22 @@ def hf_name_map(hf_param_name):
         return (fused if is_factor(fused) else base_name(fused)), index, blocks
 
     return mapped
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Within the block, PEFT's layers in ``model`` compute their base layer only (the
+    model without its adapters: a fresh adapter's reference model). PEFT's own switch
+    (``BaseTunerLayer.disable_adapters``) is set directly: ``enable_adapters`` would also
+    turn ``requires_grad`` of the trained factors off and on in the middle of a step."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m.disable_adapters for m in layers]
+    try:
+        for m in layers:
+            m._disable_adapters = True
+        yield
+    finally:
+        for m, b in zip(layers, before):
+            m._disable_adapters = b

@@ -35,6 +35,17 @@ class PartRunner(nn.Module):
         return fn(self.model)
 
 
+def end_forward_only(runner: nn.Module) -> None:
+    """After a forward under ``no_grad`` of an FSDP2 ``runner`` (a frozen copy, a frozen
+    group): FSDP2 records every unit's forward for the backward's prefetch order and
+    clears the record only in backward, which a forward-only root never runs; clear it
+    (``reset_iter_state``: its units are resharded already; only stream waits)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(runner, FSDPModule):
+        runner.reset_iter_state()
+
+
 _BLOCK_LISTS = ("layers", "blocks", "layer")
 
 

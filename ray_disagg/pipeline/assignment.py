@@ -20,7 +20,7 @@ import torch
 
 from ray_disagg.models.base import IGNORE_INDEX, SampleError
 
-__all__ = ["SampleError", "BatchPlan", "count_label_tokens", "balanced_split"]
+__all__ = ["SampleError", "BatchPlan", "CoveringPlan", "count_label_tokens", "balanced_split"]
 
 
 def count_label_tokens(labels: np.ndarray) -> int:
@@ -208,3 +208,24 @@ class BatchPlan:
             if lo < hi:
                 out.append((r, lo, hi))
         return out
+
+
+@dataclass(frozen=True)
+class CoveringPlan(BatchPlan):
+    """One pass over every sample, in dataset order (e.g. the reference model's
+    log-probs computed before training): ``ceil(N / B)`` global batches of ``B``, the last
+    one ending at the last sample (so it may repeat some of the batch before it).
+
+    Example:
+        >>> CoveringPlan(num_samples=10, global_batch_size=4).global_indices(2)
+        [6, 7, 8, 9]
+    """
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-self.num_samples // self.global_batch_size)
+
+    def global_indices(self, step: int) -> list[int]:
+        b = self.global_batch_size
+        lo = min(step * b, self.num_samples - b)
+        return list(range(lo, lo + b))

@@ -26,12 +26,15 @@ __all__ = ["StepKey", "SampleRef", "Inputs", "Crossings", "Grads", "expect"]
 @dataclass(frozen=True)
 class StepKey:
     """Which step a message belongs to: training step ``step`` (0-based), or with
-    ``val_batch`` the validation batch ``val_batch`` run at that step."""
+    ``val_batch`` the validation batch ``val_batch`` run at that step (step ``-1``: the
+    reference model's pass before training)."""
 
     step: int
     val_batch: int | None = None
 
     def __str__(self) -> str:
+        if self.step < 0:  # before the first step: the reference's pass (worker.objective)
+            return f"reference pass batch {self.val_batch}"
         if self.val_batch is None:
             return f"step {self.step + 1}"
         return f"validation batch {self.val_batch} at step {self.step + 1}"

@@ -140,23 +140,43 @@ def _pair_logps(spec: HFModelSpec, model, pairs) -> tuple[torch.Tensor, torch.Te
     return logps.view(-1, 2), mask.sum(-1).float().view(-1, 2)
 
 
-def reference_preference(spec: HFModelSpec, pairs, cfg: TrainLoopConfig, pair_loss, groups=None):
+def reference_preference(
+    spec: HFModelSpec,
+    pairs,
+    cfg: TrainLoopConfig,
+    pair_loss,
+    groups=None,
+    peft_model=None,
+    peft_reference: str = "adapters_disabled",
+):
     """Single-process preference training of the whole HF model against a frozen copy
     of its initial weights (the reference), on the same global batches of pairs as
     ``DisaggregatedTrainer``: ``pair_loss(policy, reference, tokens, pairs)`` (each
     ``(B, 2)``: chosen, rejected; the batch's pairs) gives the per-pair losses, whose
-    mean is the step's loss; AdamW with the run's schedule. Returns ``(losses,
-    [(policy, reference) log-probs per step], model)``."""
+    mean is the step's loss; AdamW with the run's schedule. ``peft_model``: train this
+    ``PeftModel`` instead (its trainable parameters), the reference being the same model
+    under PEFT's ``disable_adapter()`` or, with ``peft_reference="copy"``, a frozen copy
+    of it. Returns ``(losses, [(policy, reference)
+    log-probs per step], model)``."""
+    import contextlib
     import copy
 
-    model = spec.build_full()
-    reference = copy.deepcopy(model).requires_grad_(False)
-    updates = _Updates(_param_groups(spec, model, groups), len(pairs), cfg)
+    if peft_model is None:
+        model = spec.build_full()
+        reference = copy.deepcopy(model).requires_grad_(False)
+        param_groups, off = _param_groups(spec, model, groups), contextlib.nullcontext
+    else:
+        model = reference = peft_model
+        trained = [p for p in model.parameters() if p.requires_grad]
+        param_groups, off = [{"params": trained, "mult": 1.0}], model.disable_adapter
+        if peft_reference == "copy":
+            reference, off = copy.deepcopy(model).requires_grad_(False), contextlib.nullcontext
+    updates = _Updates(param_groups, len(pairs), cfg)
     losses, logps = [], []
     for step in range(cfg.max_steps):
         batch = updates.batch(pairs, step)
         policy, tokens = _pair_logps(spec, model, batch)
-        with torch.no_grad():
+        with torch.no_grad(), off():
             ref, _ = _pair_logps(spec, reference, batch)
         loss = pair_loss(policy, ref, tokens, batch).mean()
         loss.backward()

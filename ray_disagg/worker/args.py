@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ray_disagg.config import ModuleGroup, TrainLoopConfig
 from ray_disagg.model import HFModelSpec
-from ray_disagg.pipeline.assignment import BatchPlan
+from ray_disagg.pipeline.assignment import BatchPlan, CoveringPlan
 from ray_disagg.worker.metrics import StepStats
 
 
@@ -42,6 +42,26 @@ class LoopArgs:
         val_plan = self.val_plan and dataclasses.replace(self.val_plan, dp_sizes=dp)
         plan = dataclasses.replace(self.plan, dp_sizes=dp)
         return dataclasses.replace(self, groups=groups, plan=plan, val_plan=val_plan)
+
+    @property
+    def reference_plan(self) -> CoveringPlan:
+        """The reference model's pass before training (``DPO(reference="precompute")``):
+        every training sample once, in order, split over the groups as training is."""
+        p = self.plan
+        return CoveringPlan(
+            num_samples=p.num_samples,
+            global_batch_size=p.global_batch_size,
+            dp_sizes=p.dp_sizes,
+            micro_batches=p.micro_batches,
+            reader=p.reader,
+        )
+
+    def runs_reference_pass(self, start: int, restarts: int) -> bool:
+        """Whether a group runs the reference's pass: at the start of a run with
+        ``reference="precompute"``, unless the group was restarted alone (``restarts``:
+        its restarts in this attempt; the LLM group kept its table then)."""
+        obj = self.cfg.objective
+        return obj is not None and obj.reference == "precompute" and start == 0 and not restarts
 
     @property
     def adapter(self):

@@ -17,6 +17,7 @@ from ray_disagg.models.lora_files import check_resume
 from ray_disagg.worker.session import get_session
 from ray_disagg.worker.shards import (
     DATA_STATE,
+    REFERENCE_LOGPS,
     check_compatible,
     load_model,
     load_optimizer,
@@ -131,9 +132,10 @@ def _schedule_note(module_dir: str, cfg) -> str | None:
     )
 
 
-def _data_state(module_dir: str) -> dict | None:
-    """The data position saved in a module directory (``None``: not written by a stream)."""
-    path = os.path.join(module_dir, DATA_STATE)
+def _json_file(module_dir: str, name: str):
+    """A JSON file of a module directory (the data position of a stream, the
+    precomputed reference log-probs), ``None`` when it was not written."""
+    path = os.path.join(module_dir, name)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
@@ -167,4 +169,7 @@ def restore(
         note = _schedule_note(module_dir, args.cfg)
         if note and log is not None:
             log(f"{module}: {note}")
-        return trained_steps(module_dir), _data_state(module_dir)
+        reference = _json_file(module_dir, REFERENCE_LOGPS)
+        if writer is not None and reference is not None:  # kept, and saved again
+            writer.reference_logps = reference
+        return trained_steps(module_dir), _json_file(module_dir, DATA_STATE)

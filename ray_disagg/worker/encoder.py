@@ -17,6 +17,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from ray_disagg.parallel import fsdp
 from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expect
 from ray_disagg.pipeline.schedule import WAITS, Op, encoder_actions, peak_in_flight
 from ray_disagg.worker import faults_hook, ingest
@@ -36,16 +37,16 @@ def _row_offsets(adapter, part, samples) -> dict[str, list[int]]:
     return out
 
 
-def _encode(w: PartWorker, samples, runner=None) -> dict:
-    """The part's crossings for ``samples`` (one FSDP2 root call of ``runner``, by
-    default the trained part's)."""
+def _encode(w: PartWorker, samples, run=None) -> dict:
+    """The part's crossings for ``samples`` (one FSDP2 root call through ``run``, by
+    default the trained part's runner)."""
     sp = w.mp_mesh.get_group() if w.is_sp else None
 
-    def run(model):
+    def encode(model):
         return w.adapter.encode(model, w.part, samples, w.device, sp=sp)
 
     with torch.autocast(w.device.type, torch.bfloat16, enabled=w.cfg.bf16):
-        return (runner or w.runner)(run)
+        return (run or w.runner)(encode)
 
 
 def _receive_inputs(w: PartWorker, plan, plan_step: int, key: StepKey):
@@ -74,10 +75,12 @@ class _Microbatch:
         inputs = samples if self.real else w.adapter.stand_in_samples(w.part)
         with torch.set_grad_enabled(grad):  # forward only: frozen group, validation
             self.outputs = _encode(w, inputs)
+        if not grad:
+            fsdp.end_forward_only(w.runner)
         self.ref_outputs = {}  # an objective's reference copy: its outputs go along
         if reference is not None:
             with torch.no_grad():
-                self.ref_outputs = _encode(w, inputs, reference.runner)
+                self.ref_outputs = _encode(w, inputs, reference.run)
         self.offsets = _row_offsets(w.adapter, w.part, samples)
         self.grads = {c.name: [] for c in w.adapter.crossings(w.part)}
 
@@ -162,6 +165,7 @@ class EncoderStep:
         mb = _Microbatch(w, samples, routes, j, self.grad, self.reference)
         if w.leader:
             mb.send(w, self.key)
+        mb.ref_outputs = None  # posted: the transports hold what they still send
         for name, n in mb.counts.items():
             self.counts[name] = self.counts.get(name, 0) + n
         if self.grad:
@@ -179,6 +183,14 @@ def _evaluate(w: PartWorker, data, plan, step: int) -> list[float]:
     return [0.0, 0.0]
 
 
+def _reference_pass(w: PartWorker, data, plan) -> None:
+    """Encode every training sample once for the LLM group's reference log-probs
+    (``DPO(reference="precompute")``), forward only, before the first step."""
+    actions = encoder_actions(plan.micro_batches, trains=False)
+    for v in range(plan.steps_per_epoch):
+        EncoderStep(w, data, plan, v, StepKey(-1, v), grad=False).run(actions)
+
+
 def encoder_train_loop(args: LoopArgs, part: str) -> None:
     w = PartWorker(args, part)
     model = w.build()
@@ -190,6 +202,8 @@ def encoder_train_loop(args: LoopArgs, part: str) -> None:
     evaluate = None
     if args.val_plan is not None:
         evaluate = functools.partial(_evaluate, w, data, args.val_plan)
+    if args.runs_reference_pass(start, w.channel.spec.restarts.get(part, 0)):
+        _reference_pass(w, data, args.reference_plan)
     for step in range(start, w.cfg.max_steps):
         faults_hook.drill(part, w.group_rank, step)
         key = StepKey(step)

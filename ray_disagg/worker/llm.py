@@ -15,6 +15,7 @@ gradients are posted. Gradients accumulate over the microbatches; the optimizer 
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,8 +29,8 @@ from ray_disagg.pipeline.schedule import WAITS, Op, llm_actions
 from ray_disagg.worker import faults_hook, ingest, llm_io, recovery
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.checkpoint import record_data_position
-from ray_disagg.worker.metrics import plain, sample_ids, step_stats
-from ray_disagg.worker.objective import ObjectiveRunner, sequence_index
+from ray_disagg.worker.metrics import log_line, plain, sample_ids, step_stats
+from ray_disagg.worker.objective import REF, ObjectiveRunner, sequence_index
 from ray_disagg.worker.part_worker import PartModel, PartWorker
 from ray_disagg.worker.session import get_session
 from ray_disagg.worker.step import finish_step
@@ -116,6 +117,8 @@ class LLMModel:
         load = moe.ExpertLoad(w.adapter.llm_modules(model)[0])  # hooks on MoE routers only
         self.load = load if load.routers else None
         self.objective = objective  # an ObjectiveRunner, or None: the token loss (SFT)
+        if objective is not None:
+            objective.load = self.load
         obj = w.cfg.objective
         keys = ("input_ids", "labels") if obj is None else (*obj.sequence_keys, *obj.fields)
         self.text_keys = ("id", *keys, *w.adapter.llm_fields())
@@ -184,6 +187,8 @@ class LLMStep:
         self.received = {}  # microbatch -> (its crossings, their routes back, rows)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.w.device)
         self.tokens = 0
+        if grad and llm.objective is not None:
+            llm.objective.reset()
 
     def run(self, actions) -> None:
         handlers = {
@@ -249,15 +254,15 @@ class LLMStep:
             received = {n: v.requires_grad_(n in names) for n, v in shared.items()}
             loss = self.llm.loss(self.items, mb, received, rows, self.n_labels, self.grad)
         sends = self.grad and w.leader and self.llm.grad_names  # kept for SEND_GRADS
-        self.received[j] = (received, routes, rows) if sends else None
+        kept = {k: v for k, v in received.items() if not k.startswith(REF)}
+        self.received[j] = (kept, routes, rows) if sends else None
         if loss.requires_grad:  # not: a frozen LLM with nothing trainable upstream
             loss.backward()
             w.backward_passes += 1
             if w.is_cp:  # each cp rank has its slice's part of the crossings' gradients
                 llm_io.sum_over_cp(w, [v.grad for v in received.values() if v.grad is not None])
-        # an objective's loss is whole on every cp rank (its log-probs were summed)
-        if self.llm.objective is None or not w.is_cp or w.cp_mesh.get_local_rank() == 0:
-            self.loss_sum += loss.detach().to(torch.float64)
+        reported = loss if self.llm.objective is None else self.llm.objective.reported
+        self.loss_sum += reported.detach().to(torch.float64)
         self.tokens += self.llm.tokens([self.items[p] for p in mb[w.part][w.dp_rank]])
 
     def send_grads(self, j: int) -> None:
@@ -284,6 +289,34 @@ def _evaluate(llm: LLMModel, source, step: int) -> list[float]:
     return [loss_sum, n_labels] if llm.w.leader else [0.0, 0.0]
 
 
+def _precompute(w: PartWorker, llm: LLMModel, data, start: int) -> None:
+    """The reference's log-probs of every training sample (``DPO(reference=
+    "precompute")``): from the checkpoint the run resumes from, else one forward-only
+    pass with the initial weights before the first step (the encoder groups run theirs);
+    kept on every LLM rank and saved with every checkpoint."""
+    runner = llm.objective
+    if w.writer.reference_logps is not None:  # restored with the checkpoint
+        runner.load_table(w.writer.reference_logps)
+        return
+    restarts = w.channel.spec.restarts.get(w.part, 0)
+    if not w.args.runs_reference_pass(start, restarts):
+        raise ValueError(
+            f"the checkpoint this run resumes from (step {start}) holds no precomputed "
+            "reference log-probs (a run with DPO(reference='precompute') saves them); "
+            "resume with reference='copy', or start a new run."
+        )
+    plan, t0 = w.args.reference_plan, time.perf_counter()
+    source = ingest.MapStyleSource(data, plan, w.part) if w.leader else None
+    actions = llm_actions(plan.micro_batches, 1, sends_grads=False)
+    runner.recording = True
+    for v in range(plan.steps_per_epoch):
+        LLMStep(llm, source, plan, v, StepKey(-1, v), grad=False).run(actions)
+    w.writer.reference_logps = runner.finish_recording()
+    if w.group_rank == 0:
+        n, dt = len(runner.table), time.perf_counter() - t0
+        log_line(f"{w.part}: reference log-probs of {n} samples computed in {dt:.1f}s")
+
+
 def llm_train_loop(args: LoopArgs) -> None:
     w = PartWorker(args, args.adapter.llm_part)
     model = w.build()
@@ -297,6 +330,8 @@ def llm_train_loop(args: LoopArgs) -> None:
     if w.cfg.objective is not None:
         objective = ObjectiveRunner(w, w.build_reference(), _collate)
     llm = LLMModel(w, model, par.lm_head, par.tp_group, par.vocab_start, objective)
+    if objective is not None and w.cfg.objective.reference == "precompute":
+        _precompute(w, llm, data, start)
     evaluate = None
     if args.val_plan is not None:
         val_data = get_session().fetch(args.val_ref[0])

@@ -224,7 +224,9 @@ def step_stats(w, run, objective_sums=None):
         stats[ix["llm_tokens"]] = run.tokens
         if objective_sums:
             first = ix["objective_samples"]
-            stats[first : first + len(objective_sums)] = torch.tensor(objective_sums)
+            stats[first : first + len(objective_sums)] = torch.tensor(
+                objective_sums, dtype=torch.float64
+            )
     return stats
 
 

@@ -13,9 +13,11 @@ or from the trained model itself where the part is frozen.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
 
 from ray_disagg.models import moe
 from ray_disagg.models.loss import sequence_logps
@@ -23,6 +25,8 @@ from ray_disagg.models.packing import PACKED_KEY, host_to_device, is_packed
 from ray_disagg.objectives import SequenceLogps
 from ray_disagg.parallel.context_parallel import SumOverContext
 from ray_disagg.pipeline.assignment import count_label_tokens
+from ray_disagg.worker.metrics import plain
+from ray_disagg.worker.part_worker import PartModel
 
 __all__ = ["REF", "ObjectiveRunner", "repeat_rows", "sequence_index"]
 
@@ -87,6 +91,10 @@ class ObjectiveRunner:
         self.w, self.obj, self.reference, self.collate = w, w.cfg.objective, reference, collate
         self.sums = torch.zeros(len(self.obj.metric_names), dtype=torch.float64, device=w.device)
         self.samples = 0  # of this step, on this replica
+        self.load = None  # the LLM's moe.ExpertLoad, set by its owner
+        self.reported = None  # the last microbatch's loss as reported (see loss)
+        self.recording, self.recorded = False, []  # the reference's pass (precompute)
+        self.table = {}  # record id -> the reference's log-prob of each of its sequences
 
     def sequences(self, samples: list[dict]) -> tuple[list[dict], list[int]]:
         seqs = [self.obj.sequences(s) for s in samples]
@@ -98,23 +106,24 @@ class ObjectiveRunner:
 
     def loss(self, policy, samples, received, rows, global_samples: float, grad: bool):
         """The microbatch's loss (its metric sums added to :attr:`sums`); ``policy``: the
-        trained model's ``(model, runner, ParallelPart)``."""
+        trained part's ``PartModel``. While :attr:`recording` (the reference's pass), the
+        policy's log-probs are kept by record id instead and the loss is 0."""
         w, adapter = self.w, self.w.adapter
         seqs, counts = self.sequences(samples)
         self.samples += len(samples)
         batch = self.collate(w, seqs, sequences=True)
-        if grad and adapter.router is not None:
-            batch["router"] = w.dp_mesh.get_group() if w.dp_mesh.size() > 1 else None
+        batch["num_sequences"] = len(seqs)
         ctx = batch.pop("context", None)
         own = {k: v for k, v in received.items() if not k.startswith(REF)}
-        ref_in = {k: received.get(REF + k, v).detach() for k, v in own.items()}
-        ref_logps = None
-        if self.obj.needs_reference:  # its forward, before the policy's backward
-            ref_model = policy if self.reference is None else self.reference
-            with torch.no_grad():
-                ref_rows = repeat_rows(ref_in, rows, counts)
-                ref_logps, _ = self._run(ref_model, batch, ref_rows, ctx, seqs)
-        logps, aux = self._run(policy, batch, repeat_rows(own, rows, counts), ctx, seqs)
+        if self.recording:
+            logps, _ = self._run(policy.runner, policy, batch, repeat_rows(own, rows, counts), ctx)
+            self.recorded.append(([s.get("id") for s in samples], logps.view(len(samples), -1)))
+            self.reported = logps.new_zeros(())
+            return self.reported
+        ref_logps = self._reference(policy, samples, batch, own, received, rows, counts, ctx)
+        if grad and adapter.router is not None:
+            batch["router"] = w.dp_mesh.get_group() if w.dp_mesh.size() > 1 else None
+        logps, aux = self._run(policy.runner, policy, batch, repeat_rows(own, rows, counts), ctx)
         tokens = [count_label_tokens(adapter.labels(q)) for q in seqs]
         fields = ("id", *self.obj.fields)
         inputs = SequenceLogps(
@@ -127,20 +136,92 @@ class ObjectiveRunner:
         loss, metrics = self.obj.loss(inputs)
         for i, name in enumerate(self.obj.metric_names):
             self.sums[i] += metrics[name].detach().double()
+        # the reported loss: the objective's once per replica (whole on every cp rank),
+        # the router's auxiliary share from every rank
+        whole = not w.is_cp or w.cp_mesh.get_local_rank() == 0
+        self.reported = (loss.detach() if whole else torch.zeros_like(loss.detach())) + (
+            0.0 if aux is None else aux.detach()
+        )
         return loss if aux is None else loss + aux
 
-    def _run(self, model, batch, received, ctx, seqs):
-        w = self.w
-        par = model.parallel
+    def _reference(self, policy, samples, batch, own, received, rows, counts, ctx):
+        """The reference's per-sequence log-probs (``None`` when the objective needs
+        none): precomputed, or a forward of the copy / the adapter-free or frozen part
+        (before the policy's, so its backward follows at once)."""
+        if not self.obj.needs_reference:
+            return None
+        if self.obj.reference == "precompute":
+            return self._precomputed(samples, policy.model)
+        ref = self.reference or PartModel(policy.model, policy.runner, policy.parallel,
+                                          shares_root=True)  # fmt: skip
+        ref_in = {k: received.get(REF + k, v).detach() for k, v in own.items()}
+        with torch.no_grad(), self.uncounted():
+            logps, _ = self._run(ref.run, ref, batch, repeat_rows(ref_in, rows, counts), ctx)
+        return logps
+
+    def _precomputed(self, samples, model) -> torch.Tensor:
+        values = []
+        for s in samples:
+            if s.get("id") not in self.table:
+                raise ValueError(
+                    f"sample {s.get('id')!r} has no precomputed reference log-probs: the "
+                    "training set changed since they were computed (at the run's start); "
+                    "start a new run, or use DPO(reference='copy')."
+                )
+            values += self.table[s["id"]]
+        device = next(model.parameters()).device
+        return host_to_device(torch.tensor(values, dtype=torch.float32), device)
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """The MoE routers' load is not counted (the reference's forward, which may run
+        the trained model with its adapters off)."""
+        load = self.load
+        active = load is not None and load.active
+        if active:
+            load.active = False
+        try:
+            yield
+        finally:
+            if active:
+                load.active = True
+
+    def _run(self, run, model, batch, received, ctx):
+        """``(per-sequence log-probs, router aux loss)`` of ``model`` (a ``PartModel``)
+        through ``run`` (its runner, or its forward-only ``run``)."""
+        w, par = self.w, model.parallel
+        n = batch["num_sequences"]
         args = (batch, received, par.tp_group, par.vocab_start, w.cfg.loss_chunk_tokens, ctx)
-        fn = functools.partial(_logps, w.adapter, par.lm_head, *args, len(seqs))
+        fn = functools.partial(_logps, w.adapter, par.lm_head, *args, n)
         with torch.autocast(w.device.type, torch.bfloat16, enabled=w.cfg.bf16):
-            return model.runner(fn)
+            return run(fn)
+
+    def finish_recording(self) -> list:
+        """After the reference's pass: every LLM rank's table of ``record id ->
+        [log-prob of each sequence]`` (gathered from the replicas' leaders over the
+        group's gloo group); returns it as the checkpoint's ``[[id, *values], ...]``."""
+        w, mine = self.w, []
+        if w.leader:
+            for ids, logps in self.recorded:
+                mine += [[plain(i), *v] for i, v in zip(ids, logps.tolist())]
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine, group=w.rt.object_group)
+        self.recording, self.recorded = False, []
+        entries = [e for part in gathered for e in part]
+        self.load_table(entries)
+        return entries
+
+    def load_table(self, entries: list) -> None:
+        self.table = {e[0]: list(e[1:]) for e in entries}
+
+    def reset(self) -> None:
+        """Forget a step's sums (at the start of every step: an abandoned one's too)."""
+        self.sums.zero_()
+        self.samples = 0
 
     def take_metrics(self) -> list[float]:
         """The step's sample count and metric sums (read once, at the end of the step,
         after its last gradients were posted), then zeroed."""
         out = [float(self.samples), *self.sums.tolist()]
-        self.sums.zero_()
-        self.samples = 0
+        self.reset()
         return out

@@ -3,6 +3,7 @@ groups, its model (built on ``meta``, parallelized, then materialized) and optim
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +13,7 @@ from ray_disagg.config import ExpertParallel
 from ray_disagg.freezing import apply_freeze
 from ray_disagg.lora import apply_lora, part_lora
 from ray_disagg.models import loading
-from ray_disagg.models.lora import adapter_names, is_factor
+from ray_disagg.models.lora import adapter_names, adapters_disabled, is_factor
 from ray_disagg.models.lora_files import base_record
 from ray_disagg.parallel import expert_parallel as ep
 from ray_disagg.parallel import fsdp
@@ -34,6 +35,23 @@ class PartModel:
     model: torch.nn.Module
     runner: fsdp.PartRunner
     parallel: ParallelPart
+    without_adapters: bool = False
+    """Run with the LoRA adapters disabled (``DPO(reference="adapters_disabled")``)."""
+    shares_root: bool = False
+    """``runner`` is the trained part's own (its adapters off, or a frozen part)."""
+
+    def run(self, fn):
+        """``fn(model)`` through the part's runner (one FSDP2 root call), forward only: the
+        reference model, in eval mode (no dropout), its adapters off when asked."""
+        training = self.model.training
+        self.model.eval()
+        try:
+            with adapters_disabled(self.model) if self.without_adapters else nullcontext():
+                return self.runner(fn)
+        finally:
+            self.model.train(training)
+            if not self.shares_root:  # a copy's root: it never runs a backward
+                fsdp.end_forward_only(self.runner)
 
 
 def _flat_mesh(mesh, device):
@@ -153,22 +171,30 @@ class PartWorker:
     def build_reference(self) -> PartModel | None:
         """A frozen copy of the part's initial weights for an objective's reference model
         (``DPO(reference="copy")``), with the same plans and FSDP2 sharding as the
-        trained part: parameters only (no gradients, no optimizer state). ``None``
-        without such an objective or for a frozen part (its model is the reference)."""
+        trained part: parameters only (no gradients, no optimizer state); with
+        ``"adapters_disabled"`` the trained part itself, its adapters off. ``None``
+        without such an objective, with ``"precompute"`` (no model: the log-probs were
+        computed before training), or for a frozen part (its model is the reference)."""
         obj = self.cfg.objective
-        if obj is None or not obj.needs_reference or self.frozen:
+        if obj is None or not obj.needs_reference or self.frozen or obj.reference == "precompute":
             return None
+        if obj.reference == "adapters_disabled":  # the trained part, its adapters off
+            return PartModel(
+                self.model, self.runner, self.parallel, without_adapters=True, shares_root=True
+            )
         model = self.args.spec.meta_model(self.part)
+        apply_lora(model, self.lora)  # the initial adapter, frozen with the rest
         if self.cfg.param_dtype == "bfloat16":
-            loading.cast_parameters(model, torch.bfloat16)
-        model.requires_grad_(False)
+            factors = {n for n, _ in model.named_parameters() if is_factor(n)}
+            loading.cast_parameters(model, torch.bfloat16, keep=factors)
+        model.requires_grad_(False).eval()
         parallel = parallelize_part(self, model)
         runner = fsdp.PartRunner(model)
         if self.fsdp:  # the same units as the policy's: its all-gathers in the same order
             experts = set(ep.expert_parameters(model))
             units = self._own_units(model)
             fsdp.apply_fsdp(runner, self.shard_mesh, self.cfg.bf16, units, ignored=experts)
-        self.args.spec.materialize(model, self.device, self.part)
+        self.args.spec.materialize(model, self.device, self.part, adapter=self.lora)
         return PartModel(model=model, runner=runner, parallel=parallel)
 
     def _shard_mesh(self):

@@ -35,6 +35,7 @@ from ray_disagg.worker import background_save
 
 __all__ = [
     "DATA_STATE",
+    "REFERENCE_LOGPS",
     "ShardWriter",
     "check_compatible",
     "load_alone",
@@ -51,6 +52,7 @@ __all__ = [
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 DATA_STATE = "data_state.json"  # a conversation stream's position, in the LLM's directory
+REFERENCE_LOGPS = "reference_logps.json"  # precomputed [[record id, chosen, rejected], ...]
 
 
 def _kept(model, names) -> dict[str, torch.Tensor]:
@@ -293,6 +295,7 @@ class ShardWriter:
     hf_config: object = None
     cfg: object = None  # the TrainLoopConfig: its lr schedule is recorded
     data_state: dict | None = None  # a stream's position, written with the next checkpoint
+    reference_logps: list | None = None  # precomputed reference log-probs (the LLM's)
 
     names: set | None = None  # a LoRA part: only its adapter's parameters are saved
     lora: tuple | None = None  # a LoRA part: (its LoraConfig, the base's record)
@@ -322,9 +325,11 @@ class ShardWriter:
                 state["next_lr"] = lr_at(self.cfg, step + 1)
             with open(os.path.join(d, "trainer_state.json"), "w") as f:
                 json.dump(state, f)
-            if self.data_state is not None:
-                with open(os.path.join(d, DATA_STATE), "w") as f:
-                    json.dump(self.data_state, f)
+            for name, value in ((DATA_STATE, self.data_state),
+                                (REFERENCE_LOGPS, self.reference_logps)):  # fmt: skip
+                if value is not None:
+                    with open(os.path.join(d, name), "w") as f:
+                        json.dump(value, f)
             if self.hf_config is not None:
                 self.hf_config.save_pretrained(root)
         return future

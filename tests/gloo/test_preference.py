@@ -9,6 +9,8 @@ reference copy (vision SP2) and a frozen one; and a custom objective through the
 interface."""
 
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,6 +33,7 @@ from ray_disagg import (
 from ray_disagg.data.examples import synthetic_pairs
 from ray_disagg.objectives import PAIR_KEYS
 from ray_disagg.testing.reference import reference_preference
+from ray_disagg.worker.shards import REFERENCE_LOGPS
 from tests.helpers import assert_params_close, checkpoint_state, group, losses, run_layout, vt
 from tests.preference_data import trl_pair_loss
 
@@ -164,3 +167,23 @@ def test_custom_objective_through_the_interface(setup, tmp_path):
     last = last.global_indices(2)
     want = np.mean([pairs[i]["weight"] for i in last])  # a mean over the step's pairs
     assert result.metrics["weight"] == pytest.approx(want, rel=1e-6)
+
+
+def test_precompute_equals_copy_and_a_resumed_run_keeps_the_precomputed_values(setup, tmp_path):
+    """``reference="precompute"`` (a trained tower: the encoder group runs the pass too)
+    equals the reference copy; the values are saved with the checkpoint, and a run resumed
+    from it reads them (recomputed with the trained weights they would differ)."""
+    spec, pairs = setup
+    loop = LOOP | {"micro_batches": 2}
+    cfg = TrainLoopConfig(**loop)
+    ref_losses, _, ref_model = reference_preference(spec, pairs, cfg, trl_pair_loss("sigmoid", 0.1))
+    pre = loop | {"objective": DPO(beta=0.1, reference="precompute")}
+    groups = lambda: vt(group(1), group(2, DataParallel()))  # noqa: E731
+    first = run_layout(spec, pairs, pre | {"max_steps": 2}, groups(), tmp_path, "a", local=True)
+    saved = json.loads((Path(first.checkpoint.path) / "text" / REFERENCE_LOGPS).read_text())
+    assert sorted(e[0] for e in saved) == list(range(len(pairs)))  # every pair, by its id
+    resumed = run_layout(spec, pairs, pre, groups(), tmp_path, "b", local=True,
+                         resume=first.checkpoint)  # fmt: skip
+
+    torch.testing.assert_close(losses(first) + losses(resumed), ref_losses, rtol=1e-5, atol=0.0)
+    assert_params_close(checkpoint_state(resumed.checkpoint), ref_model.state_dict(), 1e-5)

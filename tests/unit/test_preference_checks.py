@@ -40,8 +40,7 @@ LOOP = {"max_steps": 1, "global_batch_size": 4, "objective": {"type": "dpo", "be
         ({"loss_type": "kto"}, r"loss_type='kto'.*'sigmoid'"),
         ({"loss_type": "robust", "label_smoothing": 0.5}, r"label_smoothing=0.5.*\[0, 0.5\)"),
         ({"label_smoothing": 0.1}, "applies to loss_type='robust' only"),
-        ({"reference": "precompute"}, "not available in this release; use reference='copy'"),
-        ({"reference": "adapters_disabled"}, "not available"),
+        ({"reference": "frozen"}, r"reference='frozen'.*'precompute'"),
     ],
 )
 def test_dpo_settings_refused(kwargs, match):
@@ -164,6 +163,13 @@ def test_bad_pairs_refused_on_the_driver():
     ids[0] = 3  # the prompt's first token
     with pytest.raises(SampleError, match="sample 0: the prompt .* differs between chosen and"):
         make(data=bad(rejected_input_ids=ids))
+    precompute = LOOP | {"objective": DPO(reference="precompute")}
+    with pytest.raises(
+        SampleError, match=r"sample at index 0 has no 'id': .*precompute.*unique 'id'"
+    ):
+        make(data=[{k: v for k, v in p.items() if k != "id"}, *PAIRS[1:]], loop=precompute)
+    with pytest.raises(SampleError, match="samples 0 and 1 have the same id 0"):
+        make(data=[p, dict(PAIRS[1], id=0), *PAIRS[2:]], loop=precompute)
     n = len(p["rejected_input_ids"])
     packed = LOOP | {"pack_sequences": True, "max_seq_len": n - 1}
     with pytest.raises(ValueError, match=rf"sample 0 has {n} tokens, more than .*max_seq_len"):
@@ -175,8 +181,26 @@ def test_runs_a_preference_objective_does_not_take_yet_are_refused():
         make(groups={"vision": g(), "text": g(3, DataParallel())})
     with pytest.raises(ValueError, match=r"objective'\]=DPO: validation sets are not evaluated"):
         make(validation=PAIRS)
+
+
+def test_the_reference_model_is_decided_on_the_driver():
     from peft import LoraConfig
 
-    lora = dataclasses.replace(g(), peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
-    with pytest.raises(ValueError, match=r"DPO with LoRA on \['text'\].*adapters_disabled"):
-        make(groups={"vision": g(), "text": lora})
+    def lora(**kw):
+        config = LoraConfig(**({"r": 4, "target_modules": ["q_proj", "v_proj"]} | kw))
+        return dataclasses.replace(g(), peft_config=config)
+
+    frozen = dataclasses.replace(g(), trainable=False)
+    chosen = make(groups={"vision": frozen, "text": lora()}).loop_config.objective.reference
+    assert chosen == "adapters_disabled"  # every trained part has a fresh adapter
+    assert make(groups={"vision": g(), "text": lora()}).loop_config.objective.reference == "copy"
+    assert make().loop_config.objective.reference == "copy"
+    off = LOOP | {"objective": DPO(reference="adapters_disabled")}
+    cases = [
+        ({"vision": g(), "text": lora()}, r"the \['vision'\] part\(s\) train in full"),
+        ({"vision": frozen, "text": lora(modules_to_save=["norm"])}, "trains modules_to_save"),
+        ({"vision": frozen, "text": lora(init_lora_weights=False)}, "lora_B starts non-zero"),
+    ]
+    for groups, match in cases:
+        with pytest.raises(ValueError, match=match + ".*use reference='copy'"):
+            make(loop=off, groups=groups)
