@@ -63,6 +63,10 @@ class DataSpec:
     validate_samples: bool = True
     """The trainer's ``validate_samples``: the driver checks every map-style sample."""
 
+    pairs: bool | None = None
+    """Whether the data are preference pairs (a stream through a ``PreferenceProcessor``,
+    a recipe's ``preference`` source); ``None``: known from the samples only."""
+
     @property
     def streamed(self) -> bool:
         return self.kind != "map"
@@ -71,13 +75,19 @@ class DataSpec:
     def of(cls, datasets: Mapping[str, Any] | None, validate_samples: bool = True) -> DataSpec:
         """The spec of the trainer's ``datasets`` (``ValueError`` when they are not
         ``{"train": ..., "validation": ...}`` of supported kinds)."""
+        from ray_disagg.data.preference import PreferenceProcessor
         from ray_disagg.launch.datasets import train_set
         from ray_disagg.worker.ingest import is_ray_dataset, is_record_stream
 
         train = train_set(datasets)
         kind = "ray" if is_ray_dataset(train) else "stream" if is_record_stream(train) else "map"
         has_validation = datasets.get("validation") is not None
-        return cls(kind=kind, validation=has_validation, validate_samples=validate_samples)
+        pairs = None
+        if kind == "stream":
+            pairs = isinstance(train.processor, PreferenceProcessor)
+        return cls(
+            kind=kind, validation=has_validation, validate_samples=validate_samples, pairs=pairs
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,7 +154,7 @@ def resolve(
     loop = resolve_schedule(loop, placement, data.kind, validated)
     validate_loop(adapter, loop)
     trained = [p for p in groups if p not in frozen]
-    loop = resolve_objective(loop, data.kind, data.validation, lora, trained)
+    loop = resolve_objective(loop, data, lora, trained)
     if loop.eval_every is not None and not data.validation:
         raise ValueError(
             "train_loop_config['eval_every'] is set but there is no validation set: "

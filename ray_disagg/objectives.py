@@ -201,11 +201,12 @@ class DPO(Objective):
         for answer in ANSWERS:
             if not (np.asarray(sample[f"{answer}_labels"]) != IGNORE_INDEX).any():
                 raise SampleError(f"{name}: the {answer} answer is empty (no label token).")
-        if self.reference == "precompute" and sample.get("id") is None:
+        key = sample.get("id")
+        if self.reference == "precompute" and not isinstance(key, (int, str, np.integer)):
             raise SampleError(
-                f"{name} has no 'id': DPO(reference='precompute') keeps each pair's "
-                "reference log-probs by its id; give every pair a unique 'id' (e.g. its "
-                "row number)."
+                f"{name} has no int or str 'id' (got {key!r}): DPO(reference='precompute') "
+                "keeps each pair's reference log-probs by its id; give every pair a unique "
+                "'id' (e.g. its row number)."
             )
         if chosen.shape == rejected.shape and (chosen == rejected).all():
             raise SampleError(f"{name}: chosen and rejected are identical; drop the pair.")

@@ -17,6 +17,7 @@ from ray_disagg.config import ContextParallel, ModuleGroup
 from ray_disagg.launch import datasets as dsc
 from ray_disagg.launch import ray_compat as rc
 from ray_disagg.launch.backend import ModuleBackendConfig
+from ray_disagg.launch.checks import check_reference_resume
 from ray_disagg.launch.controller import DisaggregatedController
 from ray_disagg.launch.elastic import ElasticGroup
 from ray_disagg.launch.launches import GroupLaunch, Launch, Transfers
@@ -186,6 +187,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
             with resume_from_checkpoint.as_directory() as root:
                 check_compatible(root, model.load_config(), self.loop_config.max_steps)
                 check_lora_resume(root, model, self.groups)
+                check_reference_resume(root, adapter.llm_part, self.loop_config)
         self.plan = self._batch_plan()
         self._val_data, self.val_plan = dsc.validation_set(
             datasets, adapter, self.loop_config, self.groups, validate_samples

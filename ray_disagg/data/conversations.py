@@ -251,12 +251,23 @@ class ConversationProcessor:
     def __call__(self, record: dict) -> dict[str, Any]:
         rid = record.get("id")
         messages, media = to_messages(record, self.config.model_type)
-        self._check(media, rid)
         if self.labels != "all" and not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"record {rid!r}: no assistant turn to take a loss on")
+        return self.encode_variants(rid, [messages], media)[0]
+
+    def encode_variants(self, rid, variants: list[list[dict]], media) -> list[dict[str, Any]]:
+        """One sample per conversation of ``variants`` (e.g. a prompt with each of two
+        answers) that share the media ``media`` (``[(kind, path)]``, processed once; the
+        tiled families' per variant): ``id``, ``input_ids``, ``labels`` and the media
+        fields (the same arrays in every sample)."""
+        self._check(media, rid)
         if self.config.model_type in TILE_FAMILIES:  # text-level expansion
-            return tile_sample(self, record, messages, media)
+            return [tile_sample(self, {"id": rid}, m, media) for m in variants]
         done = self._media(media, rid)
+        fields = self._fields(done)
+        return [{"id": rid, **self._tokens(m, done, rid), **fields} for m in variants]
+
+    def _tokens(self, messages: list[dict], done: dict, rid) -> dict[str, np.ndarray]:
         try:
             text, spans = self.render(messages)
         except Exception as e:  # a template error names the record
@@ -266,8 +277,7 @@ class ConversationProcessor:
         # a token is labelled when it starts inside a span
         keep = np.asarray([any(a <= s < b for a, b in spans) for s, _ in enc["offset_mapping"]])
         ids, keep = self._expand(ids, keep, done, rid)
-        sample = {"id": rid, "input_ids": ids, "labels": np.where(keep, ids, IGNORE_INDEX)}
-        return sample | self._fields(done)
+        return {"input_ids": ids, "labels": np.where(keep, ids, IGNORE_INDEX)}
 
     def _expand(self, ids: np.ndarray, keep: np.ndarray, done: dict, rid):
         """Each media placeholder token replaced by its item's tokens (never labels)."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ray_disagg.data.conversations import ConversationProcessor
+from ray_disagg.data.preference import sequence_lengths
 
 __all__ = [
     "STREAM_FIXES",
@@ -195,7 +196,8 @@ class ConversationStream:
     """A ``.jsonl`` / ``.parquet`` file, a directory of them, or a list; local or any URI
     pyarrow reads."""
     processor: ConversationProcessor
-    """Turns a record into a sample (chat template, image / video processors)."""
+    """Turns a record into a sample (chat template, image / video processors); a
+    :class:`~ray_disagg.data.preference.PreferenceProcessor` makes DPO pairs."""
     concurrency: int = 1
     """Ray Data actors converting records, per LLM data-parallel replica."""
     num_cpus: float = 1.0
@@ -251,7 +253,7 @@ class ConversationStream:
             return {**out, "status": BAD, "message": f"record #{i}: {e}"}
         if sample.get("id") is None:
             sample["id"] = int(i)
-        n = len(sample["input_ids"])
+        n = max(sequence_lengths(sample))  # a preference pair: its longer sequence
         if self.max_seq_len is not None and n > self.max_seq_len:
             msg = f"record {sample['id']!r}: {n} tokens > max_seq_len={self.max_seq_len}"
             return {**out, "status": LONG, "message": msg}
@@ -263,7 +265,7 @@ class ConversationStream:
         encoder's estimate; what balanced assignment splits by."""
         adapter = self.adapter
         return [
-            float(len(sample["input_ids"]))
+            float(sum(sequence_lengths(sample)))
             if part == adapter.llm_part
             else float(adapter.encoder_cost(part, sample))
             for part in adapter.parts

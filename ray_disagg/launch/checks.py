@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from collections.abc import Mapping
 
 from ray_disagg.config import (
@@ -195,26 +196,27 @@ def resolve_schedule(cfg: TrainLoopConfig, placement: str, kind: str, validated:
     )
 
 
-def resolve_objective(cfg: TrainLoopConfig, data_kind: str, validation: bool, lora, trained):
+def resolve_objective(cfg: TrainLoopConfig, data, lora, trained):
     """``cfg`` with its objective's reference model decided (``"auto"``: the LoRA-free
     model when it is the initial one, else a frozen copy), or ``ValueError`` naming the
-    fix for what a per-sequence objective does not run with. ``lora``: the parts under
-    LoRA (``{part: PartLora}``); ``trained``: the parts that train."""
+    fix for what a per-sequence objective does not run with. ``data``: the run's
+    ``DataSpec``; ``lora``: the parts under LoRA (``{part: PartLora}``); ``trained``: the
+    parts that train."""
     obj = cfg.objective
+    _check_pairs(obj, data.pairs)
     if obj is None:
         return cfg
     name = type(obj).__name__
-    if data_kind != "map":
-        raise ValueError(
-            f"train_loop_config['objective']={name}: reads map-style datasets (a list of "
-            "pre-tokenized pairs, a datasets.Dataset) in this release, not a "
-            f"{'ray.data.Dataset' if data_kind == 'ray' else 'ConversationStream'}; "
-            "materialize the pairs into a list."
-        )
-    if validation:
+    if data.validation:
         raise ValueError(
             f"train_loop_config['objective']={name}: validation sets are not evaluated "
             "under a per-sequence objective yet; drop datasets['validation']."
+        )
+    if obj.needs_reference and obj.reference == "precompute" and data.kind != "map":
+        raise ValueError(
+            f"train_loop_config['objective']={name}(reference='precompute') reads map-style "
+            "datasets (its pass covers every sample before training); use "
+            "reference='copy' or 'adapters_disabled' with a stream or Ray Data."
         )
     if not obj.needs_reference or obj.reference not in ("auto", "adapters_disabled"):
         return cfg
@@ -244,3 +246,38 @@ def _adapters_not_reference(lora, trained) -> str:
         if config.init_lora_weights is False:
             return f"the {part} part's lora_B starts non-zero (init_lora_weights=False)"
     return ""
+
+
+def _check_pairs(obj, pairs: bool | None) -> None:
+    """The data and the objective agree on what a sample is (when the data say)."""
+    wants = obj is not None and "chosen_input_ids" in obj.sequence_keys
+    if pairs is None or pairs == wants:
+        return
+    if pairs:
+        raise ValueError(
+            "datasets['train'] holds preference pairs (a PreferenceProcessor stream or a "
+            "recipe's 'preference' data) but train_loop_config has no objective for them; "
+            "set train_loop_config['objective']=ray_disagg.DPO(beta=0.1) "
+            "(recipe: train_loop_config.objective: {type: dpo})."
+        )
+    raise ValueError(
+        f"train_loop_config['objective']={type(obj).__name__} trains on preference pairs "
+        "but datasets['train'] makes SFT samples; stream TRL preference records (prompt, "
+        "chosen, rejected, images) through PreferenceProcessor(processor) (recipe: data "
+        "type 'preference'), or drop the objective."
+    )
+
+
+def check_reference_resume(root: str, llm_part: str, cfg: TrainLoopConfig) -> None:
+    """On the driver, before a resume with ``DPO(reference="precompute")``: the
+    checkpoint under ``root`` holds the precomputed reference log-probs."""
+    from ray_disagg.worker.shards import REFERENCE_LOGPS
+
+    if getattr(cfg.objective, "reference", None) != "precompute":
+        return
+    if not os.path.isfile(os.path.join(root, llm_part, REFERENCE_LOGPS)):
+        raise ValueError(
+            "resume_from_checkpoint holds no precomputed reference log-probs (a run with "
+            "DPO(reference='precompute') saves them with every checkpoint); resume with "
+            "reference='copy', or start a new run."
+        )

@@ -13,6 +13,11 @@ loading anything (for ``plan``), loaded for ``train``.
   ``model.pretrained_path``). ``.jsonl`` / ``.parquet`` files or a directory of them are
   streamed (:class:`ray_disagg.data.stream.ConversationStream`, resumable); a ``.json``
   list is converted at once;
+- ``{type: preference, records: F, ...}``: TRL's conversational preference records
+  (``prompt``, ``chosen``, ``rejected``, ``images``) as DPO pairs
+  (:class:`ray_disagg.data.preference.PreferenceProcessor`; the keys of ``conversations``
+  but ``labels``: the labels are the answers), for ``train_loop_config.objective: {type:
+  dpo}``;
 - ``{type: parquet | json, paths: P}``: a Ray Data dataset (``ray.data.read_<type>``).
 
 Example:
@@ -31,25 +36,27 @@ __all__ = ["DATA", "build_dataset", "data_spec", "parse_data"]
 
 logger = logging.getLogger(__name__)
 
+CONVERSATIONS = {
+    "records": REQUIRED,
+    "media_root": None,
+    "tokenizer": None,
+    "image_processor": None,
+    "feature_extractor": None,
+    "video_processor": None,
+    "min_pixels": None,
+    "max_pixels": None,
+    "labels": "assistant",
+    "system_prompt": None,
+    "fps": 2.0,
+    "max_frames": None,
+    "concurrency": 1,
+    "max_seq_len": None,
+    "max_bad_records": 100,
+}
 DATA = {  # type -> keys (with defaults)
     "digits": {"num_samples": None, "start": 0, "image_size": 16},
-    "conversations": {
-        "records": REQUIRED,
-        "media_root": None,
-        "tokenizer": None,
-        "image_processor": None,
-        "feature_extractor": None,
-        "video_processor": None,
-        "min_pixels": None,
-        "max_pixels": None,
-        "labels": "assistant",
-        "system_prompt": None,
-        "fps": 2.0,
-        "max_frames": None,
-        "concurrency": 1,
-        "max_seq_len": None,
-        "max_bad_records": 100,
-    },
+    "conversations": CONVERSATIONS,
+    "preference": {k: v for k, v in CONVERSATIONS.items() if k != "labels"},  # the answers
     "parquet": {"paths": REQUIRED},
     "json": {"paths": REQUIRED},
 }
@@ -94,9 +101,10 @@ def data_spec(data: dict):
     d, kind = data["train"], "map"
     if d["type"] in ("parquet", "json"):
         kind = "ray"
-    elif d["type"] == "conversations" and not str(d["records"]).endswith(".json"):
+    elif d["type"] in ("conversations", "preference") and not str(d["records"]).endswith(".json"):
         kind = "stream"
-    return DataSpec(kind=kind, validation="validation" in data)
+    pairs = True if d["type"] == "preference" else None if kind == "ray" else False
+    return DataSpec(kind=kind, validation="validation" in data, pairs=pairs)
 
 
 def build_dataset(recipe, which: str):
@@ -125,6 +133,7 @@ def _conversations(d: dict, key: str, config, tok, proc):
     """A stream of ``.jsonl`` / ``.parquet`` records (a file or a directory); a ``.json``
     list is converted here, at once (small sets)."""
     from ray_disagg.data.conversations import ConversationProcessor, read_records
+    from ray_disagg.data.preference import PreferenceProcessor
     from ray_disagg.data.stream import ConversationStream
 
     root = d["media_root"]
@@ -135,13 +144,15 @@ def _conversations(d: dict, key: str, config, tok, proc):
             image_processor=proc,
             config=config,
             media_root=None if root is None else _local(root, f"{key}.media_root"),
-            labels=d["labels"],
+            labels=d.get("labels", "last"),
             system_prompt=d["system_prompt"],
             fps=d["fps"],
             max_frames=d["max_frames"],
             feature_extractor=_feature_extractor(d, key, config, tok.name_or_path),
             video_processor=_video_processor(d, key, config, tok.name_or_path),
         )
+        if d["type"] == "preference":
+            convert = PreferenceProcessor(convert)
         if records.endswith(".json"):
             return [convert(r) for r in read_records(records)]
         return ConversationStream(

@@ -54,6 +54,7 @@ class LoopArgs:
             dp_sizes=p.dp_sizes,
             micro_batches=p.micro_batches,
             reader=p.reader,
+            costs=p.costs,
         )
 
     def runs_reference_pass(self, start: int, restarts: int) -> bool:

@@ -22,6 +22,7 @@ from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expe
 from ray_disagg.pipeline.schedule import WAITS, Op, encoder_actions, peak_in_flight
 from ray_disagg.worker import faults_hook, ingest
 from ray_disagg.worker.args import LoopArgs
+from ray_disagg.worker.metrics import StepClock
 from ray_disagg.worker.objective import REF
 from ray_disagg.worker.part_worker import PartWorker
 from ray_disagg.worker.step import finish_step
@@ -187,8 +188,13 @@ def _reference_pass(w: PartWorker, data, plan) -> None:
     """Encode every training sample once for the LLM group's reference log-probs
     (``DPO(reference="precompute")``), forward only, before the first step."""
     actions = encoder_actions(plan.micro_batches, trains=False)
-    for v in range(plan.steps_per_epoch):
-        EncoderStep(w, data, plan, v, StepKey(-1, v), grad=False).run(actions)
+    w.model.eval()  # the initial model as a reference runs: no dropout
+    try:
+        for v in range(plan.steps_per_epoch):
+            EncoderStep(w, data, plan, v, StepKey(-1, v), grad=False).run(actions)
+    finally:
+        w.model.train()
+    w.clock = StepClock()  # the pass is not the first step's time
 
 
 def encoder_train_loop(args: LoopArgs, part: str) -> None:

@@ -121,9 +121,12 @@ def read_samples(source, step, positions, args) -> list[dict]:
     the driver already validated the whole (map-style) dataset before the run."""
     if source is None:  # not a leader of map-style or Ray Data reading
         return []
-    samples = []
+    samples, obj = [], args.cfg.objective
     for index, sample in source.take(step, positions):
         if not args.samples_validated:
-            args.adapter.validate_sample(sample, index)
+            if obj is not None:
+                obj.check_sample(sample, index)
+            for seq in [sample] if obj is None else obj.sequences(sample):
+                args.adapter.validate_sample(seq, index)
         samples.append(sample)
     return samples

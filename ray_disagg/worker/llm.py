@@ -29,7 +29,7 @@ from ray_disagg.pipeline.schedule import WAITS, Op, llm_actions
 from ray_disagg.worker import faults_hook, ingest, llm_io, recovery
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.checkpoint import record_data_position
-from ray_disagg.worker.metrics import log_line, plain, sample_ids, step_stats
+from ray_disagg.worker.metrics import StepClock, log_line, plain, sample_ids, step_stats
 from ray_disagg.worker.objective import REF, ObjectiveRunner, sequence_index
 from ray_disagg.worker.part_worker import PartModel, PartWorker
 from ray_disagg.worker.session import get_session
@@ -294,9 +294,9 @@ def _precompute(w: PartWorker, llm: LLMModel, data, start: int) -> None:
     "precompute")``): from the checkpoint the run resumes from, else one forward-only
     pass with the initial weights before the first step (the encoder groups run theirs);
     kept on every LLM rank and saved with every checkpoint."""
-    runner = llm.objective
+    runner, ids = llm.objective, _sample_ids(data)
     if w.writer.reference_logps is not None:  # restored with the checkpoint
-        runner.load_table(w.writer.reference_logps)
+        runner.load_table(w.writer.reference_logps, ids)
         return
     restarts = w.channel.spec.restarts.get(w.part, 0)
     if not w.args.runs_reference_pass(start, restarts):
@@ -312,9 +312,18 @@ def _precompute(w: PartWorker, llm: LLMModel, data, start: int) -> None:
     for v in range(plan.steps_per_epoch):
         LLMStep(llm, source, plan, v, StepKey(-1, v), grad=False).run(actions)
     w.writer.reference_logps = runner.finish_recording()
+    runner.load_table(w.writer.reference_logps, ids)
+    w.clock = StepClock()  # the pass is not the first step's time
     if w.group_rank == 0:
         n, dt = len(runner.table), time.perf_counter() - t0
         log_line(f"{w.part}: reference log-probs of {n} samples computed in {dt:.1f}s")
+
+
+def _sample_ids(data) -> set:
+    """The ``id`` of every sample of a map-style training set (a column when it has one)."""
+    if "id" in (getattr(data, "column_names", None) or ()):
+        return {plain(i) for i in data["id"]}
+    return {plain(data[i].get("id")) for i in range(len(data))}
 
 
 def llm_train_loop(args: LoopArgs) -> None:

@@ -115,9 +115,10 @@ class ObjectiveRunner:
         batch["num_sequences"] = len(seqs)
         ctx = batch.pop("context", None)
         own = {k: v for k, v in received.items() if not k.startswith(REF)}
-        if self.recording:
-            logps, _ = self._run(policy.runner, policy, batch, repeat_rows(own, rows, counts), ctx)
-            self.recorded.append(([s.get("id") for s in samples], logps.view(len(samples), -1)))
+        if self.recording:  # the initial model, as the reference copy runs (eval mode)
+            model = PartModel(policy.model, policy.runner, policy.parallel, shares_root=True)
+            logps, _ = self._run(model.run, model, batch, repeat_rows(own, rows, counts), ctx)
+            self.recorded.append(([s.get("id") for s in samples], logps, counts))
             self.reported = logps.new_zeros(())
             return self.reported
         ref_logps = self._reference(policy, samples, batch, own, received, rows, counts, ctx)
@@ -197,22 +198,35 @@ class ObjectiveRunner:
             return run(fn)
 
     def finish_recording(self) -> list:
-        """After the reference's pass: every LLM rank's table of ``record id ->
-        [log-prob of each sequence]`` (gathered from the replicas' leaders over the
-        group's gloo group); returns it as the checkpoint's ``[[id, *values], ...]``."""
+        """After the reference's pass: every sample's ``[id, log-prob of each of its
+        sequences]`` on every LLM rank (gathered from the replicas' leaders over the
+        group's gloo group), as the checkpoint keeps them: ``[[id, *values], ...]``."""
         w, mine = self.w, []
         if w.leader:
-            for ids, logps in self.recorded:
-                mine += [[plain(i), *v] for i, v in zip(ids, logps.tolist())]
+            for ids, logps, counts in self.recorded:
+                values = logps.tolist()
+                ends = [sum(counts[: k + 1]) for k in range(len(counts))]
+                for i, end, n in zip(ids, ends, counts):
+                    mine.append([plain(i), *values[end - n : end]])
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine, group=w.rt.object_group)
         self.recording, self.recorded = False, []
-        entries = [e for part in gathered for e in part]
-        self.load_table(entries)
-        return entries
+        return [e for part in gathered for e in part]
 
-    def load_table(self, entries: list) -> None:
+    def load_table(self, entries: list, ids: set) -> None:
+        """Take ``entries`` (``[[id, *values], ...]``) for the training set whose sample
+        ids are ``ids``; ``ValueError`` on every rank alike when they differ (another
+        dataset than the one they were computed for, ids missing or repeated)."""
         self.table = {e[0]: list(e[1:]) for e in entries}
+        if set(self.table) != ids or len(ids) != self.w.args.plan.num_samples:
+            missing = sorted(map(str, ids - set(self.table)))[:5]
+            raise ValueError(
+                f"the precomputed reference log-probs cover {len(self.table)} sample ids, "
+                f"the training set has {len(ids)} distinct ids in {self.w.args.plan.num_samples} "
+                f"samples (not covered e.g. {missing}): give every pair a unique 'id', and "
+                "resume with the training set the values were computed for (or start a new "
+                "run, or use DPO(reference='copy'))."
+            )
 
     def reset(self) -> None:
         """Forget a step's sums (at the start of every step: an abandoned one's too)."""

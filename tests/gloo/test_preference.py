@@ -31,11 +31,15 @@ from ray_disagg import (
     tiny_qwen2_5_vl_config,
 )
 from ray_disagg.data.examples import synthetic_pairs
+from ray_disagg.data.preference import PreferenceProcessor
+from ray_disagg.data.stream import ConversationStream
 from ray_disagg.objectives import PAIR_KEYS
 from ray_disagg.testing.reference import reference_preference
 from ray_disagg.worker.shards import REFERENCE_LOGPS
+from tests.conversation_data import build_media, build_model_dir, make_processor
 from tests.helpers import assert_params_close, checkpoint_state, group, losses, run_layout, vt
 from tests.preference_data import trl_pair_loss
+from tests.preference_records import pair_record
 
 LOOP = {"global_batch_size": 4, "max_steps": 3, "checkpoint_every": 1, "eps": 1e-6, "seed": 3}
 GRIDS = [(1, 4, 4), (1, 8, 4), None, (1, 4, 8)]
@@ -187,3 +191,25 @@ def test_precompute_equals_copy_and_a_resumed_run_keeps_the_precomputed_values(s
 
     torch.testing.assert_close(losses(first) + losses(resumed), ref_losses, rtol=1e-5, atol=0.0)
     assert_params_close(checkpoint_state(resumed.checkpoint), ref_model.state_dict(), 1e-5)
+
+
+def test_trl_records_streamed_through_the_processors_equal_single_process(tmp_path):
+    """TRL preference records in a JSON Lines file, converted by the chat template and
+    the image processor while training runs (the conversation stream), equal the
+    single-process DPO on the same conversions."""
+    cfg = tiny_qwen2_5_vl_config()
+    media = build_media(tmp_path)
+    proc = PreferenceProcessor(make_processor(build_model_dir(tmp_path / "model"), media, cfg))
+    records = [pair_record(i) for i in range(8)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    spec, loop = HFModelSpec(config=cfg, seed=4), LOOP | {"shuffle": False, "max_steps": 2}
+    ref_losses, _, ref_model = reference_preference(
+        spec, [proc(r) for r in records], TrainLoopConfig(**loop), trl_pair_loss("sigmoid", 0.1)
+    )
+    stream = ConversationStream(paths=path, processor=proc)
+    result = run_layout(spec, stream, loop | {"objective": DPO()}, vt(group(1), group(1)),
+                        tmp_path, "stream", local=True)  # fmt: skip
+
+    torch.testing.assert_close(losses(result), ref_losses, rtol=1e-5, atol=0.0)
+    assert_params_close(checkpoint_state(result.checkpoint), ref_model.state_dict(), 1e-5)

@@ -165,7 +165,8 @@ def test_bad_pairs_refused_on_the_driver():
         make(data=bad(rejected_input_ids=ids))
     precompute = LOOP | {"objective": DPO(reference="precompute")}
     with pytest.raises(
-        SampleError, match=r"sample at index 0 has no 'id': .*precompute.*unique 'id'"
+        SampleError,
+        match=r"sample at index 0 has no int or str 'id' \(got None\): .*precompute.*unique",
     ):
         make(data=[{k: v for k, v in p.items() if k != "id"}, *PAIRS[1:]], loop=precompute)
     with pytest.raises(SampleError, match="samples 0 and 1 have the same id 0"):
