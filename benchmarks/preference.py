@@ -1,9 +1,10 @@
 """DPO against SFT on the same number of sequences, side by side, in one run.
 
-CPU/gloo figures (the groups' workers without Ray, ``ray_disagg.testing.local``) on a
-Qwen2.5-VL with a ~13M-parameter LLM: every step trains ``2 P`` sequences, as SFT samples
-(each with its own copy of the prompt's image) or as ``P`` DPO pairs (each image once
-per pair). For a frozen and a trained vision tower it prints per mode:
+CPU/gloo figures (the groups' workers without Ray, ``ray_disagg.testing.local``, one
+thread each) on a Qwen2.5-VL with a 38M-parameter LLM (``--text-hidden 1024``): every
+step trains ``2 P`` sequences, as SFT samples (each with its own copy of the prompt's
+image) or as ``P`` DPO pairs (each image once per pair). For a frozen and a trained
+vision tower it prints per mode:
 
 - ``step s``: mean step time (steps after the first); per pair for DPO, per sequence for
   SFT, and their ratio (targets: <= 2.1 with ``reference="precompute"``, <= 2.8 online
@@ -15,7 +16,9 @@ per pair). For a frozen and a trained vision tower it prints per mode:
   extra peak over ``precompute``'s next to the text part's parameter bytes (target: at
   most those bytes + 10%).
 
-    python benchmarks/preference.py [--pairs 4] [--steps 6] [--grid 16]
+    python benchmarks/preference.py [--pairs 4] [--steps 6] [--grid 16] [--text-hidden 1024]
+
+Results of one run: ``benchmarks/results/preference.txt``.
 """
 
 import argparse
@@ -31,6 +34,7 @@ from ray_disagg import (
     DisaggregatedTrainer,
     HFModelSpec,
     ModuleGroup,
+    load_metrics,
     tiny_qwen2_5_vl_config,
 )
 from ray_disagg.data.examples import synthetic_pairs
@@ -69,7 +73,7 @@ def run(spec, data, loop: dict, frozen: bool, storage: str, name: str) -> dict:
         datasets={"train": data},
         run_config=RunConfig(name=name, storage_path=storage),
     )
-    frame = fit_local(trainer).metrics_dataframe.sort_values("step").iloc[1:]  # warm steps
+    frame = load_metrics(fit_local(trainer)).iloc[1:]  # every step after the first
     return {
         "step": statistics.mean(frame["step_time_s"]),
         "vision": statistics.mean(frame["vision_compute_s"]),
@@ -83,10 +87,11 @@ def main():
     p.add_argument("--pairs", type=int, default=4, help="DPO pairs per step (SFT: 2x samples)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--grid", type=int, default=16, help="image side in patches")
+    p.add_argument("--text-hidden", type=int, default=1024, help="the LLM's hidden size")
     args = p.parse_args()
 
     cfg = tiny_qwen2_5_vl_config(
-        text_hidden=512,
+        text_hidden=args.text_hidden,
         text_layers=4,
         text_heads=8,
         text_kv_heads=4,

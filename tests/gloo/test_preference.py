@@ -60,11 +60,6 @@ CASES = {
         {"micro_batches": 2, "pack_sequences": True, "max_seq_len": 64, "loss_chunk_tokens": 3},
         DPO(beta=0.5, loss_type="ipo"),
     ),
-    "vision-dp2-text-fsdp2-balanced-robust": (
-        lambda: vt(group(2), group(2, DataParallel(fsdp=True))),
-        {"assignment": "balanced"},
-        DPO(beta=0.2, loss_type="robust", label_smoothing=0.1),
-    ),
 }
 
 
@@ -174,15 +169,18 @@ def test_custom_objective_through_the_interface(setup, tmp_path):
 
 
 def test_precompute_equals_copy_and_a_resumed_run_keeps_the_precomputed_values(setup, tmp_path):
-    """``reference="precompute"`` (a trained tower: the encoder group runs the pass too)
-    equals the reference copy; the values are saved with the checkpoint, and a run resumed
-    from it reads them (recomputed with the trained weights they would differ)."""
+    """``reference="precompute"`` (a trained tower: the encoder group runs the pass too;
+    text FSDP2, balanced assignment, Robust DPO) equals the reference copy; the values are
+    saved with the checkpoint, and a run resumed from it reads them (recomputed with the
+    trained weights they would differ)."""
     spec, pairs = setup
-    loop = LOOP | {"micro_batches": 2}
+    loop = LOOP | {"micro_batches": 2, "assignment": "balanced"}
     cfg = TrainLoopConfig(**loop)
-    ref_losses, _, ref_model = reference_preference(spec, pairs, cfg, trl_pair_loss("sigmoid", 0.1))
-    pre = loop | {"objective": DPO(beta=0.1, reference="precompute")}
-    groups = lambda: vt(group(1), group(2, DataParallel()))  # noqa: E731
+    pair_loss = trl_pair_loss("robust", 0.2, 0.1)
+    ref_losses, _, ref_model = reference_preference(spec, pairs, cfg, pair_loss)
+    dpo = DPO(beta=0.2, loss_type="robust", label_smoothing=0.1, reference="precompute")
+    pre = loop | {"objective": dpo}
+    groups = lambda: vt(group(1), group(2, DataParallel(fsdp=True)))  # noqa: E731
     first = run_layout(spec, pairs, pre | {"max_steps": 2}, groups(), tmp_path, "a", local=True)
     saved = json.loads((Path(first.checkpoint.path) / "text" / REFERENCE_LOGPS).read_text())
     assert sorted(e[0] for e in saved) == list(range(len(pairs)))  # every pair, by its id
