@@ -27,7 +27,10 @@ steps with text FSDP2 over 2 workers + vision 1. ``--tiny`` shrinks everything (
 LLM) for a quick check; its ratios are dominated by allocator noise.
 
     python benchmarks/memory.py [--tiny] [--skip-big] [--steps 3] [--cache DIR]
-        [--layouts 1,tp2,fsdp2,fsdp2xtp2,ep2] [--lora]
+        [--layouts 1,tp2,fsdp2,fsdp2xtp2,ep2] [--lora] [--dpo]
+
+``--dpo`` adds the DPO rows (``benchmarks/dpo_rows.py``): the copy reference's extra peak
+next to the text shard's parameter bytes, under text TP2 and text FSDP2.
 
 ``--lora`` adds the LoRA rows (``benchmarks/lora_rows.py``): text TP2 trained in full and
 with LoRA r=16 on every linear of the LLM, the plan's estimate and the ratios.
@@ -246,6 +249,7 @@ def main():
     p.add_argument("--cache", default="/tmp/ray_disagg_bench", help="saved model directory")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated keys")
     p.add_argument("--lora", action="store_true", help="also the LoRA rows (lora_rows.py)")
+    p.add_argument("--dpo", action="store_true", help="also the DPO rows (dpo_rows.py)")
     args = p.parse_args()
     keys = [k for k in args.layouts.split(",") if k in LAYOUTS]  # "none": the LoRA rows only
     layouts = [LAYOUTS[k] for k in keys]
@@ -295,6 +299,10 @@ def main():
             from lora_rows import lora_rows
 
             lora_rows(spec, data, loop, storage, base, group, fit)
+        if args.dpo:
+            from dpo_rows import dpo_rows
+
+            dpo_rows(spec, cfg, loop, storage, group, fit, shard_params)
     finally:
         ray.shutdown()
         shutil.rmtree(storage, ignore_errors=True)

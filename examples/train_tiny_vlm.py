@@ -108,13 +108,11 @@ def main() -> None:
     result = trainer.fit()
 
     history = result.metrics_dataframe.sort_values("step")
-    print("\nloss at each checkpoint:")
-    for row in history.itertuples():
-        print(f"  step {row.step:4d}  loss {row.loss:.4f}")
+    losses = ", ".join(f"step {row.step} {row.loss:.4f}" for row in history.itertuples())
+    print(f"loss at each checkpoint: {losses}")
     initial = math.log(config.text_config.vocab_size)  # loss of the random initial model
     last = result.metrics["loss"]
     print(f"final loss {last:.4f}, down from about ln(vocab) = {initial:.2f} at step 1")
-    print(f"tokens/s {result.metrics['tokens_per_s']:.0f}, checkpoint: {result.checkpoint.path}")
     if "://" not in str(result.path):  # every step's metrics are kept for local storage only
         print(f"loss curve: {plot_metrics(result, os.path.join(result.path, 'loss_curve.png'))}")
     if not args.skip_loss_check and not last < 0.5 * initial:

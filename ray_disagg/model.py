@@ -20,6 +20,8 @@ from ray_disagg.models import IGNORE_INDEX, get_adapter, loading, lora
 from ray_disagg.models.base import ModelAdapter
 from ray_disagg.settings import check_settings, setting
 
+SLOW_LOAD_S = 5.0  # a load taking longer logs its progress every quarter
+
 __all__ = ["HFModelSpec", "IGNORE_INDEX"]
 
 
@@ -134,7 +136,7 @@ class HFModelSpec:
         from the pretrained weights or the per-name random init; ``adapter``: the
         :class:`~ray_disagg.models.lora.PartLora` injected into ``module`` (its factors from
         its directory or freshly initialized). ``log(message)`` gets where the weights
-        come from and the progress (every quarter and at the end)."""
+        come from and, once the load has taken ``SLOW_LOAD_S``, its progress every quarter."""
         meta = self.meta_model(part)
         params = self.weight_source(meta)
         if isinstance(params, loading.SafetensorsSource):
@@ -150,11 +152,11 @@ class HFModelSpec:
             log(f"{what}: loading weights from {source}")
             t0, marks = time.perf_counter(), set()
 
-            def progress(done: int, total: int) -> None:
-                quarter = 4 * done // total
-                if quarter not in marks and (quarter > 0 or done == total):
+            def progress(done: int, total: int) -> None:  # a quarter's mark, once slow
+                quarter, elapsed = 4 * done // total, time.perf_counter() - t0
+                if quarter not in marks and quarter > 0 and elapsed >= SLOW_LOAD_S:
                     marks.add(quarter)
-                    log(f"{what}: loaded {done}/{total} tensors ({time.perf_counter() - t0:.1f}s)")
+                    log(f"{what}: loaded {done}/{total} tensors ({elapsed:.1f}s)")
 
         init = loading.InitSource(meta, self.seed)
         loading.materialize(module, device, params, init, progress, hf_name)

@@ -22,6 +22,7 @@ from ray_disagg.launch.controller import DisaggregatedController
 from ray_disagg.launch.elastic import ElasticGroup
 from ray_disagg.launch.launches import GroupLaunch, Launch, Transfers
 from ray_disagg.launch.policies import GroupFailurePolicy
+from ray_disagg.launch.progress import RunProgress
 from ray_disagg.launch.resources import (
     Placement,
     PlacementGroupJanitor,
@@ -119,6 +120,11 @@ class DisaggregatedTrainer(rc.TrainerBase):
     ``resume_from_checkpoint`` starts from a given one (of any layout). A failed encoder
     group restarts alone where it can (``restart_failed_group``; README "Fault tolerance").
 
+    While ``fit()`` runs, the driver prints the layout, one line per reported step (a live
+    bar when stdout is a terminal) and a summary at the end
+    (:mod:`ray_disagg.launch.progress`); Ray Train's own log line of every report is
+    dropped in the workers unless ``verbose=True``.
+
     Example:
         >>> import ray
         >>> from ray.train import RunConfig, ScalingConfig
@@ -155,6 +161,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
         placement: Placement = "separate",
         transfer: Literal["auto"] | Tier = "auto",
         restart_failed_group: bool = True,
+        verbose: bool = False,
     ):
         if not isinstance(model, HFModelSpec):
             raise ValueError(
@@ -166,6 +173,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
         if not start_timeout_s > 0:
             raise ValueError(f"start_timeout_s={start_timeout_s!r}: must be > 0 seconds.")
         self.wait_for_resources, self.start_timeout_s = wait_for_resources, start_timeout_s
+        self.verbose = verbose
         self.restart_failed_group = restart_failed_group
         if resume_from_checkpoint is not None and not isinstance(
             resume_from_checkpoint, Checkpoint
@@ -184,10 +192,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
         self.elastic_sizes = layout.elastic_sizes
         self.frozen_parts, self._samples_validated = layout.frozen_parts, layout.samples_validated
         if resume_from_checkpoint is not None:
-            with resume_from_checkpoint.as_directory() as root:
-                check_compatible(root, model.load_config(), self.loop_config.max_steps)
-                check_lora_resume(root, model, self.groups)
-                check_reference_resume(root, adapter.llm_part, self.loop_config)
+            self._check_resume(resume_from_checkpoint)
         self.plan = self._batch_plan()
         self._val_data, self.val_plan = dsc.validation_set(
             datasets, adapter, self.loop_config, self.groups, validate_samples
@@ -199,6 +204,15 @@ class DisaggregatedTrainer(rc.TrainerBase):
             scaling_config=ScalingConfig(num_workers=total),
             run_config=run_config,
         )
+
+    def _check_resume(self, checkpoint: Checkpoint) -> None:
+        """The checkpoint to resume from fits this run (config, steps, LoRA, DPO's
+        precomputed reference), on the driver."""
+        model = self.model_spec
+        with checkpoint.as_directory() as root:
+            check_compatible(root, model.load_config(), self.loop_config.max_steps)
+            check_lora_resume(root, model, self.groups)
+            check_reference_resume(root, self.adapter.llm_part, self.loop_config)
 
     def _batch_plan(self) -> BatchPlan:
         """The plan of every step's samples (map-style samples checked and costed here)."""
@@ -251,10 +265,12 @@ class DisaggregatedTrainer(rc.TrainerBase):
         )
         return [c for c in callbacks if not isinstance(c, dropped)]
 
-    def loop_args(self, put=None) -> LoopArgs:
+    def loop_args(self, put=None, driver_progress: bool = False) -> LoopArgs:
         """What every worker's loop gets; ``put`` stores the datasets for the workers
-        (``ray.put`` by default; the tests' local runner passes them as they are)."""
+        (``ray.put`` by default; the tests' local runner passes them as they are);
+        ``driver_progress``: the driver prints the steps (from the metrics file)."""
         put = put or ray.put
+        path = metrics_path(self.run_config)
         return LoopArgs(
             spec=self.model_spec,
             cfg=self.loop_config,
@@ -263,13 +279,18 @@ class DisaggregatedTrainer(rc.TrainerBase):
             dataset_ref=[put(self.train_data)],
             resume_from_checkpoint=self.resume_from_checkpoint,
             samples_validated=self._samples_validated,
-            metrics_path=metrics_path(self.run_config),
+            metrics_path=path,
+            driver_progress=driver_progress and path is not None,
             frozen_parts=self.frozen_parts,
             val_ref=None if self._val_data is None else [put(self._val_data)],
             val_plan=self.val_plan,
             group_recovery=bool(self.restartable_groups()),
             recovery_timeout_s=self.start_timeout_s + self.loop_config.collective_timeout_s,
         )
+
+    def metrics_file(self) -> str | None:
+        """The run's ``metrics.jsonl`` when the driver can read it (local storage)."""
+        return metrics_path(self.run_config)
 
     def restartable_groups(self) -> frozenset[str]:
         """The groups a worker failure restarts alone (``ray_disagg.layout``)."""
@@ -293,6 +314,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
                 mesh_shape=shape,
                 mesh_axes=axes,
                 timeout_s=self.loop_config.collective_timeout_s,
+                verbose=self.verbose,
             )
             out[name] = (loop, backend)
         return out
@@ -300,7 +322,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
     def _launches(self) -> tuple[Launch, ElasticGroup | None]:
         """Every group's launch at the initial sizes, and the elastic group (its launches
         at each size it may take) if any."""
-        args = self.loop_args()
+        args = self.loop_args(driver_progress=True)
         if not self.elastic_sizes:
             return self._launch(args), None
         ((name, sizes),) = self.elastic_sizes.items()
@@ -357,8 +379,9 @@ class DisaggregatedTrainer(rc.TrainerBase):
             )
             if threading.current_thread() is threading.main_thread():
                 self.register_sigint_handler(controller)
-            ray.get(controller.run.remote())
-            return ray.get(controller.get_result.remote())
+            with RunProgress(self) as progress:
+                ray.get(controller.run.remote())
+                return progress.finish(ray.get(controller.get_result.remote()))
         finally:  # success, failure, a dead coordinator or an interrupt
             ray.get(janitor.release.remote(), timeout=60)
             ray.kill(janitor)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ray_disagg.launch.ray_compat import TorchBackend, TorchConfig
+from ray_disagg.launch.ray_compat import TorchBackend, TorchConfig, quiet_train_reports
 from ray_disagg.worker import runtime
 
 __all__ = ["ModuleBackendConfig"]
@@ -33,6 +33,10 @@ class ModuleBackendConfig(TorchConfig):
 
     mesh_axes: tuple[str, ...] = ("dp", "mp")
     """Names of the mesh axes, fetched by name (``mesh["dp"]``)."""
+
+    verbose: bool = False
+    """Keep Ray Train's log line of every report in the workers (dropped by default: the
+    driver prints each step, ``ray_disagg.launch.progress``)."""
 
     def __post_init__(self) -> None:
         self.mesh_shape = tuple(int(s) for s in self.mesh_shape)
@@ -64,6 +68,8 @@ class _ModuleBackend(TorchBackend):
                 f"{backend_config.world_size}."
             )
         super().on_start(worker_group, backend_config)
+        if not backend_config.verbose:
+            worker_group.execute(quiet_train_reports)
         worker_group.execute(
             runtime.init_runtime,
             backend_config.module,

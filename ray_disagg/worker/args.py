@@ -25,6 +25,7 @@ class LoopArgs:
     resume_from_checkpoint: object = None
     samples_validated: bool = False  # the driver checked every sample before the run
     metrics_path: str | None = None  # <run dir>/metrics.jsonl: every reported step
+    driver_progress: bool = False  # the driver prints the steps (launch.progress), not rank 0
     frozen_parts: tuple[str, ...] = ()  # groups whose parameters are all frozen
     val_ref: list | None = None  # [ObjectRef] of the map-style validation samples
     val_plan: BatchPlan | None = None

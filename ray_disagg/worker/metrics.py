@@ -177,7 +177,8 @@ def maybe_report(
     metrics = args.stats.metrics(stats, step, epoch, group_lrs(args, step), clock.mean_step_time)
     metrics.update(extra)
     if writer.module == args.adapter.llm_part and writer.lead:
-        log_step(metrics, args.cfg.max_steps)
+        if not args.driver_progress:
+            log_step(metrics, args.cfg.max_steps)
         if args.metrics_path:
             append_metrics(args.metrics_path, metrics)
     checkpoint.maybe_save(args, step, metrics, writer, model, optimizer, background)

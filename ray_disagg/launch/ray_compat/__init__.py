@@ -61,6 +61,7 @@ from ray_disagg.launch.ray_compat.privates import (
     checkpoint_path,
     label_selector_per_worker,
     persist_checkpoint,
+    quiet_train_reports,
     resources_per_worker,
     storage_filesystem,
 )
@@ -120,6 +121,7 @@ __all__ = [
     "wait_reports_queued",
     "SharedPlacementWorkerGroup",
     "with_worker_env_vars",
+    "quiet_train_reports",
 ]
 
 

@@ -96,3 +96,14 @@ def checkpoint_path(name: str) -> str:
 def persist_checkpoint(checkpoint, name: str):
     """In a worker: Ray Train's own upload of ``checkpoint`` into the run's ``name``."""
     return _storage().persist_current_checkpoint(checkpoint, name)
+
+
+def quiet_train_reports() -> None:
+    """In a Ray Train worker: Ray's ``Reporting training result ... TrainingReport(...)``
+    line of every report (an INFO record of the logger named by its module's file) is
+    dropped; the driver prints each step itself (``ray_disagg.launch.progress``)."""
+    import logging
+
+    from ray.train.v2._internal.execution import context
+
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)

@@ -1,0 +1,84 @@
+"""Tier 1: what the driver prints while a run trains (``ray_disagg.launch.progress``): the
+step line, the start and end summaries, and the poller reading the metrics file as the
+LLM group's rank 0 appends to it (complete lines only; a restart's repeated steps
+replace theirs)."""
+
+import io
+import json
+
+from ray.train import ScalingConfig
+
+from ray_disagg import DataParallel, ModuleGroup
+from ray_disagg.launch.progress import (
+    Progress,
+    end_lines,
+    format_count,
+    format_eta,
+    start_lines,
+    step_line,
+)
+
+STEP = {"step": 3, "loss": 1.25, "lr": 1e-3, "tokens_per_s": 900.4, "step_time_s": 0.5,
+        "mean_step_time_s": 0.75}  # fmt: skip
+
+
+def test_step_line_and_eta():
+    assert step_line(STEP, 10) == (
+        "step 3/10 loss 1.2500 lr 0.001 tokens/s 900 step 0.500s ETA 0:00:05"
+    )
+    line = step_line({**STEP, "val_loss": 2.0, "rewards/margins": 0.125}, 3)
+    assert "val_loss 2.0000 margin 0.1250" in line and line.endswith("ETA 0:00:00")
+    assert format_eta(3725) == "1:02:05" and format_eta(None) == "?" and format_eta(-1) == "?"
+    assert [format_count(n) for n in (49_056, 306.8e6, 32.5e9, 12)] == [
+        "49.1K",
+        "306.8M",
+        "32.5B",
+        "12",
+    ]
+
+
+def test_start_and_end_summaries():
+    groups = {
+        "vision": ModuleGroup(scaling_config=ScalingConfig(num_workers=1), trainable=False),
+        "text": ModuleGroup(scaling_config=ScalingConfig(num_workers=2),
+                            parallelism=DataParallel(fsdp=True)),
+    }  # fmt: skip
+    lines = start_lines(groups, {"vision": 4_760_000, "text": 306_800_000}, 60, "run-a")
+    assert lines == [
+        "run 'run-a': 60 steps, groups:",
+        "  vision: 1 worker(s), parallelism DataParallel(), frozen, 4.8M parameters",
+        "  text: 2 worker(s), parallelism DataParallel(fsdp=True), 306.8M parameters",
+    ]
+    rows = [
+        {**STEP, "step": 1, "step_time_s": 2.0, "tokens_per_s": 100.0},
+        {**STEP, "step": 2, "step_time_s": 1.0, "tokens_per_s": 200.0, "vision_restarts": 1},
+    ]
+    rows[0]["text_peak_memory_mb"], rows[1]["text_peak_memory_mb"] = 900.0, 950.0
+    out = end_lines(rows, groups, 125.0, "/runs/a/checkpoint_000002")
+    assert out[0] == (
+        "done: 2 steps in 0:02:05 (wall), final loss 1.2500, 400 tokens in the reported "
+        "steps, 133 tokens/s"
+    )
+    assert out[1:] == [
+        "  vision: peak memory 0 MB (rank 0), restarts 1",
+        "  text: peak memory 950 MB (rank 0), restarts 0",
+        "  last checkpoint: /runs/a/checkpoint_000002",
+    ]
+    assert end_lines([], groups, 3.0, None) == ["done in 0:00:03: no step was reported"]
+
+
+def test_the_poller_prints_complete_lines_and_keeps_each_steps_last(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = []
+    progress = Progress(str(path), 4, stream=io.StringIO(), echo=lines.append)
+    progress.poll()  # no file yet
+    with open(path, "w") as f:
+        f.write(json.dumps({**STEP, "step": 1}) + "\n" + json.dumps({**STEP, "step": 2})[:20])
+    progress.poll()
+    assert [line.split(" loss")[0] for line in lines] == ["step 1/4"]
+    with open(path, "a") as f:  # the rest of step 2, then a restart redoes it
+        f.write(json.dumps({**STEP, "step": 2})[20:] + "\n")
+        f.write(json.dumps({**STEP, "step": 2, "loss": 0.5}) + "\n")
+    progress.poll()
+    assert len(lines) == 3 and [r["step"] for r in progress.rows] == [1, 2]
+    assert progress.rows[-1]["loss"] == 0.5
