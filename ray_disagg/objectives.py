@@ -115,6 +115,16 @@ ANSWERS = ("chosen", "rejected")
 PAIR_KEYS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
 
 
+def same_prompt(pair: dict) -> bool:
+    """Whether a pair's two sequences start with the same prompt: the same tokens before
+    each one's first label."""
+    prompts = []
+    for a in ANSWERS:
+        labels = np.asarray(pair[f"{a}_labels"])
+        prompts.append(np.asarray(pair[f"{a}_input_ids"])[: int(np.argmax(labels != IGNORE_INDEX))])
+    return prompts[0].shape == prompts[1].shape and bool((prompts[0] == prompts[1]).all())
+
+
 @dataclass(kw_only=True)
 class DPO(Objective):
     """Direct Preference Optimization on (chosen, rejected) answer pairs, with TRL's
@@ -210,10 +220,7 @@ class DPO(Objective):
             )
         if chosen.shape == rejected.shape and (chosen == rejected).all():
             raise SampleError(f"{name}: chosen and rejected are identical; drop the pair.")
-        starts = [
-            int(np.argmax(np.asarray(sample[f"{a}_labels"]) != IGNORE_INDEX)) for a in ANSWERS
-        ]
-        if starts[0] != starts[1] or not (chosen[: starts[0]] == rejected[: starts[1]]).all():
+        if not same_prompt(sample):
             raise SampleError(
                 f"{name}: the prompt (the tokens before the first label) differs between "
                 "chosen and rejected; both answers must follow the same prompt tokens."

@@ -270,7 +270,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
         (``ray.put`` by default; the tests' local runner passes them as they are);
         ``driver_progress``: the driver prints the steps (from the metrics file)."""
         put = put or ray.put
-        path = metrics_path(self.run_config)
+        path = self.metrics_file()
         return LoopArgs(
             spec=self.model_spec,
             cfg=self.loop_config,

@@ -29,15 +29,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import numpy as np
-
 from ray_disagg.data.conversations import ConversationProcessor
 from ray_disagg.data.records import MEDIA, to_messages
-from ray_disagg.models.base import IGNORE_INDEX
+from ray_disagg.objectives import ANSWERS, same_prompt
 
 __all__ = ["PreferenceProcessor", "sequence_lengths"]
 
-ANSWERS = ("chosen", "rejected")
 SFT_KEYS = ("messages", "conversations")
 
 
@@ -87,12 +84,14 @@ class PreferenceProcessor:
             messages, media = to_messages({"id": rid, "messages": prompt + answer}, model_type)
             variants.append(messages)
         chosen, rejected = self.processor.encode_variants(rid, variants, media)
-        _check_prompt(chosen, rejected, rid)
         pair = {k: v for k, v in chosen.items() if k not in ("input_ids", "labels")}
         for name, sample in zip(ANSWERS, (chosen, rejected)):
-            pair[f"{name}_input_ids"], pair[f"{name}_labels"] = (
-                sample["input_ids"],
-                sample["labels"],
+            pair[f"{name}_input_ids"] = sample["input_ids"]
+            pair[f"{name}_labels"] = sample["labels"]
+        if not same_prompt(pair):
+            raise ValueError(
+                f"record {rid!r}: the chat template renders the prompt differently before "
+                "the two answers (it depends on the answer); the pair cannot share one prompt"
             )
         return pair
 
@@ -153,14 +152,3 @@ class PreferenceProcessor:
         if not _text(content or "").strip():
             raise ValueError(f"record {rid!r}: the {key} answer is empty")
         return answer
-
-
-def _check_prompt(chosen: dict, rejected: dict, rid) -> None:
-    """The prompt (the tokens before the first label) is the same in both sequences."""
-    starts = [int(np.argmax(np.asarray(s["labels"]) != IGNORE_INDEX)) for s in (chosen, rejected)]
-    a, b = (np.asarray(s["input_ids"])[:n] for s, n in zip((chosen, rejected), starts))
-    if a.shape != b.shape or not (a == b).all():
-        raise ValueError(
-            f"record {rid!r}: the chat template renders the prompt differently before the "
-            "two answers (it depends on the answer); the pair cannot share one prompt"
-        )

@@ -9,10 +9,17 @@ import logging
 import numpy as np
 
 from ray_disagg.loop_config import TrainLoopConfig
-from ray_disagg.models.base import SampleError, sample_name
+from ray_disagg.models.base import SampleError
 from ray_disagg.models.packing import check_fits
 from ray_disagg.pipeline.assignment import BatchPlan
-from ray_disagg.worker.ingest import is_ray_dataset, is_record_stream, is_stream, sample_from_row
+from ray_disagg.worker.ingest import (
+    is_ray_dataset,
+    is_record_stream,
+    is_stream,
+    sample_from_row,
+    sample_sequences,
+)
+from ray_disagg.worker.metrics import plain
 
 logger = logging.getLogger("ray_disagg.trainer")
 
@@ -71,12 +78,12 @@ def scan(data, adapter, cfg: TrainLoopConfig, validate: bool, min_tokens: int = 
     keyed = getattr(cfg.objective, "reference", None) == "precompute"
     for i in range(len(data)):
         sample = data[i]
-        seqs = _sequences(sample, i, cfg.objective, validate)
+        seqs = sample_sequences(sample, i, adapter, cfg.objective, validate)
         if validate and keyed:
             _check_unique(sample, i, ids)
         if validate:
             for seq in seqs:
-                _check_sequence(seq, i, adapter, cfg, min_tokens)
+                _check_sequence(seq, i, cfg, min_tokens)
         if balanced:
             costs[adapter.llm_part][i] = sum(len(seq["input_ids"]) for seq in seqs)
             for part in adapter.encoder_parts:
@@ -84,23 +91,8 @@ def scan(data, adapter, cfg: TrainLoopConfig, validate: bool, min_tokens: int = 
     return costs if balanced else None
 
 
-def _sequences(sample: dict, i: int, objective, validate: bool) -> list[dict]:
-    """The sample's LLM sequences (one without an objective; a pair's two with DPO)."""
-    if objective is None:
-        if validate and "input_ids" not in sample and "chosen_input_ids" in sample:
-            raise SampleError(
-                f"{sample_name(sample, i)} is a preference pair (chosen/rejected); train "
-                "pairs with train_loop_config['objective']=ray_disagg.DPO(...)."
-            )
-        return [sample]
-    if validate:
-        objective.check_sample(sample, i)
-    return objective.sequences(sample)
-
-
 def _check_unique(sample: dict, i: int, ids: dict) -> None:
-    key = sample["id"]
-    key = key.item() if hasattr(key, "item") else key
+    key = plain(sample["id"])
     if key in ids:
         raise SampleError(
             f"samples {ids[key]} and {i} have the same id {key!r}: DPO(reference='precompute') "
@@ -109,8 +101,7 @@ def _check_unique(sample: dict, i: int, ids: dict) -> None:
     ids[key] = i
 
 
-def _check_sequence(seq: dict, i: int, adapter, cfg: TrainLoopConfig, min_tokens: int) -> None:
-    adapter.validate_sample(seq, i)
+def _check_sequence(seq: dict, i: int, cfg: TrainLoopConfig, min_tokens: int) -> None:
     if cfg.pack_sequences:
         check_fits(seq, i, cfg.max_seq_len)
     if len(seq["input_ids"]) < min_tokens:

@@ -189,7 +189,11 @@ class RunProgress:
     def __enter__(self) -> RunProgress:
         t = self.trainer
         spec, cfg = t.model_spec, t.loop_config
-        params = {g: sum(p.numel() for p in spec.meta_model(g).parameters()) for g in t.groups}
+        model = spec.meta_model()  # once, on ``meta``: each group counts its part of it
+        params = {
+            g: sum({id(p): p.numel() for _, p in spec.adapter.part_parameters(model, g)}.values())
+            for g in t.groups
+        }
         for line in start_lines(t.groups, params, cfg.max_steps, t.run_config.name):
             self.echo(line)
         path = t.metrics_file()

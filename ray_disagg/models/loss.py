@@ -53,8 +53,23 @@ def _label_positions(hidden, labels, index, shifted):
     return hidden.flatten(0, 1).index_select(0, index), labels.flatten().index_select(0, index)
 
 
-def _num_chunks(positions: int, chunk_tokens: int | None, min_chunks: int) -> int:
-    return 1 if chunk_tokens is None else max(-(-positions // chunk_tokens), min_chunks)
+def _per_chunk(fn, flat, targets, chunk_tokens, min_chunks, *args) -> list[torch.Tensor]:
+    """``fn(hidden, targets, *args)`` of every chunk of ``chunk_tokens`` label positions
+    (at least ``min_chunks``, empty ones last), each under activation checkpointing; one
+    plain call without ``chunk_tokens`` or when one chunk holds them all."""
+    positions = len(targets)
+    chunks = 1 if chunk_tokens is None else max(-(-positions // chunk_tokens), min_chunks)
+    if chunks == 1:
+        return [fn(flat, targets, *args)]
+    from torch.utils.checkpoint import checkpoint
+
+    return [
+        checkpoint(
+            fn, flat[lo : lo + chunk_tokens], targets[lo : lo + chunk_tokens], *args,
+            use_reentrant=False,
+        )
+        for lo in range(0, chunks * chunk_tokens, chunk_tokens)
+    ]  # fmt: skip
 
 
 def sequence_logps(
@@ -78,26 +93,8 @@ def sequence_logps(
     ``sequence`` ``(len(index),)``: the sequence of each label position (several per row
     when rows are packed). With a context slice these are the slice's partial sums."""
     flat, targets = _label_positions(hidden, labels, index, shifted)
-    chunks = _num_chunks(len(targets), chunk_tokens, min_chunks)
-    if chunks == 1:
-        ce = _token_ce(flat, targets, lm_head, tp_group, vocab_start)
-    else:
-        from torch.utils.checkpoint import checkpoint
-
-        ce = torch.cat(
-            [
-                checkpoint(
-                    _token_ce,
-                    flat[lo : lo + chunk_tokens],
-                    targets[lo : lo + chunk_tokens],
-                    lm_head,
-                    tp_group,
-                    vocab_start,
-                    use_reentrant=False,
-                )
-                for lo in range(0, chunks * chunk_tokens, chunk_tokens)
-            ]
-        )
+    args = (lm_head, tp_group, vocab_start)
+    ce = torch.cat(_per_chunk(_token_ce, flat, targets, chunk_tokens, min_chunks, *args))
     sums = ce.new_zeros(num_sequences, dtype=torch.float32)
     return -sums.index_add(0, sequence.to(ce.device), ce.float())
 
@@ -127,16 +124,11 @@ def lm_loss(
     ``min_chunks``: run at least this many chunks (empty ones last), so that ranks whose
     ``lm_head`` is one FSDP2 unit call it equally often (its collectives must match)."""
     flat, targets = _label_positions(hidden, labels, index, shifted)
-    chunks = _num_chunks(len(targets), chunk_tokens, min_chunks)
-    if chunks == 1:
-        total = _token_loss_sum(flat, targets, lm_head, tp_group, vocab_start)
-        return total / num_label_tokens
-    from torch.utils.checkpoint import checkpoint
-
+    args = (lm_head, tp_group, vocab_start)
+    sums = _per_chunk(_token_loss_sum, flat, targets, chunk_tokens, min_chunks, *args)
+    if len(sums) == 1:
+        return sums[0] / num_label_tokens
     total = flat.new_zeros((), dtype=torch.float32)
-    for lo in range(0, chunks * chunk_tokens, chunk_tokens):
-        part = (flat[lo : lo + chunk_tokens], targets[lo : lo + chunk_tokens])
-        total = total + checkpoint(
-            _token_loss_sum, *part, lm_head, tp_group, vocab_start, use_reentrant=False
-        )
+    for part in sums:
+        total = total + part
     return total / num_label_tokens

@@ -176,22 +176,26 @@ class EncoderStep:
         return [s.get("id") for samples, _ in self.inputs for s in samples]
 
 
-def _evaluate(w: PartWorker, data, plan, step: int) -> list[float]:
-    """Encode the validation set for the LLM group (which computes the loss)."""
+def _encode_all(w: PartWorker, data, plan, step: int) -> None:
+    """Forward only, every batch of ``plan`` (keys ``StepKey(step, batch)``), for the
+    LLM group (which computes the loss or the log-probs)."""
     actions = encoder_actions(plan.micro_batches, trains=False)
     for v in range(plan.steps_per_epoch):
         EncoderStep(w, data, plan, v, StepKey(step, v), grad=False).run(actions)
+
+
+def _evaluate(w: PartWorker, data, plan, step: int) -> list[float]:
+    """Encode the validation set for the LLM group (which computes the loss)."""
+    _encode_all(w, data, plan, step)
     return [0.0, 0.0]
 
 
 def _reference_pass(w: PartWorker, data, plan) -> None:
     """Encode every training sample once for the LLM group's reference log-probs
     (``DPO(reference="precompute")``), forward only, before the first step."""
-    actions = encoder_actions(plan.micro_batches, trains=False)
     w.model.eval()  # the initial model as a reference runs: no dropout
     try:
-        for v in range(plan.steps_per_epoch):
-            EncoderStep(w, data, plan, v, StepKey(-1, v), grad=False).run(actions)
+        _encode_all(w, data, plan, -1)
     finally:
         w.model.train()
     w.clock = StepClock()  # the pass is not the first step's time

@@ -16,6 +16,7 @@ import numpy as np
 import ray
 import torch.distributed as dist
 
+from ray_disagg.models.base import SampleError, sample_name
 from ray_disagg.pipeline.messages import SampleRef
 from ray_disagg.worker.session import get_session
 
@@ -121,12 +122,30 @@ def read_samples(source, step, positions, args) -> list[dict]:
     the driver already validated the whole (map-style) dataset before the run."""
     if source is None:  # not a leader of map-style or Ray Data reading
         return []
-    samples, obj = [], args.cfg.objective
+    samples = []
     for index, sample in source.take(step, positions):
         if not args.samples_validated:
-            if obj is not None:
-                obj.check_sample(sample, index)
-            for seq in [sample] if obj is None else obj.sequences(sample):
-                args.adapter.validate_sample(seq, index)
+            sample_sequences(sample, index, args.adapter, args.cfg.objective)
         samples.append(sample)
     return samples
+
+
+def sample_sequences(sample: dict, index, adapter, objective, validate: bool = True):
+    """The sample's LLM sequences (one without an objective; a pair's two with DPO);
+    ``validate``: the sample checked by the objective and each sequence against the
+    model (:class:`~ray_disagg.models.base.SampleError` naming the sample)."""
+    if objective is None:
+        if validate and "input_ids" not in sample and "chosen_input_ids" in sample:
+            raise SampleError(
+                f"{sample_name(sample, index)} is a preference pair (chosen/rejected); train "
+                "pairs with train_loop_config['objective']=ray_disagg.DPO(...)."
+            )
+        seqs = [sample]
+    else:
+        if validate:
+            objective.check_sample(sample, index)
+        seqs = objective.sequences(sample)
+    if validate:
+        for seq in seqs:
+            adapter.validate_sample(seq, index)
+    return seqs

@@ -64,7 +64,8 @@ def _loss(adapter, lm_head, batch, received, n_labels, tp_group, vocab_start, ch
 
 def _collate(w: PartWorker, items: list[dict], sequences: bool = False) -> dict:
     """The microbatch's LLM batch on the device; ``sequences``: with ``loss_seq``, the
-    sequence of each label position (a per-sequence objective)."""
+    sequence (item) of each label position, and ``num_sequences`` (a per-sequence
+    objective)."""
     if w.cfg.pack_sequences:
         batch = w.adapter.collate_llm_packed(items, w.cfg.max_seq_len)
     else:
@@ -81,6 +82,8 @@ def _collate(w: PartWorker, items: list[dict], sequences: bool = False) -> dict:
         batch["loss_index"] = loss_index(batch["labels"])  # on the host: no device sync
         if sequences:
             batch["loss_seq"] = sequence_index(batch, batch["loss_index"])
+    if sequences:
+        batch["num_sequences"] = len(items)
     batch["loss_chunks"] = _loss_chunks(w, len(batch["loss_index"]))
     return {n: v.to(w.device) if torch.is_tensor(v) else v for n, v in batch.items()}
 
@@ -117,6 +120,7 @@ class LLMModel:
         load = moe.ExpertLoad(w.adapter.llm_modules(model)[0])  # hooks on MoE routers only
         self.load = load if load.routers else None
         self.objective = objective  # an ObjectiveRunner, or None: the token loss (SFT)
+        self.policy = PartModel(model=model, runner=w.runner, parallel=w.parallel)
         if objective is not None:
             objective.load = self.load
         obj = w.cfg.objective
@@ -146,9 +150,8 @@ class LLMModel:
             self.load.active = grad
         try:
             if self.objective is not None:
-                policy = PartModel(model=self.model, runner=w.runner, parallel=w.parallel)
                 samples = [items[p] for p in mb[w.part][w.dp_rank]]
-                return self.objective.loss(policy, samples, received, rows, n_labels, grad)
+                return self.objective.loss(self.policy, samples, received, rows, n_labels, grad)
             return self._token_loss(items, mb, received, n_labels, grad)
         finally:
             if self.load is not None:
@@ -276,14 +279,21 @@ class LLMStep:
         return [self.items[p] for p in sorted(self.items)]
 
 
-def _evaluate(llm: LLMModel, source, step: int) -> list[float]:
-    """This rank's ``[summed token loss, label tokens]`` over the validation set
-    (non-zero on replica leaders only), forward only."""
-    loss_sum, n_labels, plan = 0.0, 0, llm.w.args.val_plan  # at the groups' current sizes
+def _forward_all(llm: LLMModel, source, plan, step: int):
+    """Forward only, every batch of ``plan`` (keys ``StepKey(step, batch)``): each
+    batch's executed :class:`LLMStep`."""
     actions = llm_actions(plan.micro_batches, 1, sends_grads=False)
     for v in range(plan.steps_per_epoch):
         run = LLMStep(llm, source, plan, v, StepKey(step, v), grad=False)
         run.run(actions)
+        yield run
+
+
+def _evaluate(llm: LLMModel, source, step: int) -> list[float]:
+    """This rank's ``[summed token loss, label tokens]`` over the validation set
+    (non-zero on replica leaders only), forward only."""
+    loss_sum, n_labels, plan = 0.0, 0, llm.w.args.val_plan  # at the groups' current sizes
+    for run in _forward_all(llm, source, plan, step):
         loss_sum += float(run.loss_sum)
         n_labels += run.local_labels
     return [loss_sum, n_labels] if llm.w.leader else [0.0, 0.0]
@@ -307,10 +317,9 @@ def _precompute(w: PartWorker, llm: LLMModel, data, start: int) -> None:
         )
     plan, t0 = w.args.reference_plan, time.perf_counter()
     source = ingest.MapStyleSource(data, plan, w.part) if w.leader else None
-    actions = llm_actions(plan.micro_batches, 1, sends_grads=False)
     runner.recording = True
-    for v in range(plan.steps_per_epoch):
-        LLMStep(llm, source, plan, v, StepKey(-1, v), grad=False).run(actions)
+    for _ in _forward_all(llm, source, plan, -1):
+        pass
     w.writer.reference_logps = runner.finish_recording()
     runner.load_table(w.writer.reference_logps, ids)
     w.clock = StepClock()  # the pass is not the first step's time

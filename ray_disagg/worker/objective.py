@@ -14,6 +14,7 @@ or from the trained model itself where the part is frozen.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
@@ -26,7 +27,6 @@ from ray_disagg.objectives import SequenceLogps
 from ray_disagg.parallel.context_parallel import SumOverContext
 from ray_disagg.pipeline.assignment import count_label_tokens
 from ray_disagg.worker.metrics import plain
-from ray_disagg.worker.part_worker import PartModel
 
 __all__ = ["REF", "ObjectiveRunner", "repeat_rows", "sequence_index"]
 
@@ -85,7 +85,8 @@ def _logps(adapter, lm_head, batch, received, tp_group, vocab_start, chunk, ctx,
 
 class ObjectiveRunner:
     """Runs a microbatch of an objective on one LLM worker: ``w`` its ``PartWorker``,
-    ``reference`` its ``ReferenceCopy`` (``None``: a frozen LLM, its own reference)."""
+    ``reference`` its reference ``PartModel`` (``None``: a frozen LLM or ``"precompute"``,
+    the trained part itself runs the reference's forwards)."""
 
     def __init__(self, w, reference, collate):
         self.w, self.obj, self.reference, self.collate = w, w.cfg.objective, reference, collate
@@ -112,11 +113,10 @@ class ObjectiveRunner:
         seqs, counts = self.sequences(samples)
         self.samples += len(samples)
         batch = self.collate(w, seqs, sequences=True)
-        batch["num_sequences"] = len(seqs)
         ctx = batch.pop("context", None)
         own = {k: v for k, v in received.items() if not k.startswith(REF)}
         if self.recording:  # the initial model, as the reference copy runs (eval mode)
-            model = PartModel(policy.model, policy.runner, policy.parallel, shares_root=True)
+            model = dataclasses.replace(policy, shares_root=True)
             logps, _ = self._run(model.run, model, batch, repeat_rows(own, rows, counts), ctx)
             self.recorded.append(([s.get("id") for s in samples], logps, counts))
             self.reported = logps.new_zeros(())
@@ -152,15 +152,14 @@ class ObjectiveRunner:
         if not self.obj.needs_reference:
             return None
         if self.obj.reference == "precompute":
-            return self._precomputed(samples, policy.model)
-        ref = self.reference or PartModel(policy.model, policy.runner, policy.parallel,
-                                          shares_root=True)  # fmt: skip
+            return self._precomputed(samples)
+        ref = self.reference or dataclasses.replace(policy, shares_root=True)
         ref_in = {k: received.get(REF + k, v).detach() for k, v in own.items()}
         with torch.no_grad(), self.uncounted():
             logps, _ = self._run(ref.run, ref, batch, repeat_rows(ref_in, rows, counts), ctx)
         return logps
 
-    def _precomputed(self, samples, model) -> torch.Tensor:
+    def _precomputed(self, samples) -> torch.Tensor:
         values = []
         for s in samples:
             if s.get("id") not in self.table:
@@ -170,8 +169,7 @@ class ObjectiveRunner:
                     "start a new run, or use DPO(reference='copy')."
                 )
             values += self.table[s["id"]]
-        device = next(model.parameters()).device
-        return host_to_device(torch.tensor(values, dtype=torch.float32), device)
+        return host_to_device(torch.tensor(values, dtype=torch.float32), self.w.device)
 
     @contextlib.contextmanager
     def uncounted(self):

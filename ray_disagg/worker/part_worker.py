@@ -112,12 +112,8 @@ class PartWorker:
         """The part on the ``meta`` device (no memory yet), frozen where asked: then
         :meth:`setup` parallelizes it, shards it with FSDP2 and materializes this rank's
         shards."""
-        model = self.args.spec.meta_model(self.part)
         self.lora = part_lora(self.args.spec, self.part, self.group)
-        apply_lora(model, self.lora)  # PEFT's layers; the base frozen
-        if self.cfg.param_dtype == "bfloat16":  # pure bf16; LoRA factors stay fp32 (PEFT)
-            factors = {n for n, _ in model.named_parameters() if is_factor(n)}
-            loading.cast_parameters(model, torch.bfloat16, keep=factors)
+        model = self._meta_part()
         apply_freeze(model, self.group)  # before any plan: every wrapper keeps the flag
         if self.group.activation_checkpointing:
             for root in self.adapter.part_roots(model, self.part):
@@ -131,14 +127,8 @@ class PartWorker:
         and the restore (a standby first waits to take over, then joins the channel);
         returns the step to start from."""
         self.model = model
-        self.parallel = parallelize_part(self, model)
-        self.runner = fsdp.PartRunner(model)
-        if self.fsdp:  # over the ranks that hold the same tp shard (FSDP2 x TP)
-            experts = set(ep.expert_parameters(model))
-            units = self._own_units(model)
-            fsdp.apply_fsdp(self.runner, self.shard_mesh, self.cfg.bf16, units, ignored=experts)
         log = log_line if self.group_rank == 0 else None
-        self.args.spec.materialize(model, self.device, self.part, log=log, adapter=self.lora)
+        self.runner, self.parallel = self._place(model, log)
         if self.is_tp:
             tp.mark_partial_grads(model, self.adapter.per_head_norms)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -182,20 +172,32 @@ class PartWorker:
             return PartModel(
                 self.model, self.runner, self.parallel, without_adapters=True, shares_root=True
             )
+        model = self._meta_part().requires_grad_(False).eval()  # with the initial adapter
+        runner, parallel = self._place(model)  # the policy's units: all-gathers in its order
+        return PartModel(model=model, runner=runner, parallel=parallel)
+
+    def _meta_part(self) -> torch.nn.Module:
+        """The part on ``meta`` with its LoRA layers (the base frozen) in the run's
+        parameter dtype (pure bf16 keeps the LoRA factors fp32, as PEFT)."""
         model = self.args.spec.meta_model(self.part)
-        apply_lora(model, self.lora)  # the initial adapter, frozen with the rest
+        apply_lora(model, self.lora)
         if self.cfg.param_dtype == "bfloat16":
             factors = {n for n, _ in model.named_parameters() if is_factor(n)}
             loading.cast_parameters(model, torch.bfloat16, keep=factors)
-        model.requires_grad_(False).eval()
+        return model
+
+    def _place(self, model: torch.nn.Module, log=None):
+        """``(runner, ParallelPart)``: ``model``'s parallel plans (:func:`parallelize_part`),
+        FSDP2 when the group uses it (over the ranks that hold the same tp shard), and this
+        rank's shards of its weights."""
         parallel = parallelize_part(self, model)
         runner = fsdp.PartRunner(model)
-        if self.fsdp:  # the same units as the policy's: its all-gathers in the same order
+        if self.fsdp:
             experts = set(ep.expert_parameters(model))
             units = self._own_units(model)
             fsdp.apply_fsdp(runner, self.shard_mesh, self.cfg.bf16, units, ignored=experts)
-        self.args.spec.materialize(model, self.device, self.part, adapter=self.lora)
-        return PartModel(model=model, runner=runner, parallel=parallel)
+        self.args.spec.materialize(model, self.device, self.part, log=log, adapter=self.lora)
+        return runner, parallel
 
     def _shard_mesh(self):
         """1-D mesh over the ranks whose gradients are partial sums of the same tensors:
