@@ -30,6 +30,7 @@ from typing import Any, Literal
 from ray_disagg.config import ModuleGroup
 from ray_disagg.freezing import frozen_parts
 from ray_disagg.launch.checks import (
+    check_budget,
     resolve_objective,
     resolve_schedule,
     validate_groups,
@@ -140,6 +141,7 @@ def resolve(
     if restart_failed_group:
         restartable = restartable_groups(adapter, data.streamed, ipc)
     elastic = elastic_ranges(groups, adapter, placement, restartable)
+    check_budget(loop, data.kind, elastic)
     colocation = colocation_for(groups, placement)
     transfer = validate_transfer(transfer, groups)
     standby = standby_groups(groups, placement, restartable, loop)

@@ -37,7 +37,8 @@ class TrainLoopConfig:
     """Optimizer steps to run."""
 
     global_batch_size: int = setting(ge=1)
-    """Samples per optimizer step, summed over all data-parallel replicas."""
+    """Samples per optimizer step, summed over all data-parallel replicas (with
+    ``max_tokens_per_microbatch``: the most samples a step takes)."""
 
     lr: float = setting(1e-3, gt=0)
     """AdamW peak learning rate (after warmup; times each group's ``lr_multiplier``)."""
@@ -137,6 +138,19 @@ class TrainLoopConfig:
     """Packed row length (tokens); required with ``pack_sequences``. A longer sample is a
     ``ValueError`` naming it."""
 
+    max_tokens_per_microbatch: int | None = setting(None, ge=1)
+    """Token-budget batching (map-style data): each step takes the samples that fit
+    ``micro_batches x`` LLM-data-parallel microbatches of at most this many LLM tokens
+    (after media expansion; a preference pair's two sequences together), up to
+    ``global_batch_size`` samples, instead of a fixed count; the loss stays the mean over
+    the step's label tokens. A longer sample is a ``ValueError`` naming it. See
+    :class:`ray_disagg.pipeline.budget.BudgetPlan`."""
+
+    max_patches_per_microbatch: int | None = setting(None, ge=1)
+    """With ``max_tokens_per_microbatch``: also at most this many input patches per
+    microbatch on each encoder replica (Qwen: ``pixel_values`` rows; tile towers: tiles x
+    patches per tile)."""
+
     loss_chunk_tokens: int | None = setting(None, ge=1)
     """Compute the LLM's logits and cross-entropy this many label positions at a time,
     recomputing each chunk in backward, so ``[tokens x vocab]`` logits never exist at
@@ -178,6 +192,21 @@ class TrainLoopConfig:
             raise ValueError(
                 "train_loop_config['pack_sequences']=True needs 'max_seq_len' (tokens per "
                 "packed row), e.g. 4096."
+            )
+        self._check_budget()
+
+    def _check_budget(self) -> None:
+        budget = self.max_tokens_per_microbatch
+        if self.max_patches_per_microbatch is not None and budget is None:
+            raise ValueError(
+                "train_loop_config['max_patches_per_microbatch'] caps the patches of a "
+                "token-budget microbatch: set 'max_tokens_per_microbatch' too."
+            )
+        if budget is not None and self.pack_sequences and budget < self.max_seq_len:
+            raise ValueError(
+                f"train_loop_config['max_tokens_per_microbatch']={budget} is below "
+                f"max_seq_len={self.max_seq_len}: a packed row of max_seq_len tokens would "
+                "not fit a microbatch; use a budget of at least max_seq_len."
             )
 
     @classmethod

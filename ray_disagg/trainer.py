@@ -13,7 +13,7 @@ import pandas as pd
 import ray
 from ray.train import Checkpoint, Result, RunConfig, ScalingConfig
 
-from ray_disagg.config import ContextParallel, ModuleGroup
+from ray_disagg.config import ModuleGroup
 from ray_disagg.launch import datasets as dsc
 from ray_disagg.launch import ray_compat as rc
 from ray_disagg.launch.backend import ModuleBackendConfig
@@ -39,7 +39,6 @@ from ray_disagg.transport.base import Tier
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.drill_env import FAULT_DRILL_ENV
 from ray_disagg.worker.encoder import encoder_train_loop
-from ray_disagg.worker.ingest import is_stream
 from ray_disagg.worker.llm import llm_train_loop
 from ray_disagg.worker.shards import check_compatible
 from ray_disagg.worker.standby import StandbyLoop
@@ -216,20 +215,9 @@ class DisaggregatedTrainer(rc.TrainerBase):
 
     def _batch_plan(self) -> BatchPlan:
         """The plan of every step's samples (map-style samples checked and costed here)."""
-        adapter, cfg = self.adapter, self.loop_config
-        llm = self.groups[adapter.llm_part]
-        cp_size = llm.parallelism.size if isinstance(llm.parallelism, ContextParallel) else 1
-        costs = dsc.scan(self.train_data, adapter, cfg, self._samples_validated, cp_size)
-        return BatchPlan(
-            num_samples=dsc.num_samples(self.train_data, llm.dp_size),
-            global_batch_size=cfg.global_batch_size,
-            dp_sizes={name: g.dp_size for name, g in self.groups.items()},
-            seed=cfg.seed,
-            shuffle=cfg.shuffle,
-            micro_batches=cfg.micro_batches,
-            reader=adapter.llm_part,
-            costs=costs,
-            streamed_costs=cfg.assignment == "balanced" and is_stream(self.train_data),
+        validated = self._samples_validated
+        return dsc.batch_plan(
+            self.train_data, self.adapter, self.loop_config, self.groups, validated
         )
 
     def worker_env_vars(self) -> dict[str, str]:

@@ -21,6 +21,13 @@ def group(n: int, parallelism="none", cpus: float = 0.5, ac: bool = False) -> Mo
     )
 
 
+def trainer_plan(spec, data, loop: dict, groups, storage, **kwargs):
+    """The ``BatchPlan`` the trainer makes for this run (under a token budget its steps
+    depend on the layout), for the reference to train on the same steps; ``kwargs`` as
+    :func:`run_layout`'s."""
+    return run_layout(spec, data, loop, groups, storage, "plan", build_only=True, **kwargs).plan
+
+
 def run_layout(
     spec,
     data,
@@ -35,12 +42,14 @@ def run_layout(
     callbacks=(),
     checkpoint_config=None,
     local: bool = False,
+    build_only: bool = False,
     **kwargs,
 ):
     """Fit one layout (``groups``: name -> ModuleGroup), keeping every checkpoint (their
     metrics are the per-step history) unless ``checkpoint_config`` says otherwise;
     ``kwargs`` go to the trainer (placement, ...). ``local``: the same workers without
-    Ray (``ray_disagg.testing.local``), for numerics Ray adds nothing to."""
+    Ray (``ray_disagg.testing.local``), for numerics Ray adds nothing to;
+    ``build_only``: return the trainer unfitted."""
     datasets = {"train": data} if validation is None else {"train": data, "validation": validation}
     trainer = DisaggregatedTrainer(
         model=spec,
@@ -57,6 +66,8 @@ def run_layout(
         resume_from_checkpoint=resume,
         **kwargs,
     )
+    if build_only:
+        return trainer
     return fit_local(trainer) if local else trainer.fit()
 
 
@@ -115,10 +126,11 @@ def assert_params_close(state: dict, ref_state: dict, rtol: float = 1e-5) -> Non
     assert total <= rtol, f"relative error of all parameters {total:.2e} > {rtol:.0e}"
 
 
-def assert_matches_reference(result, spec, data, loop: dict, rtol=1e-5):
+def assert_matches_reference(result, spec, data, loop: dict, rtol=1e-5, plan=None):
     """Losses of every step and parameters after the last step equal the single-process
-    HF run on the same global batches."""
-    ref_losses, _, ref_model = reference_train(spec, data, TrainLoopConfig(**loop))
+    HF run on the same global batches (``plan``: the trainer's, see :func:`trainer_plan`)."""
+    cfg = TrainLoopConfig(**loop)
+    ref_losses, _, ref_model = reference_train(spec, data, cfg, plan=plan)
     got = losses(result)
     torch.testing.assert_close(
         torch.tensor(got, dtype=torch.float64),

@@ -196,6 +196,28 @@ def resolve_schedule(cfg: TrainLoopConfig, placement: str, kind: str, validated:
     )
 
 
+def check_budget(cfg: TrainLoopConfig, kind: str, elastic) -> None:
+    """Where token-budget batching (``max_tokens_per_microbatch``) runs: map-style data
+    (whose sizes the driver reads before the run) or a conversation stream (each LLM
+    leader fills its own microbatches); no patch cap on an elastic group (its steps
+    would change with its size)."""
+    if cfg.max_tokens_per_microbatch is None:
+        return
+    if kind == "ray":
+        raise ValueError(
+            "train_loop_config['max_tokens_per_microbatch'] fills each step from the "
+            "samples' sizes, which a ray.data.Dataset split does not give its readers in "
+            "step: pass a map-style dataset (ds.take_all()) or a ConversationStream, or "
+            "drop the budget."
+        )
+    if cfg.max_patches_per_microbatch is not None and elastic:
+        raise ValueError(
+            "train_loop_config['max_patches_per_microbatch'] caps each encoder replica's "
+            f"patches, so the steps would change with the elastic group(s) {list(elastic)}' "
+            "size: drop the cap, or give the group a fixed num_workers."
+        )
+
+
 def resolve_objective(cfg: TrainLoopConfig, data, lora, trained):
     """``cfg`` with its objective's reference model decided (``"auto"``: the LoRA-free
     model when it is the initial one, else a frozen copy), or ``ValueError`` naming the

@@ -8,10 +8,13 @@ import logging
 
 import numpy as np
 
+from ray_disagg.config import ContextParallel
 from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.models.base import SampleError
 from ray_disagg.models.packing import check_fits
 from ray_disagg.pipeline.assignment import BatchPlan
+from ray_disagg.pipeline.bins import over_budget
+from ray_disagg.pipeline.budget import BudgetPlan, StreamBudgetPlan, fixed_batch_size
 from ray_disagg.worker.ingest import (
     is_ray_dataset,
     is_record_stream,
@@ -24,9 +27,39 @@ from ray_disagg.worker.metrics import plain
 logger = logging.getLogger("ray_disagg.trainer")
 
 
+def batch_plan(data, adapter, cfg: TrainLoopConfig, groups, validated: bool) -> BatchPlan:
+    """The plan of every training step's samples (map-style samples checked and costed
+    here): fixed global batches, or under a token budget a
+    :class:`~ray_disagg.pipeline.budget.BudgetPlan` (map-style) or
+    :class:`~ray_disagg.pipeline.budget.StreamBudgetPlan` (a conversation stream)."""
+    llm = groups[adapter.llm_part]
+    cp_size = llm.parallelism.size if isinstance(llm.parallelism, ContextParallel) else 1
+    costs, sizes = scan(data, adapter, cfg, validated, cp_size)
+    common = dict(
+        num_samples=num_samples(data, llm.dp_size),
+        global_batch_size=cfg.global_batch_size,
+        dp_sizes={name: g.dp_size for name, g in groups.items()},
+        seed=cfg.seed,
+        shuffle=cfg.shuffle,
+        micro_batches=cfg.micro_batches,
+        reader=adapter.llm_part,
+    )
+    budget = {"max_tokens": cfg.max_tokens_per_microbatch,
+              "max_patches": cfg.max_patches_per_microbatch,
+              "max_seq_len": cfg.max_seq_len if cfg.pack_sequences else None}  # fmt: skip
+    if sizes is not None:
+        lengths = sizes.pop("lengths")
+        return BudgetPlan(**common, **budget, lengths=lengths, patches=sizes)
+    if budget["max_tokens"] is not None:  # a stream: each leader fills its microbatches
+        return StreamBudgetPlan(**common, **budget, streamed_costs=True)
+    streamed = cfg.assignment == "balanced" and is_stream(data)
+    return BatchPlan(**common, costs=costs, streamed_costs=streamed)
+
+
 def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups, validate: bool = True):
     """The validation samples (map-style; a Ray Dataset is materialized) and their
-    plan: global batches of ``global_batch_size`` in order, split like training."""
+    plan: global batches of ``global_batch_size`` in order (under a token budget:
+    :func:`~ray_disagg.pipeline.budget.fixed_batch_size`), split like training."""
     data = datasets.get("validation")
     if data is None:  # eval_every without one is refused by ray_disagg.layout.resolve
         return None, None
@@ -40,7 +73,8 @@ def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups, validate: bo
             "ConversationStream, "
             f"got {type(data).__name__}."
         )
-    b = cfg.global_batch_size
+    dp_sizes = {name: g.dp_size for name, g in groups.items()}
+    b = fixed_batch_size(cfg, dp_sizes)
     if len(data) < b:
         raise ValueError(
             f"datasets['validation'] has {len(data)} samples, fewer than "
@@ -54,11 +88,12 @@ def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups, validate: bo
             b,
             len(data) % b,
         )
-    scan(data, adapter, dataclasses.replace(cfg, assignment="contiguous"), validate)
+    unbudgeted = {"max_tokens_per_microbatch": None, "max_patches_per_microbatch": None}
+    scan(data, adapter, dataclasses.replace(cfg, assignment="contiguous", **unbudgeted), validate)
     plan = BatchPlan(
         num_samples=len(data),
         global_batch_size=b,
-        dp_sizes={name: g.dp_size for name, g in groups.items()},
+        dp_sizes=dp_sizes,
         micro_batches=cfg.micro_batches,
         reader=adapter.llm_part,
     )
@@ -68,12 +103,16 @@ def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups, validate: bo
 def scan(data, adapter, cfg: TrainLoopConfig, validate: bool, min_tokens: int = 1):
     """One pass over a map-style dataset: validate every sample (``validate``: fields,
     the objective's pairs, each sequence's length when packing, at least ``min_tokens``
-    tokens: the context-parallel degree) and, for balanced assignment, its costs (LLM
-    tokens of its sequences, each encoder part's estimate)."""
+    tokens: the context-parallel degree); returns ``(costs, sizes)``: for balanced
+    assignment its costs (LLM tokens of its sequences, each encoder part's estimate), and
+    with ``max_tokens_per_microbatch`` its sizes (``"tokens"`` and each encoder part's
+    patches), each checked against the budget (else ``None`` and ``None``)."""
     balanced = cfg.assignment == "balanced"
-    if is_stream(data) or not (validate or balanced):
-        return None
+    budget = cfg.max_tokens_per_microbatch is not None
+    if is_stream(data) or not (validate or balanced or budget):
+        return None, None
     costs = {part: np.zeros(len(data), np.float32) for part in adapter.parts}
+    sizes = {"lengths": [], **{p: np.zeros(len(data), np.int64) for p in adapter.encoder_parts}}
     ids = {}  # id -> index, when the objective keeps values by record id
     keyed = getattr(cfg.objective, "reference", None) == "precompute"
     for i in range(len(data)):
@@ -84,11 +123,29 @@ def scan(data, adapter, cfg: TrainLoopConfig, validate: bool, min_tokens: int = 
         if validate:
             for seq in seqs:
                 _check_sequence(seq, i, cfg, min_tokens)
-        if balanced:
-            costs[adapter.llm_part][i] = sum(len(seq["input_ids"]) for seq in seqs)
-            for part in adapter.encoder_parts:
+        lengths = tuple(len(s["input_ids"]) for s in seqs)
+        costs[adapter.llm_part][i] = sum(lengths)
+        sizes["lengths"].append(lengths)
+        for part in adapter.encoder_parts:
+            if balanced:
                 costs[part][i] = adapter.encoder_cost(part, sample)
-    return costs if balanced else None
+            if budget:
+                sizes[part][i] = adapter.encoder_patches(part, sample)
+        if budget:
+            _check_budget(sample, i, sizes, cfg)
+    return (costs if balanced else None), (sizes if budget else None)
+
+
+def _check_budget(sample: dict, i: int, sizes: dict, cfg: TrainLoopConfig) -> None:
+    patches = {p: int(v[i]) for p, v in sizes.items() if p != "lengths"}
+    packed = cfg.max_seq_len if cfg.pack_sequences else None
+    limits = (cfg.max_tokens_per_microbatch, cfg.max_patches_per_microbatch, packed)
+    why = over_budget(sizes["lengths"][i], patches, *limits)
+    if why:
+        raise ValueError(
+            f"sample {sample.get('id', i)!r} {why}: no microbatch holds it. Raise the limit, "
+            "or drop, shorten or resize (its media) the sample."
+        )
 
 
 def _check_unique(sample: dict, i: int, ids: dict) -> None:

@@ -155,7 +155,8 @@ def _not_elastic(name, group, adapter, placement, restartable, count) -> str | N
 def elastic_sizes(ranges: dict[str, tuple], cfg) -> dict[str, list[int]]:
     """Per elastic group, the sizes of its range that divide the per-microbatch share
     of the global batch (``global_batch_size / micro_batches``), logged on the driver;
-    ``ValueError`` when none does."""
+    ``ValueError`` when none does. Under a token budget every size of the range (the
+    encoder replicas' shares are filled per step)."""
     share = cfg.global_batch_size // cfg.micro_batches
     if ranges and cfg.checkpoint_every is None:
         raise ValueError(
@@ -164,6 +165,9 @@ def elastic_sizes(ranges: dict[str, tuple], cfg) -> dict[str, list[int]]:
         )
     out = {}
     for name, (lo, hi) in ranges.items():
+        if cfg.max_tokens_per_microbatch is not None:  # steps are filled, any size splits
+            out[name] = list(range(lo, hi + 1))
+            continue
         sizes = allowed_sizes(lo, hi, share)
         unit = f"global_batch_size={cfg.global_batch_size}" + (
             f" / micro_batches={cfg.micro_batches}" if cfg.micro_batches > 1 else ""

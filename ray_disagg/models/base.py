@@ -207,6 +207,12 @@ class ModelAdapter(CostHooks):
         n = float(sum(self.crossing_rows(part, sample).values()))
         return n + n * n / 1024.0
 
+    def encoder_patches(self, part: str, sample: dict) -> int:
+        """The input rows (patches) encoder ``part``'s tower processes for ``sample``, the
+        unit of ``max_patches_per_microbatch``; by default its output rows. Families with a
+        patch merger or fixed tiles say theirs."""
+        return int(sum(self.crossing_rows(part, sample).values()))
+
     def item_counts(self, part: str, samples: Sequence[dict]) -> dict[str, int]:
         """Counters reported in the metrics (e.g. ``{"images": 3, "videos": 1}``)."""
         return {}

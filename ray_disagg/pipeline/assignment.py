@@ -20,7 +20,14 @@ import torch
 
 from ray_disagg.models.base import IGNORE_INDEX, SampleError
 
-__all__ = ["SampleError", "BatchPlan", "CoveringPlan", "count_label_tokens", "balanced_split"]
+__all__ = [
+    "SampleError",
+    "BatchPlan",
+    "CoveringPlan",
+    "count_label_tokens",
+    "balanced_split",
+    "sample_order",
+]
 
 
 def count_label_tokens(labels: np.ndarray) -> int:
@@ -55,7 +62,7 @@ def balanced_split(
 
 
 @functools.lru_cache(maxsize=4)
-def _order(num_samples: int, seed: int, epoch: int) -> tuple[int, ...]:
+def sample_order(num_samples: int, seed: int, epoch: int) -> tuple[int, ...]:
     """The epoch's sample permutation (cached: every step of the epoch slices it)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return tuple(torch.randperm(num_samples, generator=g).tolist())
@@ -116,9 +123,13 @@ class BatchPlan:
     def steps_per_epoch(self) -> int:
         return self.num_samples // self.global_batch_size
 
+    def epoch_of(self, step: int) -> int:
+        """The epoch (from 0) that ``step`` belongs to."""
+        return step // self.steps_per_epoch
+
     def global_indices(self, step: int) -> list[int]:
         epoch, pos = divmod(step, self.steps_per_epoch)
-        order = _order(self.num_samples, self.seed, epoch) if self.shuffle else None
+        order = sample_order(self.num_samples, self.seed, epoch) if self.shuffle else None
         b = self.global_batch_size
         if order is None:
             return list(range(pos * b, (pos + 1) * b))

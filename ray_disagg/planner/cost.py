@@ -70,7 +70,9 @@ from ray_disagg.planner.memory import (
     GiB,
     count_blocks,
     memory_per_worker,
+    microbatch_samples,
     schedule,
+    step_samples,
 )
 
 __all__ = [
@@ -102,6 +104,13 @@ class Prediction:
     """Per group: bytes of one worker (estimate x calibrated scale)."""
     per_device: dict
     """Per device kind (group, or "bundle" colocated; "node" for CPU workers): bytes."""
+    samples: float = 0.0
+    """Samples per step (``global_batch_size``, or what a token budget's steps take)."""
+
+    @property
+    def sample_s(self) -> float:
+        """Seconds per sample: what layouts are ranked by."""
+        return self.step_s / max(self.samples, 1e-9)
 
 
 def _dtype(r) -> str:
@@ -120,10 +129,10 @@ def _degrees(group) -> dict[str, int]:
 
 def _layer_comm(r, part: str, facts: ModelFacts, work: Workload, c: Cluster, f) -> float:
     """Seconds of one microbatch's TP / SP / CP / EP collectives on one worker."""
-    g, k, b = r.groups[part], r.loop.micro_batches, r.loop.global_batch_size
+    g = r.groups[part]
     deg, a = _degrees(g), 2 if _dtype(r) == "bfloat16" else 4
     ac = g.activation_checkpointing
-    samples = b / (g.dp_size * k)
+    samples = microbatch_samples(r, g)
     if part == facts.llm_part:
         return _llm_comm(g, facts.text, samples * work.tokens, a, ac, c, f)
     sp = deg.get("sp", 1)
@@ -195,7 +204,7 @@ def _crossing(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures
         return 0.0
     g = r.groups[facts.llm_part]
     a = 2 if _dtype(r) == "bfloat16" else 4
-    samples = r.loop.global_batch_size / (g.dp_size * r.loop.micro_batches)
+    samples = microbatch_samples(r, g)
     out = getattr(v, "out_hidden_size", None) or facts.text.hidden_size
     rows = samples * work.patches / getattr(v, "spatial_merge_size", 1) ** 2
     ways = 2 if facts.parts["vision"].trainable else 1
@@ -207,8 +216,7 @@ def _size_factor(r, part: str, f: DeviceFigures) -> float:
     calibration's (``f.microbatch_exponent``)."""
     if not f.reference_samples or f.microbatch_exponent == 1.0:
         return 1.0
-    g = r.groups[part]
-    samples = r.loop.global_batch_size / (g.dp_size * r.loop.micro_batches)
+    samples = microbatch_samples(r, r.groups[part])
     return (samples / f.reference_samples) ** (f.microbatch_exponent - 1.0)
 
 
@@ -244,7 +252,7 @@ def passes(r, part: str, facts) -> int:
 def part_flops(r, facts, work) -> dict[str, float]:
     """Training FLOPs of one global batch per part: the adapter's forward FLOPs of a
     sample (``ModelAdapter.forward_flops``) x passes x samples."""
-    adapter, b = r.model.adapter, r.loop.global_batch_size
+    adapter, b = r.model.adapter, step_samples(r)
     return {
         part: passes(r, part, facts) * b
         * adapter.forward_flops(part, pf.params, work.tokens, work.patches, work.images)
@@ -275,6 +283,7 @@ def predict(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures) 
     return Prediction(
         step_s=pipe + sync, compute_s=compute, comm_s=comm, crossing_s=cross,
         bubble_s=bubble, sync_s=sync, memory=memory, per_device=per_device,
+        samples=step_samples(r),
     )  # fmt: skip
 
 

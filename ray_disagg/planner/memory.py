@@ -172,6 +172,23 @@ def _expert_sharded(name: str) -> bool:
     return re.search(r"\.mlp\.experts\.(gate_up_proj|down_proj)$", name) is not None
 
 
+def step_samples(r) -> int:
+    """Samples per step the estimate assumes: ``global_batch_size``; under a token budget
+    (``max_tokens_per_microbatch``) as many samples of :func:`seq_len` tokens as fill the
+    LLM's microbatches, at most ``global_batch_size`` (a recipe narrowed to one encoder
+    group, as :func:`worker_terms` makes, carries the step's samples there)."""
+    b, budget = r.loop.global_batch_size, r.loop.max_tokens_per_microbatch
+    llm = r.groups.get(r.model.adapter.llm_part)
+    if budget is None or llm is None:
+        return b
+    return min(b, max(1, budget // seq_len(r)) * llm.dp_size * r.loop.micro_batches)
+
+
+def microbatch_samples(r, group) -> float:
+    """Samples of one microbatch on one replica of ``group``."""
+    return step_samples(r) / (group.dp_size * r.loop.micro_batches)
+
+
 def seq_len(r) -> int:
     """LLM tokens per sample the estimate assumes: ``plan.seq_len``, else ``max_seq_len``,
     else the images' tokens plus 512."""
@@ -195,7 +212,7 @@ def schedule(r):
 def _activations(r, part: str, group, sched, a: int, params: dict) -> float | None:
     """The part's activations of one microbatch on one rank, by its adapter's formula."""
     adapter = r.model.adapter
-    samples = math.ceil(r.loop.global_batch_size / (group.dp_size * sched.micro_batches))
+    samples = math.ceil(microbatch_samples(r, group))
     tp, ac = degree(group, "tp"), group.activation_checkpointing
     if part == adapter.llm_part:
         tokens = samples * seq_len(r)
@@ -208,7 +225,8 @@ def _activations(r, part: str, group, sched, a: int, params: dict) -> float | No
     if adapter.tower_config(part) is None:
         return None
     per_image, _ = adapter.image_patches(r.plan["image_size"])
-    patches = samples * r.plan["images_per_sample"] * per_image / degree(group, "sp")
+    patches = samples * r.plan["images_per_sample"] * per_image
+    patches = min(patches, r.loop.max_patches_per_microbatch or math.inf) / degree(group, "sp")
     gated = any(".mlp.gate_proj." in n for n in params)
     shape = ActivationShape(items=patches, a=a, tp=tp, checkpointed=ac, gated=gated)
     act = adapter.activation_bytes(part, shape)
@@ -310,14 +328,16 @@ def worker_terms(r, part: str) -> tuple[float, float, float]:
     """Bytes of one worker of ``part``: ``(training state, DP/FSDP2 buffers, estimated
     activations)`` (cached on the model per group setting: the planner asks for
     thousands of layouts)."""
-    g, loop = r.groups[part], r.loop
+    g, samples = r.groups[part], step_samples(r)
+    loop = dataclasses.replace(r.loop, global_batch_size=samples)
     key = (part, g.num_workers, g.parallelism, g.activation_checkpointing, g.trainable,
            g.freeze, loop.micro_batches, loop.bf16, loop.param_dtype, r.placement,
-           loop.schedule, loop.max_in_flight, lora_key(g.peft_config, r.model))  # fmt: skip
+           loop.schedule, loop.max_in_flight, lora_key(g.peft_config, r.model),
+           samples)  # fmt: skip
     cache = getattr(r.model, "memory_cache", None)
     if cache is not None and key in cache:
         return cache[key]
-    m = estimate(dataclasses.replace(r, groups={part: g}))[part]
+    m = estimate(dataclasses.replace(r, groups={part: g}, loop=loop))[part]
     out = (m.params + m.grads + m.optimizer, _buffers(r, part, m), m.activations or 0.0)
     if cache is not None:
         cache[key] = out

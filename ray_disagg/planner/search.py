@@ -155,7 +155,7 @@ def enumerate_layouts(r, c: Cluster):
                 }
                 dps = [g.dp_size for g in groups.values()]
                 for k in (1, 2, 4, 8, 16):
-                    if any(b % (dp * k) for dp in dps):
+                    if _splits_badly(r.loop, b, dps, groups[llm].dp_size * k, k):
                         continue
                     # 1F1B: the default 2 in flight, or every microbatch (fewer waits,
                     # more of the tower's activations held)
@@ -164,6 +164,14 @@ def enumerate_layouts(r, c: Cluster):
                         yield cost.with_layout(r, groups=groups, placement=placement,
                                                micro_batches=k, bf16=bf16,
                                                max_in_flight=m)  # fmt: skip
+
+
+def _splits_badly(loop, b: int, dps: list[int], bins: int, k: int) -> bool:
+    """A fixed batch must split evenly over every group's replicas x microbatches; a
+    token budget's needs a sample per LLM microbatch."""
+    if loop.max_tokens_per_microbatch is not None:
+        return b < bins
+    return any(b % (dp * k) for dp in dps)
 
 
 def _check(cand: Candidate) -> str | None:
@@ -198,7 +206,7 @@ def plan_auto(r, c: Cluster, figures: DeviceFigures, stats: dict | None = None) 
                 cand.dropped = f"out of memory: {where} needs {short / GiB:.1f} GiB more"
                 cand.shortfall = (where, short)
         (dropped if cand.dropped else ranked).append(cand)
-    ranked.sort(key=lambda x: x.prediction.step_s)
+    ranked.sort(key=lambda x: x.prediction.sample_s)
     if not ranked:
         raise ValueError(_no_fit(dropped, c))
     return PlanResult(ranked, dropped, figures, c, work)

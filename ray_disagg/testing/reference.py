@@ -41,12 +41,12 @@ class _Updates:
     """AdamW over parameter groups (each with its LR multiplier ``mult``) on the run's
     global batches, with its clipping and learning-rate schedule."""
 
-    def __init__(self, param_groups: list[dict], num_samples: int, cfg: TrainLoopConfig):
+    def __init__(self, param_groups: list[dict], num_samples: int, cfg: TrainLoopConfig, plan=None):
         self.cfg, self.trained = cfg, [p for g in param_groups for p in g["params"]]
         self.opt = torch.optim.AdamW(
             param_groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
         )
-        self.plan = BatchPlan(
+        self.plan = plan or BatchPlan(
             num_samples=num_samples,
             global_batch_size=cfg.global_batch_size,
             seed=cfg.seed,
@@ -79,14 +79,17 @@ def reference_val_loss(spec: HFModelSpec, model, dataset, cfg: TrainLoopConfig) 
     return loss_sum / labels
 
 
-def reference_train(spec: HFModelSpec, dataset, cfg: TrainLoopConfig, groups=None, val=None):
+def reference_train(
+    spec: HFModelSpec, dataset, cfg: TrainLoopConfig, groups=None, val=None, plan=None
+):
     """Train ``spec``'s full HF model (``...ForConditionalGeneration(..., labels=...)``)
     for ``cfg.max_steps`` on the same global batches as ``DisaggregatedTrainer``, with its
     learning-rate schedule and, given ``groups``, their freezing and LR multipliers;
     returns ``(losses, step_times_s, model)``, and with a validation set ``val`` also the
-    ``val_loss`` after every step."""
+    ``val_loss`` after every step. ``plan``: the trainer's (``trainer.plan``), whose steps
+    depend on the layout under a token budget (``max_tokens_per_microbatch``)."""
     model = spec.build_full()
-    updates = _Updates(_param_groups(spec, model, groups), len(dataset), cfg)
+    updates = _Updates(_param_groups(spec, model, groups), len(dataset), cfg, plan)
     losses, times, val_losses = [], [], []
     for step in range(cfg.max_steps):
         t0 = time.perf_counter()
@@ -148,6 +151,7 @@ def reference_preference(
     groups=None,
     peft_model=None,
     peft_reference: str = "adapters_disabled",
+    plan=None,
 ):
     """Single-process preference training of the whole HF model against a frozen copy
     of its initial weights (the reference), on the same global batches of pairs as
@@ -156,8 +160,8 @@ def reference_preference(
     mean is the step's loss; AdamW with the run's schedule. ``peft_model``: train this
     ``PeftModel`` instead (its trainable parameters), the reference being the same model
     under PEFT's ``disable_adapter()`` or, with ``peft_reference="copy"``, a frozen copy
-    of it. Returns ``(losses, [(policy, reference)
-    log-probs per step], model)``."""
+    of it; ``plan``: the trainer's (a token budget's steps). Returns ``(losses,
+    [(policy, reference) log-probs per step], model)``."""
     import contextlib
     import copy
 
@@ -171,7 +175,7 @@ def reference_preference(
         param_groups, off = [{"params": trained, "mult": 1.0}], model.disable_adapter
         if peft_reference == "copy":
             reference, off = copy.deepcopy(model).requires_grad_(False), contextlib.nullcontext
-    updates = _Updates(param_groups, len(pairs), cfg)
+    updates = _Updates(param_groups, len(pairs), cfg, plan)
     losses, logps = [], []
     for step in range(cfg.max_steps):
         batch = updates.batch(pairs, step)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from ray_disagg.config import ModuleGroup, TrainLoopConfig
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan, CoveringPlan
+from ray_disagg.pipeline.budget import fixed_batch_size
 from ray_disagg.worker.metrics import StepStats
 
 
@@ -40,18 +41,22 @@ class LoopArgs:
             return self
         groups = {g: grp.at_size(sizes.get(g, grp.num_workers)) for g, grp in self.groups.items()}
         dp = {g: grp.dp_size for g, grp in groups.items()}
-        val_plan = self.val_plan and dataclasses.replace(self.val_plan, dp_sizes=dp)
+        val_batch = fixed_batch_size(self.cfg, dp)  # a budget's fixed batches follow the sizes
+        val_plan = self.val_plan and dataclasses.replace(
+            self.val_plan, dp_sizes=dp, global_batch_size=val_batch
+        )
         plan = dataclasses.replace(self.plan, dp_sizes=dp)
         return dataclasses.replace(self, groups=groups, plan=plan, val_plan=val_plan)
 
     @property
     def reference_plan(self) -> CoveringPlan:
         """The reference model's pass before training (``DPO(reference="precompute")``):
-        every training sample once, in order, split over the groups as training is."""
+        every training sample once, in order, split over the groups as training is (in
+        fixed batches under a token budget: forward only)."""
         p = self.plan
         return CoveringPlan(
             num_samples=p.num_samples,
-            global_batch_size=p.global_batch_size,
+            global_batch_size=fixed_batch_size(self.cfg, p.dp_sizes),
             dp_sizes=p.dp_sizes,
             micro_batches=p.micro_batches,
             reader=p.reader,

@@ -219,6 +219,7 @@ class LLMStep:
         read = ingest.read_samples(self.source, self.plan_step, share, w.args)
         if self.plan.streamed_costs:  # a balanced stream: split by this step's costs
             self.mbs = mbs = self.plan.assign(self.plan_step, self.source.step_costs)
+            share = [p for mb in mbs for p in mb[w.part][w.dp_rank]]  # a budget's: known now
         if w.leader:
             self.samples = dict(zip(share, read))
             refs = None  # map-style: the encoders read their fields themselves

@@ -25,7 +25,8 @@ class StepStats:
     step. Each slot is filled by exactly one rank (or by one rank per data-parallel
     replica for the batch sums); the others give 0.
 
-    - ``loss``, ``label_tokens``, ``llm_tokens``: the LLM group's data-parallel leaders;
+    - ``loss``, ``label_tokens``, ``llm_tokens``, ``samples``: the LLM group's
+      data-parallel leaders;
     - ``cycle``: wall seconds since the previous exchange, the LLM group's rank 0;
     - ``transfer_fallbacks``: tensor messages sent over gloo instead of their planned tier
       (e.g. a full /dev/shm), every rank;
@@ -42,7 +43,7 @@ class StepStats:
     def __init__(self, groups: list[str], counters: list[str], objective_metrics=None):
         self.groups, self.counters = list(groups), list(counters)
         self.objective_metrics = objective_metrics  # None: no objective (SFT)
-        names = ["loss", "label_tokens", "llm_tokens", "cycle", "transfer_fallbacks"]
+        names = ["loss", "label_tokens", "llm_tokens", "samples", "cycle", "transfer_fallbacks"]
         names += ["checkpoint_writing"]
         per_group = ("sq", "time", "wait", "peak", "inflight", "bwd")
         names += [f"{g}_{k}" for g in groups for k in per_group]
@@ -67,6 +68,7 @@ class StepStats:
             "grad_norm": sum(s[f"{g}_sq"] for g in self.groups) ** 0.5,
             **lrs,
             "label_tokens": int(s["label_tokens"]),
+            "samples": int(s["samples"]),
             "step_time_s": s["cycle"],
             "mean_step_time_s": mean_step_time,
             "tokens_per_s": s["llm_tokens"] / cycle,
@@ -173,7 +175,7 @@ def maybe_report(
     if not is_reported_step(args, step):
         clock.excluded += time.perf_counter() - t0
         return
-    epoch = step // args.plan.steps_per_epoch
+    epoch = args.plan.epoch_of(step)
     metrics = args.stats.metrics(stats, step, epoch, group_lrs(args, step), clock.mean_step_time)
     metrics.update(extra)
     if writer.module == args.adapter.llm_part and writer.lead:
@@ -223,6 +225,7 @@ def step_stats(w, run, objective_sums=None):
         stats[ix["loss"]] = float(run.loss_sum)  # after the last gradients were posted
         stats[ix["label_tokens"]] = run.local_labels
         stats[ix["llm_tokens"]] = run.tokens
+        stats[ix["samples"]] = len(run.items)
         if objective_sums:
             first = ix["objective_samples"]
             stats[first : first + len(objective_sums)] = torch.tensor(

@@ -14,6 +14,14 @@ small all-reduce over the group's gloo object group, so all ranks agree on:
 With balanced assignment every LLM rank also gets the costs of the step's samples
 (computed with each sample by the converting actors) to split the encoders' work by.
 
+Under a token budget (``max_tokens_per_microbatch``: a
+:class:`~ray_disagg.pipeline.budget.StreamBudgetPlan`) each leader fills its own
+microbatches with the samples that fit; the first that does not waits for the leader's
+next step (a checkpoint's position is before it, so a resume reads it again); a sample
+over the budget is a too-long record. Every LLM rank gets the step's layout (samples per
+leader and microbatch, their costs). An epoch in which no leader made a step (every
+record broken or too long) fails the run instead of starting the next one.
+
 The position (epoch, records read per leader, counts) is gathered at checkpoint steps and
 saved with the LLM checkpoint (``data_state.json``); a restart or resume starts from it.
 """
@@ -27,7 +35,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ray_disagg.data.stream import BAD, OK, epoch_order
+from ray_disagg.data.preference import sequence_lengths
+from ray_disagg.data.stream import BAD, LONG, OK, epoch_order
+from ray_disagg.pipeline.budget import StreamBudgetPlan
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +49,15 @@ class RecordSource:
         self.seed, self.shuffle = plan.seed, plan.shuffle
         self.per_step = plan.global_batch_size // self.dp
         self.balanced = plan.streamed_costs  # the step's costs go to every LLM rank
+        self.budget = plan if isinstance(plan, StreamBudgetPlan) else None
         self.parts = stream.adapter.parts
         self.step_costs = None  # the last step's, when balanced
         self.epoch, self.pos, self.bad, self.long = self._resume(state)
         self.totals = (0, 0)  # every leader's (bad, too long), as of the last read
         self.bad_names: list[str] = []  # this leader's broken records in this attempt
+        self.waiting = None  # budget: (its position, the read) of a sample left for the next step
+        self.resumed = self.pos > 0  # this epoch was not read from its start
+        self.steps_this_epoch = 0
         self._records = None
 
     def _key(self) -> dict:
@@ -76,8 +90,20 @@ class RecordSource:
 
     def _fill(self) -> list | None:
         """The step's samples, or ``None`` when this leader's records ran out."""
+        if self.budget is not None:
+            return self._fill_budget()
         out = []
         while len(out) < self.per_step:
+            got = self._next()
+            if got is None:
+                return None
+            out.append(got)
+        return out
+
+    def _next(self) -> tuple | None:
+        """The next sample read ``(record, sample, costs)``, or ``None`` at the end of
+        this leader's records (broken and too-long records counted and skipped)."""
+        while True:
             if self._records is None:
                 order = epoch_order(self.stream.num_records, self.seed, self.epoch, self.shuffle)
                 mine = order[self.dp_rank :: self.dp][self.pos :]
@@ -88,39 +114,106 @@ class RecordSource:
             self.pos += 1
             if outcome["status"] == OK:
                 sample = pickle.loads(outcome["sample"])
-                out.append((outcome["record"], sample, list(outcome["costs"])))
-                continue
+                got = (outcome["record"], sample, list(outcome["costs"]))
+                too_long = self.budget is not None and self._over_budget(sample)
+                if not too_long:
+                    return got
+                outcome = {"status": LONG, "message": too_long}
             logger.warning("skipped %s", outcome["message"])
             if outcome["status"] == BAD:
                 self.bad += 1
                 self.bad_names.append(outcome["message"])
             else:
                 self.long += 1
-        return out
+
+    def _sizes(self, sample) -> tuple[tuple, dict[str, int]]:
+        """The sample's LLM sequence lengths and each encoder's input patches."""
+        adapter = self.stream.adapter
+        patches = {p: adapter.encoder_patches(p, sample) for p in adapter.encoder_parts}
+        return tuple(sequence_lengths(sample)), patches
+
+    def _over_budget(self, sample) -> str | None:
+        why = self.budget.over_budget(*self._sizes(sample))
+        return why and f"record {sample.get('id')!r} {why}"
+
+    def _fill_budget(self) -> list | None:
+        """This leader's step under the budget: its microbatches' samples in order."""
+        parts = {p: 1 for p in self.stream.adapter.encoder_parts}
+        reads, lengths, patches = [], {}, {p: {} for p in parts}
+        shape = (self.budget.micro_batches, 1, parts)
+        filler = self.budget.filler(lengths, patches, self.budget.per_replica, shape)
+        step = filler.new_step()
+        while True:
+            if self.waiting:
+                (start, got), self.waiting = self.waiting, None
+            else:
+                got, start = self._next(), self.pos - 1  # the sample's own record
+            if got is None:
+                return None
+            i = len(reads)
+            reads.append(got)
+            lengths[i], sizes = self._sizes(got[1])
+            for p, n in sizes.items():
+                patches[p][i] = n
+            placed = filler.place(step, i)
+            if not placed:  # every microbatch holds a sample already
+                self.waiting = (start, got)
+            if not placed or step.count == self.budget.per_replica:
+                self.counts = [len(mb[0]) for mb in step.llm]
+                return [reads[i] for mb in step.llm for i in mb[0]]
 
     def take(self, step: int, positions: list[int]) -> list[tuple[int, dict]]:
         """Collective over the group: this leader's samples of the step (``[]`` off the
-        leaders), in record order."""
+        leaders), in record order (under a budget: by microbatch)."""
         while True:
             got = self._fill() if self.leader else []
-            flags = [got is None, self.bad, self.long] if self.leader else [0, 0, 0]
-            flags = torch.tensor(flags, dtype=torch.float64)
+            mine = [got is None, self.bad, self.long, self.resumed] if self.leader else [0] * 4
+            flags = torch.tensor(mine, dtype=torch.float64)
             dist.all_reduce(flags, group=self.object_group)
             self.totals = (int(flags[1]), int(flags[2]))
             self._check_bad()
             if not flags[0]:
-                assert got is not None and (not self.leader or len(got) == len(positions))
-                if self.balanced:
-                    self.step_costs = self._gather_costs([c for _, _, c in got])
-                return [(i, sample) for i, sample, _ in got]
+                self.steps_this_epoch += 1
+                return self._share(got, positions)
+            if not self.steps_this_epoch and not flags[3]:
+                self._no_step()
             self.epoch, self.pos, self._records = self.epoch + 1, 0, None
+            self.waiting, self.resumed, self.steps_this_epoch = None, False, 0
+
+    def _share(self, got: list, positions: list[int]) -> list[tuple[int, dict]]:
+        """Collective: the step's reads, with (balanced, budget) the step's costs or
+        layout gathered on every LLM rank."""
+        costs = [c for _, _, c in got]
+        if self.budget is not None:
+            mine = (self.counts, costs) if self.leader else None
+            every = [None] * dist.get_world_size(self.object_group)
+            dist.all_gather_object(every, mine, group=self.object_group)
+            every = [e for e in every if e is not None]
+            self.step_costs = {"counts": [e[0] for e in every], "costs": self._by_part(
+                [c for e in every for c in e[1]])}  # fmt: skip
+        elif self.balanced:
+            assert not self.leader or len(got) == len(positions)
+            self.step_costs = self._gather_costs(costs)
+        return [(i, sample) for i, sample, _ in got]
+
+    def _no_step(self) -> None:
+        raise ValueError(
+            f"Epoch {self.epoch} of the conversation stream ({self.stream.num_records} records) "
+            f"made no step: {self.totals[0]} broken and {self.totals[1]} too-long records so "
+            "far (over max_seq_len or max_tokens_per_microbatch / max_patches_per_microbatch), "
+            "and too few samples left for one step of every LLM replica. Check the records "
+            "(the warnings name them), or raise the limits."
+        )
 
     def _gather_costs(self, mine: list[list[float]]) -> dict[str, np.ndarray]:
         """Collective: per part, the cost of every position of the global batch (the
         leaders' contiguous shares in replica order)."""
         every = [None] * dist.get_world_size(self.object_group)
         dist.all_gather_object(every, mine if self.leader else None, group=self.object_group)
-        rows = np.asarray([c for part in every if part is not None for c in part], np.float64)
+        return self._by_part([c for part in every if part is not None for c in part])
+
+    def _by_part(self, costs: list[list[float]]) -> dict[str, np.ndarray]:
+        rows = np.asarray(costs, np.float64).reshape(len(costs), len(self.parts))
         return {part: rows[:, k] for k, part in enumerate(self.parts)}
 
     def _check_bad(self) -> None:
@@ -138,7 +231,8 @@ class RecordSource:
 
     def state(self) -> dict:
         """Collective over the group: the position of every leader (for the checkpoint)."""
-        mine = [self.pos, self.bad, self.long] if self.leader else None
+        pos = self.waiting[0] if self.waiting else self.pos  # a waiting sample: read again
+        mine = [pos, self.bad, self.long] if self.leader else None
         every = [None] * dist.get_world_size(self.object_group)
         dist.all_gather_object(every, mine, group=self.object_group)
         every = [m for m in every if m is not None]  # leaders, in dp order

@@ -37,7 +37,15 @@ from ray_disagg.objectives import PAIR_KEYS
 from ray_disagg.testing.reference import reference_preference
 from ray_disagg.worker.shards import REFERENCE_LOGPS
 from tests.conversation_data import build_media, build_model_dir, make_processor
-from tests.helpers import assert_params_close, checkpoint_state, group, losses, run_layout, vt
+from tests.helpers import (
+    assert_params_close,
+    checkpoint_state,
+    group,
+    losses,
+    run_layout,
+    trainer_plan,
+    vt,
+)
 from tests.preference_data import trl_pair_loss
 from tests.preference_records import pair_record
 
@@ -138,6 +146,7 @@ class WeightedSimPO(Objective):
 
 
 def test_custom_objective_through_the_interface(setup, tmp_path):
+    """(Under a token budget: each step takes the pairs whose two sequences fit.)"""
     spec, pairs = setup
     pairs = [{**p, "weight": float(w)} for p, w in zip(pairs, np.linspace(0.5, 2.0, len(pairs)))]
     obj = WeightedSimPO()
@@ -147,24 +156,21 @@ def test_custom_objective_through_the_interface(setup, tmp_path):
         w = torch.tensor([p["weight"] for p in batch])
         return w * -F.logsigmoid(obj.beta * (avg[:, 0] - avg[:, 1]) - obj.gamma)
 
-    cfg = TrainLoopConfig(**LOOP | {"micro_batches": 2})
-    ref_losses, _, ref_model = reference_preference(spec, pairs, cfg, simpo)
-    groups = vt(group(1), group(2, DataParallel()))
+    loop = LOOP | {"micro_batches": 2, "global_batch_size": 6, "max_tokens_per_microbatch": 40}
+    groups = lambda: vt(group(1), group(2, DataParallel()))  # noqa: E731
+    plan = trainer_plan(spec, pairs, loop | {"objective": obj}, groups(), tmp_path)
+    cfg = TrainLoopConfig(**loop)
+    ref_losses, _, ref_model = reference_preference(spec, pairs, cfg, simpo, plan=plan)
     result = run_layout(
-        spec,
-        pairs,
-        LOOP | {"micro_batches": 2, "objective": obj},
-        groups,
-        tmp_path,
-        "custom",
-        local=True,
+        spec, pairs, loop | {"objective": obj}, groups(), tmp_path, "custom", local=True
     )
 
     torch.testing.assert_close(losses(result), ref_losses, rtol=1e-5, atol=0.0)
     assert_params_close(checkpoint_state(result.checkpoint), ref_model.state_dict(), 1e-5)
-    last = BatchPlan(num_samples=len(pairs), global_batch_size=4, seed=3, shuffle=True)
-    last = last.global_indices(2)
-    want = np.mean([pairs[i]["weight"] for i in last])  # a mean over the step's pairs
+    counts = [len(plan.global_indices(s)) for s in range(3)]
+    assert result.metrics_dataframe.sort_values("step")["samples"].tolist() == counts
+    assert min(counts) < 6  # the budget, not the count, ended a step
+    want = np.mean([pairs[i]["weight"] for i in plan.global_indices(2)])  # over the step's pairs
     assert result.metrics["weight"] == pytest.approx(want, rel=1e-6)
 
 

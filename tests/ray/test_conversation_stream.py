@@ -11,11 +11,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
+from ray_disagg import HFModelSpec, TrainLoopConfig, tiny_qwen2_5_vl_config
 from ray_disagg.data.stream import ConversationStream, RecordReader, epoch_order
 from ray_disagg.testing.faults import fault_drill
+from ray_disagg.testing.reference import reference_train
 from tests.conversation_data import build_media, build_model_dir, make_processor
-from tests.helpers import group, vt
+from tests.helpers import assert_params_close, checkpoint_state, group, vt
 from tests.helpers import run_layout as fit
 
 QUESTIONS = ["which digit is this?", "and now?"]
@@ -129,6 +130,45 @@ def test_a_balanced_stream_reads_the_same_samples_and_losses_as_a_contiguous_one
     assert _ids(runs["balanced"]) == _ids(runs["contiguous"])
     losses = {a: r.metrics_dataframe.sort_values("step")["loss"].tolist() for a, r in runs.items()}
     np.testing.assert_allclose(losses["balanced"], losses["contiguous"], rtol=1e-5)
+
+
+class _Steps:
+    """The steps a run trained on (its ``sample_ids``), as a plan of ``samples``."""
+
+    def __init__(self, ids, samples):
+        self.ids, self.index = ids, {s["id"]: i for i, s in enumerate(samples)}
+
+    def global_indices(self, step: int) -> list[int]:
+        return [self.index[i] for i in self.ids[step]]
+
+
+def test_a_budget_stream_fills_steps_resumes_before_a_waiting_sample_and_equals_hf(data, tmp_path):
+    """max_tokens_per_microbatch on a stream: each LLM leader takes the records that fit
+    its microbatch (19-33 tokens in 48: one or two); the record that does not waits for
+    its next step, so a run resumed from a checkpoint reads it again and then exactly
+    what the uninterrupted run reads; the losses and parameters equal the single-process
+    model on the steps' samples. A budget no record fits fails instead of looping."""
+    proc, path, cfg = data
+    spec = HFModelSpec(config=cfg, seed=2)
+    stream = ConversationStream(paths=path, processor=proc)
+    groups = lambda: vt(group(1), group(2))  # noqa: E731
+    loop = dict(LOOP, max_steps=4, global_batch_size=8, max_tokens_per_microbatch=48)
+    full = fit(spec, stream, loop, groups(), tmp_path, "full", local=True)
+    first = fit(spec, stream, dict(loop, max_steps=2), groups(), tmp_path, "a", local=True)
+    resumed = fit(spec, stream, loop, groups(), tmp_path, "b", resume=first.checkpoint, local=True)
+    ids = _ids(full)
+    assert _ids(first) == ids[:2] and _ids(resumed) == ids[2:]
+    assert len({len(step) for step in ids}) > 1  # the lengths, not a count, end a step
+    samples = list(stream.samples())
+    ref_losses, _, ref_model = reference_train(
+        spec, samples, TrainLoopConfig(**loop), plan=_Steps(ids, samples)
+    )
+    rows = full.metrics_dataframe.sort_values("step")
+    np.testing.assert_allclose(rows["loss"].tolist(), ref_losses, rtol=1e-5)
+    assert_params_close(checkpoint_state(full.checkpoint), ref_model.state_dict(), 1e-5)
+    with pytest.raises(RuntimeError, match=r"Epoch 0 .* made no step: 1 broken and 9 too-long"):
+        fit(spec, stream, dict(loop, max_tokens_per_microbatch=16), groups(), tmp_path, "none",
+            local=True)  # fmt: skip
 
 
 def test_more_broken_records_than_allowed_fail_the_run_naming_them(data, tmp_path):

@@ -1,7 +1,8 @@
 """Tier 3: what users expect of a trainer, on a real Ray cluster, against the single-process
 model: learning-rate schedules with per-group multipliers, freezing (name prefixes and a
-whole group), validation with checkpoint scoring, sequence packing, and Ray Train user
-callbacks. One fit exercises several features and is checked several ways. (A whole
+whole group), validation with checkpoint scoring, sequence packing under a token budget,
+and Ray Train user callbacks. One fit exercises several features and is checked several
+ways. (A whole
 frozen group is tested through the CLI: tests/ray/test_cli.py.)"""
 
 import json
@@ -22,7 +23,14 @@ from ray_disagg import (
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.lr_schedule import lr_at
 from ray_disagg.testing.reference import reference_train
-from tests.helpers import assert_params_close, checkpoint_state, group, run_layout, vt
+from tests.helpers import (
+    assert_params_close,
+    checkpoint_state,
+    group,
+    run_layout,
+    trainer_plan,
+    vt,
+)
 
 # lengths differ a lot (text-only up to 12x8 patches), so packing puts several in a row
 GRIDS = [(1, 4, 4), (1, 12, 8), None, (1, 4, 8), None, (1, 8, 8), (1, 4, 4), None]
@@ -39,7 +47,8 @@ LOOP = {
     "min_lr_ratio": 0.2,
     "eval_every": 1,
     "pack_sequences": True,
-    "max_seq_len": 96,
+    "max_seq_len": 48,
+    "max_tokens_per_microbatch": 48,  # some steps take fewer than 8 samples
 }
 FROZEN = ("model.visual.patch_embed", "model.visual.blocks")  # the tower, not the merger
 
@@ -86,8 +95,12 @@ def test_schedule_freezing_validation_packing_and_callbacks_match_reference(
         checkpoint_config=score,
     )
     cfg = TrainLoopConfig(**LOOP)
-    ref_losses, _, ref_model, ref_val = reference_train(spec, data, cfg, groups=groups, val=val)
+    plan = trainer_plan(spec, data, LOOP, groups, tmp_path, validation=val)
+    ref = reference_train(spec, data, cfg, groups=groups, val=val, plan=plan)
+    ref_losses, _, ref_model, ref_val = ref
     history = load_metrics(result)  # every step (metrics_dataframe: the kept checkpoints)
+    counts = [len(plan.global_indices(s)) for s in range(4)]
+    assert history["samples"].tolist() == counts and min(counts) < 8
     rtol = {"rtol": 1e-5, "atol": 0.0}
     torch.testing.assert_close(
         torch.tensor(history["loss"].tolist()), torch.tensor(ref_losses), **rtol

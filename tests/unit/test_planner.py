@@ -252,3 +252,24 @@ def test_every_family_answers_the_planners_questions(model_type):
     assert (memory.get("vision") is not None and memory["vision"].activations is not None) == (
         qwen and "vision" in a.parts
     )
+
+
+def test_a_token_budget_sizes_the_estimated_step():
+    """Under ``max_tokens_per_microbatch`` a step takes what fills the LLM's microbatches
+    (its tokens and patches bound the activations); layouts rank per sample."""
+    from ray_disagg.planner.memory import seq_len, step_samples
+
+    fixed = recipe(max_seq_len=256)
+    r = dataclasses.replace(fixed, model=cost.CachedModel(fixed.model))
+    budget = recipe(max_seq_len=256, max_tokens_per_microbatch=512,
+                    max_patches_per_microbatch=64)  # fmt: skip
+    b = dataclasses.replace(budget, model=r.model)
+    facts, work, f = cost.model_facts(r), cost.workload(r), NOMINAL["gpu"]
+    assert seq_len(b) == 256 and step_samples(b) == 2 and step_samples(r) == 8
+    one, two = (_at(b, (1, DataParallel()), (n, DataParallel())) for n in (1, 2))
+    assert step_samples(two) == 4  # a second LLM replica fills two more samples' room
+    full = _at(r, (1, DataParallel()), (1, DataParallel()))
+    p1, p2, pf = (cost.predict(x, facts, work, GPU4, f) for x in (one, two, full))
+    assert (p1.samples, p2.samples, pf.samples) == (2, 4, 8)
+    assert p1.sample_s == pytest.approx(p1.step_s / 2)
+    assert p1.memory["text"] < pf.memory["text"] and p1.memory["vision"] < pf.memory["vision"]

@@ -142,12 +142,19 @@ class LlavaAdapter(LlavaParallelMixin, PackedTextMixin, ModelAdapter):
     def llm_fields(self):
         return ()
 
-    def encoder_cost(self, part, sample):
-        """Per tile of ``n`` tower patches: ``n + n**2 / 1024`` (attention is per tile)."""
+    def _tile_patches(self) -> int:
         _, h, w = self.tile_shape
         ph, pw = _pair(self.config.vision_config.patch_size)
-        n = float((h // ph) * (w // pw))
+        return (h // ph) * (w // pw)
+
+    def encoder_cost(self, part, sample):
+        """Per tile of ``n`` tower patches: ``n + n**2 / 1024`` (attention is per tile)."""
+        n = float(self._tile_patches())
         return self.tiles(sample) * (n + n * n / 1024.0)
+
+    def encoder_patches(self, part, sample):
+        """Tiles x the tower's patches per tile."""
+        return self.tiles(sample) * self._tile_patches()
 
     def counter_names(self, part):
         return ("tiles",)

@@ -113,6 +113,14 @@ class QwenVLAdapter(QwenTowerCosts, QwenParallelMixin, PackedQwenMixin, ModelAda
                 cost += float(t) * (n + n * n / 1024.0)
         return cost
 
+    def encoder_patches(self, part, sample):
+        """The vision tower's patch rows (``pixel_values`` rows: before the ``merge x
+        merge`` patch merger)."""
+        if part != "vision":
+            return super().encoder_patches(part, sample)
+        grids = (self._grid(sample, k) for k in ("image_grid_thw", "video_grid_thw"))
+        return sum(int(g.prod(-1).sum()) for g in grids if g is not None)
+
     def tokens(self, sample: dict, modality: str) -> int:
         grid = self._grid(sample, MODALITIES[modality][1])
         return 0 if grid is None else int(grid.prod(-1).sum()) // self.merge**2
