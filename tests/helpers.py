@@ -21,11 +21,11 @@ def group(n: int, parallelism="none", cpus: float = 0.5, ac: bool = False) -> Mo
     )
 
 
-def trainer_plan(spec, data, loop: dict, groups, storage, **kwargs):
-    """The ``BatchPlan`` the trainer makes for this run (under a token budget its steps
-    depend on the layout), for the reference to train on the same steps; ``kwargs`` as
-    :func:`run_layout`'s."""
-    return run_layout(spec, data, loop, groups, storage, "plan", build_only=True, **kwargs).plan
+def built_trainer(spec, data, loop: dict, groups, storage, **kwargs):
+    """The trainer of this run, not fitted: its ``plan`` and ``val_plan`` (under a token
+    budget their steps depend on the layout) for the reference to train on the same
+    steps; ``kwargs`` as :func:`run_layout`'s."""
+    return run_layout(spec, data, loop, groups, storage, "plan", build_only=True, **kwargs)
 
 
 def run_layout(
@@ -128,7 +128,7 @@ def assert_params_close(state: dict, ref_state: dict, rtol: float = 1e-5) -> Non
 
 def assert_matches_reference(result, spec, data, loop: dict, rtol=1e-5, plan=None):
     """Losses of every step and parameters after the last step equal the single-process
-    HF run on the same global batches (``plan``: the trainer's, see :func:`trainer_plan`)."""
+    HF run on the same global batches (``plan``: the trainer's, see :func:`built_trainer`)."""
     cfg = TrainLoopConfig(**loop)
     ref_losses, _, ref_model = reference_train(spec, data, cfg, plan=plan)
     got = losses(result)

@@ -14,7 +14,7 @@ from ray_disagg.models.base import SampleError
 from ray_disagg.models.packing import check_fits
 from ray_disagg.pipeline.assignment import BatchPlan
 from ray_disagg.pipeline.bins import over_budget
-from ray_disagg.pipeline.budget import BudgetPlan, StreamBudgetPlan, fixed_batch_size
+from ray_disagg.pipeline.budget import BudgetPlan, StreamBudgetPlan
 from ray_disagg.worker.ingest import (
     is_ray_dataset,
     is_record_stream,
@@ -44,22 +44,30 @@ def batch_plan(data, adapter, cfg: TrainLoopConfig, groups, validated: bool) -> 
         micro_batches=cfg.micro_batches,
         reader=adapter.llm_part,
     )
-    budget = {"max_tokens": cfg.max_tokens_per_microbatch,
-              "max_patches": cfg.max_patches_per_microbatch,
-              "max_seq_len": cfg.max_seq_len if cfg.pack_sequences else None}  # fmt: skip
     if sizes is not None:
         lengths = sizes.pop("lengths")
-        return BudgetPlan(**common, **budget, lengths=lengths, patches=sizes)
-    if budget["max_tokens"] is not None:  # a stream: each leader fills its microbatches
-        return StreamBudgetPlan(**common, **budget, streamed_costs=True)
+        plan = BudgetPlan(**common, **_budget(cfg), lengths=lengths, patches=sizes)
+        if getattr(cfg.objective, "reference", None) == "precompute":  # its pass covers all
+            dataclasses.replace(plan, shuffle=False, cover=True)
+        return plan
+    if cfg.max_tokens_per_microbatch is not None:  # a stream: each leader fills its own
+        return StreamBudgetPlan(**common, **_budget(cfg), streamed_costs=True)
     streamed = cfg.assignment == "balanced" and is_stream(data)
     return BatchPlan(**common, costs=costs, streamed_costs=streamed)
 
 
+def _budget(cfg: TrainLoopConfig) -> dict:
+    return {
+        "max_tokens": cfg.max_tokens_per_microbatch,
+        "max_patches": cfg.max_patches_per_microbatch,
+        "max_seq_len": cfg.max_seq_len if cfg.pack_sequences else None,
+    }
+
+
 def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups, validate: bool = True):
     """The validation samples (map-style; a Ray Dataset is materialized) and their
-    plan: global batches of ``global_batch_size`` in order (under a token budget:
-    :func:`~ray_disagg.pipeline.budget.fixed_batch_size`), split like training."""
+    plan: global batches of ``global_batch_size`` in order, split like training (under a
+    token budget one unshuffled epoch of budget steps)."""
     data = datasets.get("validation")
     if data is None:  # eval_every without one is refused by ray_disagg.layout.resolve
         return None, None
@@ -74,30 +82,32 @@ def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups, validate: bo
             f"got {type(data).__name__}."
         )
     dp_sizes = {name: g.dp_size for name, g in groups.items()}
-    b = fixed_batch_size(cfg, dp_sizes)
-    if len(data) < b:
+    common = dict(num_samples=len(data), dp_sizes=dp_sizes, micro_batches=cfg.micro_batches,
+                  reader=adapter.llm_part, global_batch_size=cfg.global_batch_size)  # fmt: skip
+    _, sizes = scan(data, adapter, dataclasses.replace(cfg, assignment="contiguous"), validate)
+    if sizes is not None:
+        lengths = sizes.pop("lengths")
+        plan = BudgetPlan(**common, **_budget(cfg), lengths=lengths, patches=sizes,
+                          shuffle=False, what="validation")  # fmt: skip
+        return data, plan
+    _check_validation_size(len(data), cfg.global_batch_size)
+    return data, BatchPlan(**common)
+
+
+def _check_validation_size(n: int, b: int) -> None:
+    if n < b:
         raise ValueError(
-            f"datasets['validation'] has {len(data)} samples, fewer than "
+            f"datasets['validation'] has {n} samples, fewer than "
             f"global_batch_size={b}: validation runs in global batches of that size."
         )
-    if len(data) % b:
+    if n % b:
         logger.warning(
             "datasets['validation']: %d samples is not a multiple of global_batch_size=%d;"
             " the last %d are not used. Use a multiple to evaluate every sample.",
-            len(data),
+            n,
             b,
-            len(data) % b,
+            n % b,
         )
-    unbudgeted = {"max_tokens_per_microbatch": None, "max_patches_per_microbatch": None}
-    scan(data, adapter, dataclasses.replace(cfg, assignment="contiguous", **unbudgeted), validate)
-    plan = BatchPlan(
-        num_samples=len(data),
-        global_batch_size=b,
-        dp_sizes=dp_sizes,
-        micro_batches=cfg.micro_batches,
-        reader=adapter.llm_part,
-    )
-    return data, plan
 
 
 def scan(data, adapter, cfg: TrainLoopConfig, validate: bool, min_tokens: int = 1):
@@ -105,8 +115,9 @@ def scan(data, adapter, cfg: TrainLoopConfig, validate: bool, min_tokens: int = 
     the objective's pairs, each sequence's length when packing, at least ``min_tokens``
     tokens: the context-parallel degree); returns ``(costs, sizes)``: for balanced
     assignment its costs (LLM tokens of its sequences, each encoder part's estimate), and
-    with ``max_tokens_per_microbatch`` its sizes (``"tokens"`` and each encoder part's
-    patches), each checked against the budget (else ``None`` and ``None``)."""
+    with ``max_tokens_per_microbatch`` its sizes (``"lengths"``: each sample's LLM sequence
+    lengths, and each encoder part's patches), each checked against the budget (else
+    ``None`` and ``None``)."""
     balanced = cfg.assignment == "balanced"
     budget = cfg.max_tokens_per_microbatch is not None
     if is_stream(data) or not (validate or balanced or budget):

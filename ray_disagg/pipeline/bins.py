@@ -28,7 +28,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["BinFiller", "BudgetStep", "RowShape", "fill_epoch", "fill_steps", "over_budget"]
+__all__ = [
+    "MAX_WAITING",
+    "BinFiller",
+    "BudgetStep",
+    "RowShape",
+    "fill_epoch",
+    "fill_steps",
+    "over_budget",
+]
 
 
 @dataclass(frozen=True)
@@ -111,19 +119,29 @@ class BinFiller:
     lengths: object
     patches: dict
     max_tokens: int
-    max_patches: float
+    max_patches: object  # a number, or per encoder part
     max_samples: int
     shape: tuple  # (micro_batches, llm_dp, {encoder part: dp})
     max_seq_len: int | None = None  # packed rows (RowShape); None: unpacked
 
+    @property
+    def bins(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def cap(self, part: str) -> float:
+        cap = self.max_patches[part] if isinstance(self.max_patches, dict) else self.max_patches
+        return math.inf if cap is None else cap
+
     def new_step(self) -> BudgetStep:
         return BudgetStep.empty(*self.shape)
 
-    def place(self, step: BudgetStep, i: int) -> bool:
-        """Whether sample ``i`` found a place in ``step`` (and took it)."""
+    def place(self, step: BudgetStep, i: int, only_empty: bool = False) -> bool:
+        """Whether sample ``i`` found a place in ``step`` (and took it); ``only_empty``:
+        in an empty LLM bin."""
         if step.count >= self.max_samples:
             return False
-        only_empty = step.count + step.empty_bins >= self.max_samples  # keep them for the last
+        # the last samples of a full step go to its empty bins
+        only_empty = only_empty or step.count + step.empty_bins >= self.max_samples
         options = []
         for j, mb in enumerate(step.shapes):
             for d, shape in enumerate(mb):
@@ -150,7 +168,7 @@ class BinFiller:
             p = float(self.patches[part][i])
             counts = [len(b) for b in step.encoders[part][j]]
             e = min(range(len(loads[j])), key=lambda r: (loads[j][r], counts[r], r))
-            if loads[j][e] + p > self.max_patches:
+            if loads[j][e] + p > self.cap(part):
                 return None
             out[part] = e
         return out
@@ -179,47 +197,62 @@ def fill_epoch(
         >>> [s.llm for s in steps]  # per step, per microbatch, per replica (packed rows)
         [[[[0], [1, 2]]], [[[3], [4, 5]]]]
     """
-    cap = math.inf if max_patches is None else max_patches
     shape = (micro_batches, llm_dp, encoder_dps)
     return fill_steps(
-        BinFiller(lengths, patches, max_tokens, cap, max_samples, shape, max_seq_len), order
+        BinFiller(lengths, patches, max_tokens, max_patches, max_samples, shape, max_seq_len), order
     )
 
 
-def fill_steps(filler: BinFiller, order) -> list[BudgetStep]:
-    """:func:`fill_epoch` with its ``filler``."""
+MAX_WAITING = 64
+"""Samples that may wait for a later step, per LLM bin; more are left out of the epoch
+(a patch cap that keeps many samples from sharing a microbatch: the plan says so)."""
+
+
+def fill_steps(filler: BinFiller, order, cover: bool = False) -> list[BudgetStep]:
+    """:func:`fill_epoch` with its ``filler``. ``cover``: every sample in some step (a
+    forward-only pass over all): the incomplete last step's empty bins take repeats of
+    the smallest samples."""
+    order = list(order)
     steps, waiting, rest = [], deque(), iter(order)
     while True:
-        step, carried = filler.new_step(), deque()
-        for i in waiting:  # the samples that waited go first, in order
-            if not filler.place(step, i):
-                carried.append(i)
-        waiting = carried
-        ended = _fill_from(filler, step, rest, waiting)
+        step = filler.new_step()
+        waiting = deque(i for i in waiting if not filler.place(step, i))  # they go first
+        ended = _fill_from(filler, step, rest, waiting, MAX_WAITING * filler.bins)
+        if ended and cover and step.count and not step.every_bin_used:
+            _repeat_into(filler, step, order)
         if step.every_bin_used:
             steps.append(step)
         if ended and (not step.every_bin_used or not waiting):
             return steps  # what is left (waiting, or an incomplete step) is dropped
 
 
-def _fill_from(filler: BinFiller, step: BudgetStep, rest, waiting: deque) -> bool:
+def _fill_from(filler: BinFiller, step: BudgetStep, rest, waiting: deque, limit: int) -> bool:
     """Place samples from ``rest`` until the step is full; ``True`` when ``rest`` ran out."""
     while step.count < filler.max_samples:
         i = next(rest, None)
         if i is None:
             return True
         if not filler.place(step, i):
-            waiting.append(i)
+            if len(waiting) < limit:
+                waiting.append(i)
             if step.every_bin_used:
                 return False
     return False
+
+
+def _repeat_into(filler: BinFiller, step: BudgetStep, order: list) -> None:
+    """Fill ``step``'s empty LLM bins with repeats, smallest samples first."""
+    smallest = sorted(order, key=lambda i: (sum(filler.lengths[i]), i))
+    for _ in range(step.empty_bins):
+        next((i for i in smallest if filler.place(step, i, only_empty=True)), None)
 
 
 def over_budget(
     lengths, patches: dict[str, int], max_tokens: int, max_patches=None, max_seq_len=None
 ) -> str | None:
     """Why a sample of these LLM sequence ``lengths`` and encoder ``patches`` fits no
-    microbatch (``"has ..."``), or ``None``; ``max_seq_len``: packed rows (else unpacked).
+    microbatch (``"has ..."``), or ``None``; ``max_patches``: a number, or per encoder
+    part; ``max_seq_len``: packed rows (else unpacked).
 
     Example:
         >>> over_budget((10, 9), {}, max_tokens=16)  # a pair, padded to its longer answer
@@ -232,6 +265,7 @@ def over_budget(
             f"{shape.width}), more than max_tokens_per_microbatch={max_tokens}"
         )
     for part, n in patches.items():
-        if max_patches is not None and n > max_patches:
-            return f"has {n} {part} patches, more than max_patches_per_microbatch={max_patches}"
+        cap = max_patches.get(part) if isinstance(max_patches, dict) else max_patches
+        if cap is not None and n > cap:
+            return f"has {n} {part} patches, more than {cap} (max_patches_per_microbatch)"
     return None

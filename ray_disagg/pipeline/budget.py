@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from dataclasses import dataclass
 
@@ -17,7 +18,9 @@ import numpy as np
 from ray_disagg.pipeline.assignment import BatchPlan, balanced_split, sample_order
 from ray_disagg.pipeline.bins import BinFiller, BudgetStep, fill_steps, over_budget
 
-__all__ = ["BudgetPlan", "BudgetedPlan", "StreamBudgetPlan", "fixed_batch_size"]
+__all__ = ["BudgetPlan", "BudgetedPlan", "StreamBudgetPlan"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,23 +34,28 @@ class BudgetedPlan(BatchPlan):
     max_seq_len: int | None = None
     """Packed rows of this many tokens (``pack_sequences``); ``None``: unpacked."""
 
+    def caps(self) -> dict[str, int] | int | None:
+        """The patch cap of a bin (per encoder part where it differs)."""
+        return self.max_patches
+
     def over_budget(self, lengths, patches: dict[str, int]) -> str | None:
         """:func:`over_budget` under this plan's budget."""
-        return over_budget(lengths, patches, self.max_tokens, self.max_patches, self.max_seq_len)
+        return over_budget(lengths, patches, self.max_tokens, self.caps(), self.max_seq_len)
 
     def filler(self, lengths, patches, max_samples: int, shape: tuple) -> BinFiller:
-        cap = math.inf if self.max_patches is None else self.max_patches
+        caps = self.caps()
         return BinFiller(
-            lengths, patches, self.max_tokens, cap, max_samples, shape, self.max_seq_len
+            lengths, patches, self.max_tokens, caps, max_samples, shape, self.max_seq_len
         )
 
 
 @dataclass(frozen=True)
 class BudgetPlan(BudgetedPlan):
     """A :class:`~ray_disagg.pipeline.assignment.BatchPlan` whose steps take the samples
-    that fit a token budget per microbatch (:func:`fill_epoch`); ``global_batch_size`` is
-    the most samples a step takes. The epochs have different numbers of steps when
-    shuffled.
+    that fit a token budget per microbatch (:func:`~ray_disagg.pipeline.bins.fill_epoch`);
+    ``global_batch_size`` is the most samples a step takes. The epochs have different
+    numbers of steps when shuffled. Validation uses one unshuffled epoch; DPO's
+    precomputed reference pass one with ``cover`` (every sample, repeats in the last step).
 
     Example:
         >>> plan = BudgetPlan(num_samples=6, global_batch_size=8, dp_sizes={"text": 2},
@@ -61,6 +69,10 @@ class BudgetPlan(BudgetedPlan):
     """Per dataset index: its LLM sequences' lengths (one, or a pair's two)."""
     patches: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     """Per encoder group, per dataset index: its tower's input patches."""
+    cover: bool = False
+    """Every sample in some step, once over (a forward-only pass: repeats fill the last)."""
+    what: str = "training"
+    """The samples' name in messages (``"validation"``)."""
 
     def __post_init__(self) -> None:
         bins = self.dp_sizes[self.reader_group] * self.micro_batches
@@ -70,14 +82,28 @@ class BudgetPlan(BudgetedPlan):
                 f"of a step ({self.reader_group} data-parallel size x micro_batches): with "
                 "max_tokens_per_microbatch every microbatch needs a sample; raise it."
             )
-        if not self.epoch_steps(0):
-            cap = f" and max_patches_per_microbatch={self.max_patches}" if self.max_patches else ""
-            raise ValueError(
-                f"No step of {bins} microbatches fits the {self.num_samples} training samples "
-                f"within max_tokens_per_microbatch={self.max_tokens}{cap}: add samples, or "
-                "raise the budget."
-            )
+        self._check_left_out(bins)
         self.__dict__.pop("_epochs")  # the workers compute their own (not pickled)
+        self.__dict__.pop("_counts", None)
+
+    def _check_left_out(self, bins: int) -> None:
+        """Epoch 0 leaves out at most a step's worth of samples (warned above that;
+        ``ValueError`` when more than half, or any with ``cover``)."""
+        n = self.num_samples
+        left = n - len({i for s in self.epoch_steps(0) for i in s.indices()})
+        cap = f" and max_patches_per_microbatch={self.max_patches}" if self.max_patches else ""
+        why = (
+            f"{left} of the {n} {self.what} samples fit no step of {bins} microbatches within "
+            f"max_tokens_per_microbatch={self.max_tokens}{cap}"
+        )
+        if left and self.cover or left > n / 2:
+            raise ValueError(
+                f"{why}: a patch cap that keeps samples with media from sharing a microbatch "
+                "(fewer encoder replicas than LLM replicas) or too few samples; raise the "
+                "cap or the budget, or add samples."
+            )
+        if left > self.global_batch_size:
+            logger.warning("%s; they are left out of epoch 0.", why)
 
     @functools.cached_property
     def _epochs(self) -> dict[int, list[BudgetStep]]:
@@ -144,34 +170,24 @@ class BudgetPlan(BudgetedPlan):
         return {(a, b) for a in range(self.dp_sizes[group]) for b in range(self.dp_sizes[other])}
 
 
-def fixed_batch_size(cfg, dp_sizes: dict[str, int]) -> int:
-    """The samples of a fixed-size batch under ``cfg``: ``global_batch_size``; with a
-    token budget (where it need not divide evenly) the largest multiple of every group's
-    data-parallel size x ``micro_batches`` up to it (validation batches and DPO's
-    reference pass, both forward only).
-
-    Example:
-        >>> from types import SimpleNamespace as NS
-        >>> fixed_batch_size(NS(global_batch_size=7, micro_batches=1,
-        ...                     max_tokens_per_microbatch=512), {"vision": 2, "text": 3})
-        6
-    """
-    b = cfg.global_batch_size
-    if cfg.max_tokens_per_microbatch is None:
-        return b
-    unit = math.lcm(*dp_sizes.values()) * cfg.micro_batches
-    return max(unit, b - b % unit)
-
-
 @dataclass(frozen=True)
 class StreamBudgetPlan(BudgetedPlan):
     """Token-budget batching of a conversation stream: each LLM leader fills its own
-    ``micro_batches`` bins from its records (:class:`BinFiller`, its ``max_patches`` per
-    bin), so the step's layout is known once read: ``assign(step, layout)`` with
-    ``layout = {"counts": [[samples of microbatch j] per leader], "costs": {encoder part:
-    the cost of each position}}`` (positions leader-major, then by microbatch); the
-    encoder replicas share each microbatch balanced by cost. Before the read
-    (``layout=None``) every share is empty."""
+    ``micro_batches`` bins from its records (:class:`~ray_disagg.pipeline.bins.BinFiller`),
+    so the step's layout is known once read: ``assign(step, layout)`` with ``layout =
+    {"counts": [[samples of microbatch j] per leader], "costs": {part: the cost of each
+    position}}`` (positions leader-major, then by microbatch). Without a patch cap the
+    encoder replicas share each microbatch balanced by cost; with one, each encoder
+    replica serves fixed leaders (:meth:`serves`) and a leader's bin holds at most the
+    cap over the leaders one replica serves (:meth:`caps`), so no replica exceeds it.
+    Before the read (``layout=None``) every share is empty.
+
+    Example:
+        >>> plan = StreamBudgetPlan(num_samples=9, global_batch_size=8, max_tokens=64,
+        ...                         dp_sizes={"vision": 1, "text": 2}, max_patches=100)
+        >>> plan.caps(), plan.assign(0, {"counts": [[2], [1]], "costs": {"vision": [1] * 3}})
+        ({'vision': 50}, [{'text': [[0, 1], [2]], 'vision': [[0, 1, 2]]}])
+    """
 
     def __post_init__(self) -> None:
         dp = self.dp_sizes[self.reader_group]
@@ -188,6 +204,26 @@ class StreamBudgetPlan(BudgetedPlan):
         """The most samples one leader's step takes."""
         return self.global_batch_size // self.dp_sizes[self.reader_group]
 
+    def epoch_of(self, step: int) -> int:
+        """0: the stream's own epoch is reported (its source's ``epoch`` metric)."""
+        return 0
+
+    def _encoders(self) -> dict[str, int]:
+        return {g: n for g, n in self.dp_sizes.items() if g != self.reader_group}
+
+    def caps(self) -> dict[str, int] | None:
+        if self.max_patches is None:
+            return None
+        dp = self.dp_sizes[self.reader_group]
+        return {g: self.max_patches // math.ceil(dp / n) for g, n in self._encoders().items()}
+
+    def serves(self, part: str, e: int) -> list[int]:
+        """The leaders whose samples replica ``e`` of encoder group ``part`` encodes
+        under a patch cap: ``d % n == e`` (``n`` replicas, fewer than the leaders), or the
+        one leader ``e % dp`` (as many or more: a leader's replicas share its samples)."""
+        dp, n = self.dp_sizes[self.reader_group], self.dp_sizes[part]
+        return [d for d in range(dp) if d % n == e] if n < dp else [e % dp]
+
     def assign(self, step: int, step_costs=None) -> list[dict[str, list[list[int]]]]:
         reader, k = self.reader_group, self.micro_batches
         if step_costs is None:
@@ -199,10 +235,23 @@ class StreamBudgetPlan(BudgetedPlan):
                 out[j][reader].append(list(range(first, first + n)))
                 first += n
         for mb in out:
-            union = sorted(p for share in mb[reader] for p in share)
-            for part in self.dp_sizes:
-                if part == reader:
-                    continue
-                costs = [float(step_costs["costs"][part][p]) for p in union]
-                mb[part] = balanced_split(union, costs, self.dp_sizes[part], equal_counts=False)
+            for part, n in self._encoders().items():
+                cost = step_costs["costs"][part]
+                mb[part] = self._split(part, n, mb[reader], cost)
         return out
+
+    def _split(self, part: str, n: int, shares: list[list[int]], cost) -> list[list[int]]:
+        """Microbatch positions over ``part``'s ``n`` replicas (see the class docstring)."""
+        if self.max_patches is None:
+            union = sorted(p for share in shares for p in share)
+            costs = [float(cost[p]) for p in union]
+            return balanced_split(union, costs, n, equal_counts=False)
+        out = [[] for _ in range(n)]
+        dp = len(shares)
+        for d, share in enumerate(shares):
+            mine = [e for e in range(n) if d in self.serves(part, e)]
+            costs = [float(cost[p]) for p in share]
+            for e, got in zip(mine, balanced_split(share, costs, len(mine), equal_counts=False)):
+                out[e] += got
+        assert sum(map(len, out)) == sum(map(len, shares)), (dp, n)
+        return [sorted(o) for o in out]

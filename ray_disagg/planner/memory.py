@@ -174,14 +174,17 @@ def _expert_sharded(name: str) -> bool:
 
 def step_samples(r) -> int:
     """Samples per step the estimate assumes: ``global_batch_size``; under a token budget
-    (``max_tokens_per_microbatch``) as many samples of :func:`seq_len` tokens as fill the
-    LLM's microbatches, at most ``global_batch_size`` (a recipe narrowed to one encoder
-    group, as :func:`worker_terms` makes, carries the step's samples there)."""
+    (``max_tokens_per_microbatch``) as many samples of :func:`seq_len` tokens (each
+    sequence of a pair) as fill the LLM's microbatches, at most ``global_batch_size`` (a
+    recipe narrowed to one encoder group, as :func:`worker_terms` makes, carries the
+    step's samples there)."""
     b, budget = r.loop.global_batch_size, r.loop.max_tokens_per_microbatch
     llm = r.groups.get(r.model.adapter.llm_part)
     if budget is None or llm is None:
         return b
-    return min(b, max(1, budget // seq_len(r)) * llm.dp_size * r.loop.micro_batches)
+    keys = getattr(r.loop.objective, "sequence_keys", ("input_ids", "labels"))
+    per_sample = seq_len(r) * max(1, len(keys) // 2)  # a preference pair: two sequences
+    return min(b, max(1, budget // per_sample) * llm.dp_size * r.loop.micro_batches)
 
 
 def microbatch_samples(r, group) -> float:

@@ -117,4 +117,18 @@ def maybe_inject_failure(
 
         kill_controller()
         time.sleep(600)  # dies with its owner, the coordinator
+    _wait_reports_taken()
     os._exit(1)
+
+
+def _wait_reports_taken(timeout_s: float = 10.0) -> None:
+    """The worker's last report reaches the controller before it dies (a report not yet
+    polled dies with it, and the checkpoint it completes is never registered: the drill
+    would test a race instead of a failure after that checkpoint)."""
+    from ray_disagg.launch.ray_compat import reports_pending
+    from ray_disagg.worker.session import get_session
+
+    deadline = time.monotonic() + timeout_s
+    get_session().wait_reports(timeout_s)  # an asynchronous upload queues it when done
+    while reports_pending() and time.monotonic() < deadline:
+        time.sleep(0.05)

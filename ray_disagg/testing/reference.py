@@ -67,9 +67,10 @@ class _Updates:
 
 
 @torch.no_grad()
-def reference_val_loss(spec: HFModelSpec, model, dataset, cfg: TrainLoopConfig) -> float:
-    """Mean token loss over the label tokens of the validation batches (in order)."""
-    plan = BatchPlan(num_samples=len(dataset), global_batch_size=cfg.global_batch_size)
+def reference_val_loss(spec: HFModelSpec, model, dataset, cfg: TrainLoopConfig, plan=None) -> float:
+    """Mean token loss over the label tokens of the validation batches (in order;
+    ``plan``: the trainer's ``val_plan``, a token budget's)."""
+    plan = plan or BatchPlan(num_samples=len(dataset), global_batch_size=cfg.global_batch_size)
     loss_sum = labels = 0.0
     for step in range(plan.steps_per_epoch):
         samples = [dataset[i] for i in plan.global_indices(step)]
@@ -80,14 +81,16 @@ def reference_val_loss(spec: HFModelSpec, model, dataset, cfg: TrainLoopConfig) 
 
 
 def reference_train(
-    spec: HFModelSpec, dataset, cfg: TrainLoopConfig, groups=None, val=None, plan=None
-):
+    spec: HFModelSpec, dataset, cfg: TrainLoopConfig, groups=None, val=None, plan=None,
+    val_plan=None,
+):  # fmt: skip
     """Train ``spec``'s full HF model (``...ForConditionalGeneration(..., labels=...)``)
     for ``cfg.max_steps`` on the same global batches as ``DisaggregatedTrainer``, with its
     learning-rate schedule and, given ``groups``, their freezing and LR multipliers;
     returns ``(losses, step_times_s, model)``, and with a validation set ``val`` also the
-    ``val_loss`` after every step. ``plan``: the trainer's (``trainer.plan``), whose steps
-    depend on the layout under a token budget (``max_tokens_per_microbatch``)."""
+    ``val_loss`` after every step. ``plan`` / ``val_plan``: the trainer's
+    (``trainer.plan`` / ``trainer.val_plan``), whose steps depend on the layout under a
+    token budget (``max_tokens_per_microbatch``)."""
     model = spec.build_full()
     updates = _Updates(_param_groups(spec, model, groups), len(dataset), cfg, plan)
     losses, times, val_losses = [], [], []
@@ -99,7 +102,7 @@ def reference_train(
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
         if val is not None:
-            val_losses.append(reference_val_loss(spec, model, val, cfg))
+            val_losses.append(reference_val_loss(spec, model, val, cfg, val_plan))
     if val is not None:
         return losses, times, model, val_losses
     return losses, times, model

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ray_disagg.config import ModuleGroup, TrainLoopConfig
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan, CoveringPlan
-from ray_disagg.pipeline.budget import fixed_batch_size
+from ray_disagg.pipeline.budget import BudgetPlan
 from ray_disagg.worker.metrics import StepStats
 
 
@@ -41,22 +41,21 @@ class LoopArgs:
             return self
         groups = {g: grp.at_size(sizes.get(g, grp.num_workers)) for g, grp in self.groups.items()}
         dp = {g: grp.dp_size for g, grp in groups.items()}
-        val_batch = fixed_batch_size(self.cfg, dp)  # a budget's fixed batches follow the sizes
-        val_plan = self.val_plan and dataclasses.replace(
-            self.val_plan, dp_sizes=dp, global_batch_size=val_batch
-        )
+        val_plan = self.val_plan and dataclasses.replace(self.val_plan, dp_sizes=dp)
         plan = dataclasses.replace(self.plan, dp_sizes=dp)
         return dataclasses.replace(self, groups=groups, plan=plan, val_plan=val_plan)
 
     @property
-    def reference_plan(self) -> CoveringPlan:
+    def reference_plan(self) -> BatchPlan:
         """The reference model's pass before training (``DPO(reference="precompute")``):
-        every training sample once, in order, split over the groups as training is (in
-        fixed batches under a token budget: forward only)."""
+        every training sample once, in order, split over the groups as training is (under
+        a token budget: its steps, unshuffled, repeats filling the last)."""
         p = self.plan
+        if isinstance(p, BudgetPlan):
+            return dataclasses.replace(p, shuffle=False, cover=True)
         return CoveringPlan(
             num_samples=p.num_samples,
-            global_batch_size=fixed_batch_size(self.cfg, p.dp_sizes),
+            global_batch_size=p.global_batch_size,
             dp_sizes=p.dp_sizes,
             micro_batches=p.micro_batches,
             reader=p.reader,

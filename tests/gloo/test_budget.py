@@ -7,7 +7,7 @@ import pytest
 
 from ray_disagg import DataParallel, HFModelSpec, load_metrics, tiny_qwen2_5_vl_config
 from ray_disagg.data.examples import synthetic_samples
-from tests.helpers import assert_matches_reference, group, run_layout, trainer_plan, vt
+from tests.helpers import assert_matches_reference, built_trainer, group, run_layout, vt
 
 # mostly short text, some images, one video (39 LLM tokens, 128 patches) in eight
 GRIDS = [None, (1, 4, 4), None, None, {"videos": [(2, 8, 8)]}, (1, 4, 8), None, (1, 8, 8)]
@@ -36,7 +36,7 @@ def test_budget_steps_equal_single_process(setup, tmp_path, case):
     spec, data = setup
     groups, loop = CASES[case]
     loop = LOOP | loop
-    plan = trainer_plan(spec, data, loop, groups(), tmp_path)
+    plan = built_trainer(spec, data, loop, groups(), tmp_path).plan
     result = run_layout(spec, data, loop, groups(), tmp_path, case, local=True)
 
     assert_matches_reference(result, spec, data, loop, plan=plan)

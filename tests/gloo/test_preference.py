@@ -39,11 +39,11 @@ from ray_disagg.worker.shards import REFERENCE_LOGPS
 from tests.conversation_data import build_media, build_model_dir, make_processor
 from tests.helpers import (
     assert_params_close,
+    built_trainer,
     checkpoint_state,
     group,
     losses,
     run_layout,
-    trainer_plan,
     vt,
 )
 from tests.preference_data import trl_pair_loss
@@ -158,7 +158,7 @@ def test_custom_objective_through_the_interface(setup, tmp_path):
 
     loop = LOOP | {"micro_batches": 2, "global_batch_size": 6, "max_tokens_per_microbatch": 40}
     groups = lambda: vt(group(1), group(2, DataParallel()))  # noqa: E731
-    plan = trainer_plan(spec, pairs, loop | {"objective": obj}, groups(), tmp_path)
+    plan = built_trainer(spec, pairs, loop | {"objective": obj}, groups(), tmp_path).plan
     cfg = TrainLoopConfig(**loop)
     ref_losses, _, ref_model = reference_preference(spec, pairs, cfg, simpo, plan=plan)
     result = run_layout(
@@ -176,17 +176,19 @@ def test_custom_objective_through_the_interface(setup, tmp_path):
 
 def test_precompute_equals_copy_and_a_resumed_run_keeps_the_precomputed_values(setup, tmp_path):
     """``reference="precompute"`` (a trained tower: the encoder group runs the pass too;
-    text FSDP2, balanced assignment, Robust DPO) equals the reference copy; the values are
+    text FSDP2, a token budget whose covering pass is the reference's, Robust DPO) equals
+    the reference copy; the values are
     saved with the checkpoint, and a run resumed from it reads them (recomputed with the
     trained weights they would differ)."""
     spec, pairs = setup
-    loop = LOOP | {"micro_batches": 2, "assignment": "balanced"}
+    loop = LOOP | {"micro_batches": 2, "max_tokens_per_microbatch": 40}  # a pair per bin
     cfg = TrainLoopConfig(**loop)
     pair_loss = trl_pair_loss("robust", 0.2, 0.1)
-    ref_losses, _, ref_model = reference_preference(spec, pairs, cfg, pair_loss)
     dpo = DPO(beta=0.2, loss_type="robust", label_smoothing=0.1, reference="precompute")
     pre = loop | {"objective": dpo}
     groups = lambda: vt(group(1), group(2, DataParallel(fsdp=True)))  # noqa: E731
+    plan = built_trainer(spec, pairs, pre, groups(), tmp_path).plan
+    ref_losses, _, ref_model = reference_preference(spec, pairs, cfg, pair_loss, plan=plan)
     first = run_layout(spec, pairs, pre | {"max_steps": 2}, groups(), tmp_path, "a", local=True)
     saved = json.loads((Path(first.checkpoint.path) / "text" / REFERENCE_LOGPS).read_text())
     assert sorted(e[0] for e in saved) == list(range(len(pairs)))  # every pair, by its id

@@ -25,10 +25,10 @@ from ray_disagg.lr_schedule import lr_at
 from ray_disagg.testing.reference import reference_train
 from tests.helpers import (
     assert_params_close,
+    built_trainer,
     checkpoint_state,
     group,
     run_layout,
-    trainer_plan,
     vt,
 )
 
@@ -95,8 +95,9 @@ def test_schedule_freezing_validation_packing_and_callbacks_match_reference(
         checkpoint_config=score,
     )
     cfg = TrainLoopConfig(**LOOP)
-    plan = trainer_plan(spec, data, LOOP, groups, tmp_path, validation=val)
-    ref = reference_train(spec, data, cfg, groups=groups, val=val, plan=plan)
+    planned = built_trainer(spec, data, LOOP, groups, tmp_path, validation=val)
+    plan, val_plan = planned.plan, planned.val_plan
+    ref = reference_train(spec, data, cfg, groups=groups, val=val, plan=plan, val_plan=val_plan)
     ref_losses, _, ref_model, ref_val = ref
     history = load_metrics(result)  # every step (metrics_dataframe: the kept checkpoints)
     counts = [len(plan.global_indices(s)) for s in range(4)]

@@ -15,8 +15,8 @@ from ray_disagg import (
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.layout import DataSpec, resolve
 from ray_disagg.models.packing import pack_rows
-from ray_disagg.pipeline.bins import fill_epoch
-from ray_disagg.pipeline.budget import BudgetPlan
+from ray_disagg.pipeline.bins import BinFiller, fill_epoch, fill_steps
+from ray_disagg.pipeline.budget import BudgetPlan, StreamBudgetPlan
 
 CFG = tiny_qwen2_5_vl_config()
 # mostly short text, some images, one video (39 LLM tokens, 128 patches) in eight
@@ -87,6 +87,42 @@ def test_plan_locates_steps_over_shuffled_epochs_and_assigns_positions():
         assert plan.peers("vision", 0, "text", s) == plan.peers("vision", 0, "text", s, mbs)
 
 
+def test_a_covering_pass_places_every_sample_and_a_binding_cap_is_refused():
+    lengths, patches = skewed(50)
+    shape = (2, 2, {"vision": 1})
+    filler = BinFiller(lengths, patches, 640, 1000, 64, shape)
+    steps = fill_steps(filler, range(50), cover=True)
+    assert {i for s in steps for i in s.indices()} == set(range(50))  # some repeated last
+    assert all(s.every_bin_used for s in steps)
+    # one vision replica for two LLM replicas, room for one image per microbatch: most
+    # samples (all with images) cannot share a step
+    kw = dict(num_samples=40, global_batch_size=8, dp_sizes={"vision": 1, "text": 2},
+              reader="text", max_tokens=64, max_patches=100, lengths=[(10,)] * 40)  # fmt: skip
+    with pytest.raises(ValueError, match=r"of the 40 training samples fit no step.*raise the"):
+        BudgetPlan(**kw, patches={"vision": np.full(40, 60.0)})
+
+
+@pytest.mark.parametrize("vision_dp", [1, 2, 4])
+def test_a_streams_patch_cap_holds_on_every_encoder_replica(vision_dp):
+    """Each LLM leader fills its own bins; with a cap each encoder replica serves fixed
+    leaders, whose bins hold the cap over how many it serves."""
+    plan = StreamBudgetPlan(num_samples=100, global_batch_size=24, max_tokens=64,
+                            dp_sizes={"vision": vision_dp, "text": 3}, max_patches=90,
+                            micro_batches=2, reader="text")  # fmt: skip
+    cap = plan.caps()["vision"]
+    assert cap == {1: 30, 2: 45, 4: 90}[vision_dp] and plan.epoch_of(7) == 0
+    rng = np.random.default_rng(0)
+    counts = [[int(rng.integers(1, 4)) for _ in range(2)] for _ in range(3)]
+    n = sum(map(sum, counts))
+    patches = rng.integers(0, cap // 3 + 1, n).astype(float)  # at most 3 per bin: <= cap
+    mbs = plan.assign(0, {"counts": counts, "costs": {"vision": patches, "text": patches}})
+    for mb in mbs:
+        assert sorted(p for s in mb["vision"] for p in s) == sorted(
+            p for s in mb["text"] for p in s
+        )
+        assert all(sum(patches[p] for p in share) <= 90 for share in mb["vision"])
+
+
 def make(loop, data=None, groups=None):
     g = ModuleGroup(scaling_config=ScalingConfig(num_workers=1))
     return DisaggregatedTrainer(
@@ -109,7 +145,7 @@ def test_the_trainer_plans_by_budget():
         ({"max_tokens_per_microbatch": 38}, r"sample 4 has 39 LLM tokens.*1 rows x 39.*=38"),
         (
             {"max_patches_per_microbatch": 100},
-            r"sample 4 has 128 vision patches, more than.*=100: no microbatch holds it. Raise",
+            r"sample 4 has 128 vision patches, more than 100 \(max_patches_per_microbatch\): no",
         ),
         ({"global_batch_size": 1, "micro_batches": 2}, r"global_batch_size=1 is below the 2"),
     ],

@@ -62,6 +62,7 @@ from ray_disagg.launch.ray_compat.privates import (
     label_selector_per_worker,
     persist_checkpoint,
     quiet_train_reports,
+    reports_pending,
     resources_per_worker,
     storage_filesystem,
 )
@@ -122,6 +123,7 @@ __all__ = [
     "SharedPlacementWorkerGroup",
     "with_worker_env_vars",
     "quiet_train_reports",
+    "reports_pending",
 ]
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "checkpoint_path",
     "label_selector_per_worker",
     "persist_checkpoint",
+    "reports_pending",
     "resources_per_worker",
     "storage_filesystem",
 ]
@@ -96,6 +97,18 @@ def checkpoint_path(name: str) -> str:
 def persist_checkpoint(checkpoint, name: str):
     """In a worker: Ray Train's own upload of ``checkpoint`` into the run's ``name``."""
     return _storage().persist_current_checkpoint(checkpoint, name)
+
+
+def reports_pending() -> bool:
+    """In a Ray Train worker: whether its last ``ray.train.report`` still waits for the
+    controller's poll to take it (``False`` outside Ray Train)."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    try:
+        queue = get_train_context().get_result_queue()
+    except Exception:  # noqa: BLE001 - no Ray Train context (the local runner)
+        return False
+    return not queue.empty()
 
 
 def quiet_train_reports() -> None:
