@@ -32,6 +32,8 @@ _EXPORTS = {
     "get_adapter": "ray_disagg.models",
     "load_metrics": "ray_disagg.trainer",
     "lr_at": "ray_disagg.lr_schedule",
+    "mix": "ray_disagg.data.mixture",
+    "Mixture": "ray_disagg.data.mixture",
     "plot_metrics": "ray_disagg.plotting",
     "tiny_gemma3_config": "ray_disagg.models",
     "tiny_internvl_config": "ray_disagg.models",

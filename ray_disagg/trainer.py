@@ -14,6 +14,7 @@ import ray
 from ray.train import Checkpoint, Result, RunConfig, ScalingConfig
 
 from ray_disagg.config import ModuleGroup
+from ray_disagg.data.mixture import Mixture
 from ray_disagg.launch import datasets as dsc
 from ray_disagg.launch import ray_compat as rc
 from ray_disagg.launch.backend import ModuleBackendConfig
@@ -21,6 +22,7 @@ from ray_disagg.launch.checks import check_reference_resume
 from ray_disagg.launch.controller import DisaggregatedController
 from ray_disagg.launch.elastic import ElasticGroup
 from ray_disagg.launch.launches import GroupLaunch, Launch, Transfers
+from ray_disagg.launch.mixtures import check_mixture_resume
 from ray_disagg.launch.policies import GroupFailurePolicy
 from ray_disagg.launch.progress import RunProgress
 from ray_disagg.launch.resources import (
@@ -212,6 +214,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
             check_compatible(root, model.load_config(), self.loop_config.max_steps)
             check_lora_resume(root, model, self.groups)
             check_reference_resume(root, self.adapter.llm_part, self.loop_config)
+            check_mixture_resume(root, self.train_data)
 
     def _batch_plan(self) -> BatchPlan:
         """The plan of every step's samples (map-style samples checked and costed here)."""
@@ -270,6 +273,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
             metrics_path=path,
             driver_progress=driver_progress and path is not None,
             frozen_parts=self.frozen_parts,
+            sources=self.train_data.names if isinstance(self.train_data, Mixture) else (),
             val_ref=None if self._val_data is None else [put(self._val_data)],
             val_plan=self.val_plan,
             group_recovery=bool(self.restartable_groups()),

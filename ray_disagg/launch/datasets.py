@@ -3,12 +3,15 @@ plan, and one pass over map-style samples (validation, packing lengths, balancin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
 import numpy as np
 
 from ray_disagg.config import ContextParallel
+from ray_disagg.data.mixture import Mixture
+from ray_disagg.launch import mixtures
 from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.models.base import SampleError
 from ray_disagg.models.packing import check_fits
@@ -34,7 +37,6 @@ def batch_plan(data, adapter, cfg: TrainLoopConfig, groups, validated: bool) -> 
     :class:`~ray_disagg.pipeline.budget.StreamBudgetPlan` (a conversation stream)."""
     llm = groups[adapter.llm_part]
     cp_size = llm.parallelism.size if isinstance(llm.parallelism, ContextParallel) else 1
-    costs, sizes = scan(data, adapter, cfg, validated, cp_size)
     common = dict(
         num_samples=num_samples(data, llm.dp_size),
         global_batch_size=cfg.global_batch_size,
@@ -44,6 +46,21 @@ def batch_plan(data, adapter, cfg: TrainLoopConfig, groups, validated: bool) -> 
         micro_batches=cfg.micro_batches,
         reader=adapter.llm_part,
     )
+    if isinstance(data, Mixture):  # its draws in order (they are random already)
+        if cfg.objective is not None:
+            raise ValueError(
+                f"train_loop_config['objective']={type(cfg.objective).__name__} with a "
+                "mixture: per-source metrics are token losses; train the pairs unmixed."
+            )
+        common.update(num_samples=mixtures.draws(cfg), shuffle=False)
+
+        def each(source, name):
+            with _naming(f"mixture source {name!r}"):
+                return scan(source, adapter, cfg, validated, cp_size)
+
+        costs, sizes = mixtures.scan_mixture(data, each, common["num_samples"])
+    else:
+        costs, sizes = scan(data, adapter, cfg, validated, cp_size)
     if sizes is not None:
         lengths = sizes.pop("lengths")
         plan = BudgetPlan(**common, **_budget(cfg), lengths=lengths, patches=sizes)
@@ -54,6 +71,15 @@ def batch_plan(data, adapter, cfg: TrainLoopConfig, groups, validated: bool) -> 
         return StreamBudgetPlan(**common, **_budget(cfg), streamed_costs=True)
     streamed = cfg.assignment == "balanced" and is_stream(data)
     return BatchPlan(**common, costs=costs, streamed_costs=streamed)
+
+
+@contextlib.contextmanager
+def _naming(where: str):
+    """Errors raised inside name ``where`` first."""
+    try:
+        yield
+    except ValueError as e:
+        raise type(e)(f"{where}: {e}") from e
 
 
 def _budget(cfg: TrainLoopConfig) -> dict:
@@ -71,6 +97,12 @@ def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups, validate: bo
     data = datasets.get("validation")
     if data is None:  # eval_every without one is refused by ray_disagg.layout.resolve
         return None, None
+    if isinstance(data, Mixture):
+        raise ValueError(
+            "datasets['validation'] is a mixture: validation evaluates every sample once; "
+            "pass each source as its own run's validation set, or one list of samples "
+            "(the per-source training loss is in the metrics loss/<source>)."
+        )
     if is_ray_dataset(data):
         data = [sample_from_row(r) for r in data.take_all()]
     elif is_record_stream(data):  # converted here, once

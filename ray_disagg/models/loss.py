@@ -10,7 +10,7 @@ from torch import nn
 
 from ray_disagg.models.base import IGNORE_INDEX
 
-__all__ = ["lm_loss", "loss_index", "sequence_logps"]
+__all__ = ["lm_loss", "lm_loss_by_sequence", "loss_index", "sequence_logps"]
 
 
 def loss_index(labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
@@ -132,3 +132,16 @@ def lm_loss(
     for part in sums:
         total = total + part
     return total / num_label_tokens
+
+
+def lm_loss_by_sequence(
+    hidden, lm_head, labels, num_label_tokens, sequence, num_sequences, tp_group=None,
+    vocab_start=0, **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`lm_loss` (same keyword arguments) and, detached, each sequence's summed
+    cross-entropy ``(num_sequences,)`` (``sequence``: the sequence of each label
+    position, as :func:`sequence_logps` takes it): the loss of a mixture's sources."""
+    logps = sequence_logps(
+        hidden, lm_head, labels, sequence, num_sequences, tp_group, vocab_start, **kwargs
+    )
+    return -logps.sum() / num_label_tokens, -logps.detach()

@@ -18,7 +18,10 @@ loading anything (for ``plan``), loaded for ``train``.
   (:class:`ray_disagg.data.preference.PreferenceProcessor`; the keys of ``conversations``
   but ``labels``: the labels are the answers), for ``train_loop_config.objective: {type:
   dpo}``;
-- ``{type: parquet | json, paths: P}``: a Ray Data dataset (``ray.data.read_<type>``).
+- ``{type: parquet | json, paths: P}``: a Ray Data dataset (``ray.data.read_<type>``);
+- a list of map-style sources, each with a ``name`` and a ``weight``: a training mixture
+  (:func:`ray_disagg.mix`), e.g. ``[{name: captions, weight: 0.7, type: digits,
+  num_samples: 512}, {name: chat, weight: 0.3, type: conversations, records: chat.json}]``.
 
 Example:
     >>> parse_data({"type": "digits", "num_samples": 8}, "data.train")["start"]
@@ -63,6 +66,8 @@ DATA = {  # type -> keys (with defaults)
 
 
 def parse_data(value, path: str) -> dict:
+    if isinstance(value, list):
+        return _parse_mixture(value, path)
     if not isinstance(value, dict) or value.get("type") not in DATA:
         fail(
             f"{path}={value!r}: must be a mapping with type one of {list(DATA)}, e.g. "
@@ -83,6 +88,39 @@ def parse_data(value, path: str) -> dict:
     return {"type": value["type"], **d}
 
 
+def _parse_mixture(value: list, path: str) -> dict:
+    """``{"type": "mixture", "sources": [{name, weight, <source>}, ...]}``."""
+    if path != "data.train" or not value:
+        fail(f"{path}: a list of sources (a mixture) is for data.train, with one or more.")
+    sources, names = [], set()
+    for k, item in enumerate(value):
+        where = f"{path}[{k}]"
+        if not isinstance(item, dict) or "name" not in item or "weight" not in item:
+            fail(f"{where}={item!r}: a mixture's source needs a name and a weight.")
+        name, weight = item["name"], item["weight"]
+        check(name, f"{where}.name", str, "a string")
+        check(weight, f"{where}.weight", (int, float), "a number > 0")
+        if name in names:
+            fail(f"{where}.name={name!r}: another source has that name.")
+        names.add(name)
+        d = parse_data({k: v for k, v in item.items() if k not in ("name", "weight")}, where)
+        if _kind(d) != "map":
+            fail(
+                f"{where}: a mixture takes map-style sources (digits, conversations from a "
+                f".json list), not {d['type']} {'records' if 'records' in d else 'paths'}."
+            )
+        sources.append({"name": name, "weight": weight, **d})
+    return {"type": "mixture", "sources": sources}
+
+
+def _kind(d: dict) -> str:
+    if d["type"] in ("parquet", "json"):
+        return "ray"
+    if d["type"] in ("conversations", "preference") and not str(d["records"]).endswith(".json"):
+        return "stream"
+    return "map"
+
+
 def _local(path: str, key: str) -> str:
     path = os.path.expanduser(str(path))
     if "://" not in path and not os.path.exists(path):
@@ -98,11 +136,8 @@ def data_spec(data: dict):
     ``.parquet`` files or a directory)."""
     from ray_disagg.layout import DataSpec
 
-    d, kind = data["train"], "map"
-    if d["type"] in ("parquet", "json"):
-        kind = "ray"
-    elif d["type"] in ("conversations", "preference") and not str(d["records"]).endswith(".json"):
-        kind = "stream"
+    d = data["train"]
+    kind = "map" if d["type"] == "mixture" else _kind(d)
     pairs = True if d["type"] == "preference" else None if kind == "ray" else False
     return DataSpec(kind=kind, validation="validation" in data, pairs=pairs)
 
@@ -110,6 +145,16 @@ def data_spec(data: dict):
 def build_dataset(recipe, which: str):
     """Load ``recipe.data[which]`` (Ray Data sources need Ray to be initialized)."""
     d, key = recipe.data[which], f"data.{which}"
+    if d["type"] == "mixture":
+        from ray_disagg.data.mixture import mix
+
+        built = {s["name"]: _build(recipe, s, f"{key}[{s['name']}]") for s in d["sources"]}
+        with at(key):
+            return mix(built, weights={s["name"]: s["weight"] for s in d["sources"]})
+    return _build(recipe, d, key)
+
+
+def _build(recipe, d: dict, key: str):
     config = recipe.model.load_config()
     if d["type"] == "digits":
         from ray_disagg.data.examples import digits_samples

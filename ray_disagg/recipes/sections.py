@@ -230,6 +230,7 @@ def plan_section(value, data: dict) -> dict:
     size = p["image_size"]
     if size is None:
         train = data["train"]
+        train = train["sources"][0] if train["type"] == "mixture" else train
         size = train["image_size"] if train["type"] == "digits" else 448
     if isinstance(size, int):
         size = [size, size]

@@ -30,6 +30,7 @@ class LoopArgs:
     frozen_parts: tuple[str, ...] = ()  # groups whose parameters are all frozen
     val_ref: list | None = None  # [ObjectRef] of the map-style validation samples
     val_plan: BatchPlan | None = None
+    sources: tuple[str, ...] = ()  # a mixture's sources (per-source metrics)
     group_recovery: bool = False  # the LLM group survives an encoder group's restart
     recovery_timeout_s: float = 900.0  # how long survivors wait for the restarted group
 
@@ -79,7 +80,7 @@ class LoopArgs:
         counters = [c for p in a.encoder_parts for c in a.counter_names(p)]
         objective = self.cfg.objective
         metrics = None if objective is None else objective.metric_names
-        return StepStats(list(self.groups), counters, metrics)
+        return StepStats(list(self.groups), counters, metrics, self.sources)
 
     def leader_side_rank(self, channel, group: str, dp_rank: int) -> int:
         """Side rank of the model-parallel rank 0 of replica ``dp_rank`` of ``group``."""

@@ -55,6 +55,17 @@ class MapStyleSource:
         return {p: SampleRef(int(indices[p]), self.split) for p in positions}
 
 
+def mixture_epochs(source, step: int) -> dict[str, int]:
+    """A mixture's ``epoch/<source>`` metrics after ``step`` (a leader's map-style source
+    of a :class:`~ray_disagg.data.mixture.Mixture`; else none)."""
+    from ray_disagg.data.mixture import Mixture
+
+    if not isinstance(source, MapStyleSource) or not isinstance(source.dataset, Mixture):
+        return {}
+    drawn = max(source.plan.global_indices(step)) + 1
+    return {f"epoch/{n}": e for n, e in source.dataset.epochs(drawn).items()}
+
+
 class Datasets:
     """The datasets an encoder worker resolves :class:`SampleRef` s against, fetched from
     the object store when built (before the first step: a failure or a long transfer then

@@ -20,95 +20,27 @@ import time
 import torch
 import torch.distributed as dist
 
+from ray_disagg.data.mixture import SOURCE_KEY, Mixture
 from ray_disagg.models import moe
-from ray_disagg.models.loss import lm_loss, loss_index
-from ray_disagg.parallel import context_parallel as cp
 from ray_disagg.pipeline.assignment import count_label_tokens
 from ray_disagg.pipeline.messages import StepKey
 from ray_disagg.pipeline.schedule import WAITS, Op, llm_actions
-from ray_disagg.worker import faults_hook, ingest, llm_io, recovery
+from ray_disagg.worker import faults_hook, ingest, llm_batch, llm_io, recovery
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.checkpoint import record_data_position
-from ray_disagg.worker.metrics import StepClock, log_line, plain, sample_ids, step_stats
-from ray_disagg.worker.objective import REF, ObjectiveRunner, sequence_index
+from ray_disagg.worker.metrics import (
+    StepClock,
+    label_tokens_by_source,
+    log_line,
+    plain,
+    sample_ids,
+    source_index,
+    step_stats,
+)
+from ray_disagg.worker.objective import REF, ObjectiveRunner
 from ray_disagg.worker.part_worker import PartModel, PartWorker
 from ray_disagg.worker.session import get_session
 from ray_disagg.worker.step import finish_step
-
-
-def _loss(adapter, lm_head, batch, received, n_labels, tp_group, vocab_start, chunk, ctx, model):
-    """The microbatch's loss; with a context slice ``ctx``, this rank's share of it. An
-    MoE LLM adds this rank's share of the router's auxiliary loss (``batch["router"]``:
-    the group of ranks holding different tokens, see :mod:`ray_disagg.models.moe`)."""
-    hidden, router_logits = adapter.llm_outputs(model, batch, received, context=ctx)
-    labels = batch["labels"] if ctx is None else batch["loss_targets"]
-    loss = lm_loss(
-        hidden,
-        lm_head,
-        labels,
-        n_labels,
-        tp_group,
-        vocab_start,
-        index=batch["loss_index"],
-        chunk_tokens=chunk,
-        shifted=ctx is not None,
-        min_chunks=batch["loss_chunks"],
-    )
-    if router_logits is None or "router" not in batch:
-        return loss
-    aux = moe.router_aux_loss(
-        router_logits, adapter.router, batch["attention_mask"], batch["router"]
-    )
-    return loss + aux
-
-
-def _collate(w: PartWorker, items: list[dict], sequences: bool = False) -> dict:
-    """The microbatch's LLM batch on the device; ``sequences``: with ``loss_seq``, the
-    sequence (item) of each label position, and ``num_sequences`` (a per-sequence
-    objective)."""
-    if w.cfg.pack_sequences:
-        batch = w.adapter.collate_llm_packed(items, w.cfg.max_seq_len)
-    else:
-        batch = w.adapter.collate_llm(items)
-    if w.is_cp:  # this rank's slice: its next-token targets (the shift crosses slices)
-        ctx = _context(w, batch["input_ids"].shape[1], items)
-        lo, hi = ctx.bounds[ctx.rank]
-        batch["loss_targets"] = cp.local_targets(batch["labels"], lo, hi)
-        batch["loss_index"] = loss_index(batch["loss_targets"], shifted=True)
-        batch["context"] = ctx
-        if sequences:
-            batch["loss_seq"] = sequence_index(batch, batch["loss_index"], (lo, hi))
-    else:
-        batch["loss_index"] = loss_index(batch["labels"])  # on the host: no device sync
-        if sequences:
-            batch["loss_seq"] = sequence_index(batch, batch["loss_index"])
-    if sequences:
-        batch["num_sequences"] = len(items)
-    batch["loss_chunks"] = _loss_chunks(w, len(batch["loss_index"]))
-    return {n: v.to(w.device) if torch.is_tensor(v) else v for n, v in batch.items()}
-
-
-def _loss_chunks(w: PartWorker, positions: int) -> int:
-    """Loss chunks every rank runs: with FSDP2 the group's most (the ``lm_head`` unit's
-    collectives run once per chunk and must match across ranks), else this rank's."""
-    chunk = w.cfg.loss_chunk_tokens
-    if chunk is None or not w.fsdp:
-        return 1
-    n = torch.tensor([-(-positions // chunk)], dtype=torch.int64)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=w.rt.object_group)  # gloo, on the host
-    return int(n)
-
-
-def _context(w: PartWorker, seq_len: int, items: list[dict]):
-    """This rank's :class:`~ray_disagg.parallel.context_parallel.ContextSlice` of rows of
-    ``seq_len`` tokens (an error naming the samples when they are too short to split)."""
-    try:
-        bounds = tuple(cp.slice_bounds(seq_len, w.cp_mesh.size()))
-    except ValueError as e:
-        ids = [plain(it.get("id")) for it in items]
-        raise ValueError(f"LLM microbatch of samples {ids}: {e}") from None
-    rank = w.cp_mesh.get_local_rank()
-    return cp.ContextSlice(group=w.cp_mesh.get_group(), rank=rank, bounds=bounds)
 
 
 class LLMModel:
@@ -125,6 +57,7 @@ class LLMModel:
             objective.load = self.load
         obj = w.cfg.objective
         keys = ("input_ids", "labels") if obj is None else (*obj.sequence_keys, *obj.fields)
+        keys += (SOURCE_KEY,) if w.args.sources else ()  # a mixture's per-source metrics
         self.text_keys = ("id", *keys, *w.adapter.llm_fields())
         self.grad_names = {  # crossings whose encoder has something to train
             c.name
@@ -142,9 +75,10 @@ class LLMModel:
         seqs = items if self.objective is None else self.objective.sequences(items)[0]
         return sum(len(q["input_ids"]) for q in seqs)
 
-    def loss(self, items, mb, received, rows, n_labels, grad: bool):
+    def loss(self, items, mb, received, rows, n_labels, grad: bool, by_source=None):
         """The microbatch's loss: the token loss over ``n_labels`` (the global batch's
-        label tokens), or the objective's (``n_labels``: the global batch's samples)."""
+        label tokens), or the objective's (``n_labels``: the global batch's samples);
+        ``by_source``: a mixture's per-source sums of the token loss, added to."""
         w = self.w
         if self.load is not None:  # count this forward's routing (not recomputations)
             self.load.active = grad
@@ -152,21 +86,26 @@ class LLMModel:
             if self.objective is not None:
                 samples = [items[p] for p in mb[w.part][w.dp_rank]]
                 return self.objective.loss(self.policy, samples, received, rows, n_labels, grad)
-            return self._token_loss(items, mb, received, n_labels, grad)
+            return self._token_loss(items, mb, received, n_labels, grad, by_source)
         finally:
             if self.load is not None:
                 self.load.active = False
 
-    def _token_loss(self, items, mb, received, n_labels, grad: bool):
+    def _token_loss(self, items, mb, received, n_labels, grad: bool, by_source=None):
         w = self.w
-        batch = _collate(w, [items[p] for p in mb[w.part][w.dp_rank]])
+        mine = [items[p] for p in mb[w.part][w.dp_rank]]
+        batch = llm_batch.collate(w, mine, sequences=by_source is not None)
         if grad and w.adapter.router is not None:  # validation reports the token loss
             batch["router"] = w.dp_mesh.get_group() if w.dp_mesh.size() > 1 else None
         ctx = batch.pop("context", None)
         chunk = w.cfg.loss_chunk_tokens
         loss_args = (batch, received, n_labels, self.tp_group, self.vocab_start, chunk, ctx)
         with torch.autocast(w.device.type, torch.bfloat16, enabled=w.cfg.bf16):
-            return w.runner(functools.partial(_loss, w.adapter, self.lm_head, *loss_args))
+            loss = functools.partial(llm_batch.loss, w.adapter, self.lm_head, *loss_args)
+            total, per_sequence = w.runner(loss)
+        if by_source is not None:
+            by_source.index_add_(0, source_index(mine, w.args.sources, w.device), per_sequence)
+        return total
 
     def expert_load(self) -> dict[str, float]:
         """The step's ``<part>_expert_load_max`` / ``_mean`` over the global batch (MoE;
@@ -190,6 +129,9 @@ class LLMStep:
         self.received = {}  # microbatch -> (its crossings, their routes back, rows)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.w.device)
         self.tokens = 0
+        n = len(self.w.args.sources) if grad else 0  # a mixture's per-source loss sums
+        self.by_source = torch.zeros(n, device=self.w.device) if n else None
+        self.source_labels = [0] * n
         if grad and llm.objective is not None:
             llm.objective.reset()
 
@@ -206,7 +148,8 @@ class LLMStep:
                 handlers[action.op](action.mb)
         recovery.agree(self.w)  # the step's last transfers went through on every rank
         if self.w.is_cp:  # the replica's loss: the sum of its ranks' slices
-            llm_io.sum_over_cp(self.w, [self.loss_sum])
+            sums = [self.loss_sum] + ([self.by_source] if self.by_source is not None else [])
+            llm_io.sum_over_cp(self.w, sums)
 
     def wait_sends(self, _mb=None) -> None:
         recovery.guarded(self.w, self.w.wait_pending)
@@ -231,6 +174,8 @@ class LLMStep:
         items = {p: {k: s[k] for k in keys if k in s} for p, s in self.samples.items()}
         self.items = w.broadcast_object(items)
         self.local_labels = self.llm.label_tokens(self.items.values())
+        if self.by_source is not None:
+            self.source_labels = label_tokens_by_source(w, self.items.values())
         if self.grad:  # the loss's normaliser: label tokens, or an objective's samples
             local = self.local_labels if self.llm.objective is None else len(self.items)
             n = torch.tensor([local], dtype=torch.float64, device=w.device)
@@ -256,7 +201,9 @@ class LLMStep:
             shared, rows = llm_io.share(w, received, rows)
             names = self.llm.grad_names if self.grad else ()
             received = {n: v.requires_grad_(n in names) for n, v in shared.items()}
-            loss = self.llm.loss(self.items, mb, received, rows, self.n_labels, self.grad)
+            loss = self.llm.loss(
+                self.items, mb, received, rows, self.n_labels, self.grad, self.by_source
+            )
         sends = self.grad and w.leader and self.llm.grad_names  # kept for SEND_GRADS
         kept = {k: v for k, v in received.items() if not k.startswith(REF)}
         self.received[j] = (kept, routes, rows) if sends else None
@@ -341,13 +288,15 @@ def llm_train_loop(args: LoopArgs) -> None:
     model = w.build()
     start = w.setup(model)  # the plans (parallelize_part), FSDP2, weights, optimizer
     data = get_session().fetch(args.dataset_ref[0])
+    if isinstance(data, Mixture):  # saved with each checkpoint: a resume must match it
+        w.writer.mixture = data.fingerprint()
     source = ingest.make_source(
         data, args.plan, w.dp_rank, w.leader, w.part, w.rt.object_group, w.data_state
     )
     par = w.parallel
     objective = None
     if w.cfg.objective is not None:
-        objective = ObjectiveRunner(w, w.build_reference(), _collate)
+        objective = ObjectiveRunner(w, w.build_reference(), llm_batch.collate)
     llm = LLMModel(w, model, par.lm_head, par.tp_group, par.vocab_start, objective)
     if objective is not None and w.cfg.objective.reference == "precompute":
         _precompute(w, llm, data, start)
@@ -376,6 +325,7 @@ def _train_step(w: PartWorker, llm: LLMModel, source, step: int, actions, evalua
     run.run(actions)
     ids, extra = sample_ids(w, run)
     extra.update(record_data_position(w, source, step))
+    extra.update(ingest.mixture_epochs(source, step))
     extra.update(llm.expert_load())
     stats = step_stats(w, run, llm.objective and llm.objective.take_metrics())
     finish_step(w, step, stats, sample_ids=ids, evaluate=evaluate, extra=extra)

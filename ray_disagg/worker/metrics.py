@@ -37,12 +37,16 @@ class StepStats:
       each group, from its rank 0;
     - counters (``images``, ``videos``, ``audios``, ``tiles``): the encoder groups' DP leaders;
     - with a per-sequence objective, ``objective_samples`` and the sums of its
-      ``metric_names`` (reported as means over the samples): the LLM's DP leaders.
+      ``metric_names`` (reported as means over the samples): the LLM's DP leaders;
+    - a mixture's ``loss/<source>`` (summed token loss) and ``label_tokens/<source>``:
+      the LLM's DP leaders.
     """
 
-    def __init__(self, groups: list[str], counters: list[str], objective_metrics=None):
+    def __init__(self, groups: list[str], counters: list[str], objective_metrics=None,
+                 sources=()):  # fmt: skip
         self.groups, self.counters = list(groups), list(counters)
         self.objective_metrics = objective_metrics  # None: no objective (SFT)
+        self.sources = tuple(sources)
         names = ["loss", "label_tokens", "llm_tokens", "samples", "cycle", "transfer_fallbacks"]
         names += ["checkpoint_writing"]
         per_group = ("sq", "time", "wait", "peak", "inflight", "bwd")
@@ -50,6 +54,7 @@ class StepStats:
         names += list(counters)
         if objective_metrics is not None:
             names += ["objective_samples", *objective_metrics]
+        names += [f"{k}/{src}" for src in self.sources for k in ("loss", "label_tokens")]
         self.index = {n: i for i, n in enumerate(names)}
 
     def new(self) -> torch.Tensor:
@@ -85,6 +90,10 @@ class StepStats:
         if self.objective_metrics is not None:
             n = max(s["objective_samples"], 1.0)
             out.update({m: s[m] / n for m in self.objective_metrics})
+        for src in self.sources:  # the source's mean token loss (NaN: none in the step)
+            n = s[f"label_tokens/{src}"]
+            out[f"loss/{src}"] = s[f"loss/{src}"] / n if n else float("nan")
+            out[f"label_tokens/{src}"] = int(n)
         return out
 
     def total_norm(self, stats) -> float:
@@ -226,12 +235,34 @@ def step_stats(w, run, objective_sums=None):
         stats[ix["label_tokens"]] = run.local_labels
         stats[ix["llm_tokens"]] = run.tokens
         stats[ix["samples"]] = len(run.items)
+        if run.by_source is not None:
+            sums = run.by_source.tolist()  # after the last gradients were posted
+            for src, total, n in zip(w.args.sources, sums, run.source_labels):
+                stats[ix[f"loss/{src}"]], stats[ix[f"label_tokens/{src}"]] = total, n
         if objective_sums:
             first = ix["objective_samples"]
             stats[first : first + len(objective_sums)] = torch.tensor(
                 objective_sums, dtype=torch.float64
             )
     return stats
+
+
+def source_index(items, sources: tuple[str, ...], device) -> torch.Tensor:
+    """The source (index into ``sources``) of each item of a mixture's microbatch."""
+    from ray_disagg.data.mixture import SOURCE_KEY
+
+    return torch.tensor([sources.index(it[SOURCE_KEY]) for it in items], device=device)
+
+
+def label_tokens_by_source(w, items) -> list[int]:
+    """The label tokens of ``items`` per source of the run's mixture (host counts)."""
+    from ray_disagg.data.mixture import SOURCE_KEY
+    from ray_disagg.pipeline.assignment import count_label_tokens
+
+    out = [0] * len(w.args.sources)
+    for it in items:
+        out[w.args.sources.index(it[SOURCE_KEY])] += count_label_tokens(w.adapter.labels(it))
+    return out
 
 
 def sample_ids(w, run) -> tuple[list, dict]:

@@ -35,6 +35,7 @@ from ray_disagg.worker import background_save
 
 __all__ = [
     "DATA_STATE",
+    "MIXTURE",
     "REFERENCE_LOGPS",
     "ShardWriter",
     "check_compatible",
@@ -53,6 +54,7 @@ __all__ = [
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
 DATA_STATE = "data_state.json"  # a conversation stream's position, in the LLM's directory
 REFERENCE_LOGPS = "reference_logps.json"  # precomputed [[record id, chosen, rejected], ...]
+MIXTURE = "mixture.json"  # a training mixture's fingerprint (ray_disagg.data.mixture)
 
 
 def _kept(model, names) -> dict[str, torch.Tensor]:
@@ -296,6 +298,7 @@ class ShardWriter:
     cfg: object = None  # the TrainLoopConfig: its lr schedule is recorded
     data_state: dict | None = None  # a stream's position, written with the next checkpoint
     reference_logps: list | None = None  # precomputed reference log-probs (the LLM's)
+    mixture: dict | None = None  # the training mixture's fingerprint (the LLM's)
 
     names: set | None = None  # a LoRA part: only its adapter's parameters are saved
     lora: tuple | None = None  # a LoRA part: (its LoraConfig, the base's record)
@@ -325,7 +328,7 @@ class ShardWriter:
                 state["next_lr"] = lr_at(self.cfg, step + 1)
             with open(os.path.join(d, "trainer_state.json"), "w") as f:
                 json.dump(state, f)
-            for name, value in ((DATA_STATE, self.data_state),
+            for name, value in ((DATA_STATE, self.data_state), (MIXTURE, self.mixture),
                                 (REFERENCE_LOGPS, self.reference_logps)):  # fmt: skip
                 if value is not None:
                     with open(os.path.join(d, name), "w") as f:

@@ -13,7 +13,7 @@ import pytest
 import ray
 import torch
 
-from ray_disagg import HFModelSpec, load_metrics, tiny_qwen2_5_vl_config
+from ray_disagg import DisaggregatedTrainer, HFModelSpec, load_metrics, tiny_qwen2_5_vl_config
 from ray_disagg.planner.memory import GiB, estimate, per_gpu
 from ray_disagg.recipes.cli import main
 from ray_disagg.recipes.recipe import (
@@ -298,7 +298,8 @@ def test_train_digits_recipe_with_a_frozen_vision_group(ray_start_4_cpus, tmp_pa
     """``train`` in-process on the shared cluster (it must not call ray.init again), with
     the vision group frozen by an override: it never runs a backward pass, its weights
     stay the initial ones, and the text group equals the single-process run with the same
-    freezing (losses, validation losses, parameters)."""
+    freezing (losses, validation losses, parameters). The training data is a mixture of
+    two digits sources with weights (a list in the recipe), with per-source metrics."""
     argv = [
         "digits_cpu",
         "train_loop_config.max_steps=3",
@@ -307,7 +308,8 @@ def test_train_digits_recipe_with_a_frozen_vision_group(ray_start_4_cpus, tmp_pa
         "train_loop_config.warmup_steps=1",
         "train_loop_config.eval_every=1",
         "train_loop_config.checkpoint_every=1",
-        "data.train.num_samples=16",
+        "data.train=[{name: low, weight: 0.7, type: digits, num_samples: 12},"
+        " {name: high, weight: 0.3, type: digits, num_samples: 4, start: 100}]",
         "data.validation.num_samples=4",
         "groups.vision.trainable=false",
         "groups.vision.resources_per_worker={CPU: 0.5}",
@@ -334,9 +336,15 @@ def test_train_digits_recipe_with_a_frozen_vision_group(ray_start_4_cpus, tmp_pa
     recipe = load_recipe(argv[0], argv[1:])
     kwargs = trainer_kwargs(recipe)
     data, val = kwargs["datasets"]["train"], kwargs["datasets"]["validation"]
+    plan = DisaggregatedTrainer(**kwargs).plan  # the mixture's draws, in order
     ref_losses, _, ref_model, ref_val = reference_train(
-        recipe.model, data, recipe.loop, groups=recipe.groups, val=val
+        recipe.model, data, recipe.loop, groups=recipe.groups, val=val, plan=plan
     )
+    drawn = [data[i]["source"] for s in range(3) for i in plan.global_indices(s)]
+    assert {"low", "high"} <= set(drawn)
+    for name in ("low", "high"):
+        assert history[f"label_tokens/{name}"].sum() > 0 or name not in drawn
+        assert f"loss/{name}" in history and f"epoch/{name}" in history
     for key, ref in (("loss", ref_losses), ("val_loss", ref_val)):
         got = torch.tensor(history[key].tolist())
         torch.testing.assert_close(got, torch.tensor(ref), rtol=1e-5, atol=0.0)
