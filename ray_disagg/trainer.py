@@ -214,7 +214,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
             check_compatible(root, model.load_config(), self.loop_config.max_steps)
             check_lora_resume(root, model, self.groups)
             check_reference_resume(root, self.adapter.llm_part, self.loop_config)
-            check_mixture_resume(root, self.train_data)
+            check_mixture_resume(root, self.train_data, self.adapter.llm_part)
 
     def _batch_plan(self) -> BatchPlan:
         """The plan of every step's samples (map-style samples checked and costed here)."""

@@ -47,10 +47,14 @@ class Mixture:
                 "ray_disagg.mix(sources, ...): sources must be a non-empty dict of name -> "
                 "map-style dataset, e.g. mix({'captions': a, 'docs': b})."
             )
-        self.sources = {str(k): _check_source(str(k), v) for k, v in sources.items()}
+        if not all(isinstance(k, str) and k for k in sources):
+            raise ValueError(f"ray_disagg.mix: name the sources with strings, got {list(sources)}.")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"ray_disagg.mix(seed={seed!r}): must be an int >= 0.")
+        self.sources = {k: _check_source(k, v) for k, v in sources.items()}
         self.names = tuple(self.sources)
         self.probs = _probabilities(self.names, weights)
-        self.seed = int(seed)
+        self.seed = seed
         self._p = np.array([self.probs[n] for n in self.names])
         self._sizes = np.array([len(self.sources[n]) for n in self.names], np.int64)
         self._prefix = [np.zeros(len(self.names), np.int64)]  # counts before each block
@@ -67,9 +71,9 @@ class Mixture:
         return sample
 
     def fingerprint(self) -> dict:
-        """What a resumed run must find unchanged: the sources (names, sizes), the
-        weights and the seed."""
-        sizes = {n: int(v) for n, v in zip(self.names, self._sizes)}
+        """What a resumed run must find unchanged for its draws to continue: the sources
+        (their order and sizes; not their contents), the weights and the seed."""
+        sizes = [[n, int(v)] for n, v in zip(self.names, self._sizes)]
         return {"sources": sizes, "weights": dict(self.probs), "seed": self.seed}
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - one mixture per run
@@ -114,7 +118,9 @@ class Mixture:
     @functools.lru_cache(maxsize=16)  # noqa: B019
     def _order(self, s: int, epoch: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, 1 + s, epoch])
-        return rng.permutation(int(self._sizes[s]))
+        return rng.permutation(int(self._sizes[s])).astype(
+            np.int32 if self._sizes[s] < 2**31 else np.int64
+        )
 
     def epochs(self, draws: int) -> dict[str, int]:
         """Each source's epoch (from 0) after the first ``draws`` draws."""
@@ -139,6 +145,11 @@ def _check_source(name: str, data):
         )
     if len(data) == 0:
         raise ValueError(f"ray_disagg.mix: source {name!r} is empty; drop it from the mixture.")
+    if SOURCE_KEY in data[0]:
+        raise ValueError(
+            f"ray_disagg.mix: the samples of source {name!r} have a {SOURCE_KEY!r} field, "
+            "which a mixture sets to each sample's source name; rename the field."
+        )
     return data
 
 

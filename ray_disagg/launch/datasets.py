@@ -64,8 +64,9 @@ def batch_plan(data, adapter, cfg: TrainLoopConfig, groups, validated: bool) -> 
     if sizes is not None:
         lengths = sizes.pop("lengths")
         plan = BudgetPlan(**common, **_budget(cfg), lengths=lengths, patches=sizes)
-        if getattr(cfg.objective, "reference", None) == "precompute":  # its pass covers all
-            dataclasses.replace(plan, shuffle=False, cover=True)
+        if getattr(cfg.objective, "reference", None) == "precompute":
+            # its pass must cover every pair: a ValueError here, before the workers start
+            _ = dataclasses.replace(plan, shuffle=False, cover=True)
         return plan
     if cfg.max_tokens_per_microbatch is not None:  # a stream: each leader fills its own
         return StreamBudgetPlan(**common, **_budget(cfg), streamed_costs=True)

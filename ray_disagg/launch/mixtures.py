@@ -47,15 +47,13 @@ def _expand(scanned: dict, which: int, names, src, index) -> dict:
     return out
 
 
-def check_mixture_resume(root: str, data) -> None:
+def check_mixture_resume(root: str, data, llm_part: str) -> None:
     """The checkpoint under ``root`` was trained on the same mixture as ``data`` (or on no
     mixture, and ``data`` is none): else a ``ValueError`` naming what changed."""
-    saved = None
-    for d in sorted(os.listdir(root)):
-        path = os.path.join(root, d, MIXTURE)
-        if os.path.isfile(path):
-            with open(path) as f:
-                saved = json.load(f)
+    path, saved = os.path.join(root, llm_part, MIXTURE), None
+    if os.path.isfile(path):
+        with open(path) as f:
+            saved = json.load(f)
     now = data.fingerprint() if isinstance(data, Mixture) else None
     if saved == now:
         return

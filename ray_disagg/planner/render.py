@@ -51,6 +51,9 @@ def _parallelism(p) -> str:
 
 
 def _source(d: dict) -> str:
+    if d["type"] == "mixture":
+        parts = [f"{s['name']} x{s['weight']:g}: {_source(s)}" for s in d["sources"]]
+        return "mixture of " + "; ".join(parts)
     where = d.get("annotations") or d.get("paths") or d.get("records")
     if d["type"] == "digits":
         return f"digits ({d['num_samples'] or 'all'} from #{d['start']}, {d['image_size']} px)"

@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 from ray_disagg.recipes.schema import REQUIRED, at, check, fail, section
@@ -100,6 +101,10 @@ def _parse_mixture(value: list, path: str) -> dict:
         name, weight = item["name"], item["weight"]
         check(name, f"{where}.name", str, "a string")
         check(weight, f"{where}.weight", (int, float), "a number > 0")
+        if not math.isfinite(weight) or weight <= 0:
+            fail(
+                f"{where}.weight={weight!r}: must be a number > 0 (drop a source to leave it out)."
+            )
         if name in names:
             fail(f"{where}.name={name!r}: another source has that name.")
         names.add(name)
@@ -149,8 +154,9 @@ def build_dataset(recipe, which: str):
         from ray_disagg.data.mixture import mix
 
         built = {s["name"]: _build(recipe, s, f"{key}[{s['name']}]") for s in d["sources"]}
-        with at(key):
-            return mix(built, weights={s["name"]: s["weight"] for s in d["sources"]})
+        with at(key):  # the run's seed draws the samples
+            weights = {s["name"]: s["weight"] for s in d["sources"]}
+            return mix(built, weights=weights, seed=recipe.loop.seed)
     return _build(recipe, d, key)
 
 

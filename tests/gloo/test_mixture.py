@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ray_disagg import (
+    ContextParallel,
     HFModelSpec,
     load_metrics,
     mix,
@@ -34,14 +35,24 @@ def setup():
     return HFModelSpec(config=cfg, seed=5), {"captions": captions, "text": text}
 
 
-def test_a_mixture_trains_like_hf_with_each_sources_loss(setup, tmp_path):
-    spec, sources = setup
-    data = mix(sources, weights=WEIGHTS, seed=2)
-    groups = lambda: vt(group(1), group(2))  # noqa: E731
-    plan = built_trainer(spec, data, LOOP, groups(), tmp_path).plan
-    result = run_layout(spec, data, LOOP, groups(), tmp_path, "mix", local=True)
+CASES = {
+    "dp2-packed-1f1b": (lambda: vt(group(1), group(2)), LOOP),
+    "cp2": (
+        lambda: vt(group(1), group(2, ContextParallel(size=2))),
+        {k: v for k, v in LOOP.items() if k not in ("pack_sequences", "max_seq_len")},
+    ),
+}
 
-    assert_matches_reference(result, spec, data, LOOP, plan=plan)
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_mixture_trains_like_hf_with_each_sources_loss(setup, tmp_path, case):
+    spec, sources = setup
+    groups, loop = CASES[case]
+    data = mix(sources, weights=WEIGHTS, seed=2)
+    plan = built_trainer(spec, data, loop, groups(), tmp_path).plan
+    result = run_layout(spec, data, loop, groups(), tmp_path, case, local=True)
+
+    assert_matches_reference(result, spec, data, loop, plan=plan)
     history = load_metrics(result)
     steps = [[data[i] for i in plan.global_indices(s)] for s in range(3)]
     adapter, model = spec.adapter, spec.build_full()
@@ -62,7 +73,12 @@ def test_a_mixture_trains_like_hf_with_each_sources_loss(setup, tmp_path):
     assert history["epoch/text"].iloc[-1] == data.epochs(drawn)["text"] >= 1  # 3 samples
     assert {x[SOURCE_KEY] for step in steps for x in step} == set(WEIGHTS)
 
+    path, same = result.checkpoint.path, mix(sources, weights=WEIGHTS, seed=2)
+    check_mixture_resume(path, same, "text")
     changed = mix(sources, weights={"captions": 0.5, "text": 0.5}, seed=2)
     with pytest.raises(ValueError, match=r"changed training mixture \(weights: checkpoint"):
-        check_mixture_resume(result.checkpoint.path, changed)
-    check_mixture_resume(result.checkpoint.path, mix(sources, weights=WEIGHTS, seed=2))
+        check_mixture_resume(path, changed, "text")
+    reordered = mix({"text": sources["text"], "captions": sources["captions"]}, weights=WEIGHTS,
+                    seed=2)  # fmt: skip
+    with pytest.raises(ValueError, match=r"\(sources: checkpoint \[\['captions', 12\]"):
+        check_mixture_resume(path, reordered, "text")

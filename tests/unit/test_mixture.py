@@ -56,6 +56,8 @@ def test_draws_are_deterministic_random_access_and_each_source_has_epochs():
         ({**SOURCES, "e": []}, None, r"source 'e' is empty"),
         ({}, None, r"non-empty dict"),
         ({"a": iter([])}, None, r"source 'a' is a list_iterator; a mixture takes map-style"),
+        ({1: SOURCES["a"]}, None, r"name the sources with strings"),
+        ({"a": [{"source": "web"}]}, None, r"have a 'source' field.*rename the field"),
     ],
 )
 def test_bad_mixtures_are_refused(sources, weights, match):
@@ -112,3 +114,7 @@ def test_a_recipes_list_of_weighted_sources_is_a_mixture():
         load_recipe(recipe([{"name": "a", "weight": 1, **digits}, parquet]))
     with pytest.raises(ValueError, match=r"data.train\[1\].name='a': another source"):
         load_recipe(recipe([{"name": "a", "weight": 1, **digits}] * 2))
+    with pytest.raises(ValueError, match=r"data.train\[0\].weight=-1: must be a number > 0"):
+        load_recipe(recipe([{"name": "a", "weight": -1, **digits}]))
+    with pytest.raises(ValueError, match=r"mix\(seed=-1\): must be an int >= 0"):
+        mix(SOURCES, seed=-1)
