@@ -6,7 +6,7 @@ import functools
 import json
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import pandas as pd
@@ -32,6 +32,7 @@ from ray_disagg.launch.resources import (
     demand_lines,
     stream_actor_cpus,
 )
+from ray_disagg.launch.trackers import check_report_to
 from ray_disagg.layout import DataSpec, resolve
 from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.lora import check_lora_resume
@@ -124,7 +125,9 @@ class DisaggregatedTrainer(rc.TrainerBase):
     While ``fit()`` runs, the driver prints the layout, one line per reported step (a live
     bar when stdout is a terminal) and a summary at the end
     (:mod:`ray_disagg.launch.progress`); Ray Train's own log line of every report is
-    dropped in the workers unless ``verbose=True``.
+    dropped in the workers unless ``verbose=True``. ``report_to``: experiment trackers
+    (``"tensorboard"``, ``"mlflow"``, ``"wandb"``) the driver logs every reported step
+    and the run's settings to (:mod:`ray_disagg.launch.trackers`).
 
     Example:
         >>> import ray
@@ -163,6 +166,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
         transfer: Literal["auto"] | Tier = "auto",
         restart_failed_group: bool = True,
         verbose: bool = False,
+        report_to: Sequence[str] | str | None = None,
     ):
         if not isinstance(model, HFModelSpec):
             raise ValueError(
@@ -205,6 +209,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
             scaling_config=ScalingConfig(num_workers=total),
             run_config=run_config,
         )
+        self.report_to = check_report_to(report_to, self.metrics_file())
 
     def _check_resume(self, checkpoint: Checkpoint) -> None:
         """The checkpoint to resume from fits this run (config, steps, LoRA, DPO's

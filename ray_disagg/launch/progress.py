@@ -132,9 +132,11 @@ class Progress(threading.Thread):
     theirs)."""
 
     def __init__(self, path: str, max_steps: int, interval_s: float = 1.0, stream=None,
-                 echo: Callable[[str], None] | None = None):  # fmt: skip
+                 echo: Callable[[str], None] | None = None,
+                 on_step: Callable[[dict], None] | None = None):  # fmt: skip
         super().__init__(daemon=True, name="ray_disagg-progress")
         self.path, self.max_steps, self.interval_s = path, max_steps, interval_s
+        self.on_step = on_step  # each new step's metrics also go here (the trackers)
         self.stream = stream or sys.stdout
         self.echo = echo or (lambda line: print(PREFIX + line, file=self.stream, flush=True))
         self.offset = os.path.getsize(path) if os.path.isfile(path) else 0  # a resumed run's
@@ -162,6 +164,8 @@ class Progress(threading.Thread):
         for m in rows:
             self.steps[m["step"]] = m
             self.show(m)
+            if self.on_step is not None:
+                self.on_step(m)
 
     def show(self, m: dict) -> None:
         line = step_line(m, self.max_steps)
@@ -184,7 +188,7 @@ class RunProgress:
     def __init__(self, trainer, echo: Callable[[str], None] | None = None):
         self.trainer, self.t0 = trainer, time.monotonic()
         self.echo = echo or (lambda line: print(PREFIX + line, flush=True))
-        self.progress = None
+        self.progress = self.trackers = None
 
     def __enter__(self) -> RunProgress:
         t = self.trainer
@@ -198,7 +202,13 @@ class RunProgress:
             self.echo(line)
         path = t.metrics_file()
         if path is not None:
-            self.progress = Progress(path, cfg.max_steps, echo=self.echo)
+            if t.report_to:  # the trackers log what the progress display reads
+                from ray_disagg.launch.trackers import Trackers, run_params
+
+                run_dir, name = os.path.dirname(path), t.run_config.name
+                self.trackers = Trackers(t.report_to, run_dir, name, run_params(t))
+            log = None if self.trackers is None else self.trackers.log
+            self.progress = Progress(path, cfg.max_steps, echo=self.echo, on_step=log)
             self.progress.start()
         return self
 
@@ -207,6 +217,7 @@ class RunProgress:
         if self.progress is None:
             return result
         self.progress.stop()
+        self._close_trackers()
         checkpoint = None if result.checkpoint is None else result.checkpoint.path
         wall = time.monotonic() - self.t0
         for line in end_lines(self.progress.rows, self.trainer.groups, wall, checkpoint):
@@ -216,3 +227,9 @@ class RunProgress:
     def __exit__(self, *exc) -> None:
         if self.progress is not None and self.progress.is_alive():
             self.progress.stop()
+        self._close_trackers()
+
+    def _close_trackers(self) -> None:
+        if self.trackers is not None:
+            self.trackers.finish()
+            self.trackers = None

@@ -71,6 +71,7 @@ from ray_disagg.recipes.sections import (
     group_section,
     model_section,
     plan_section,
+    report_to_section,
     run_config_section,
 )
 from ray_disagg.transport import TIERS
@@ -104,6 +105,8 @@ class Recipe:
     run_config: RunConfig
     plan: dict
     raw: dict
+    report_to: tuple[str, ...] = ()
+    """``run_config.report_to``: the experiment trackers (``DisaggregatedTrainer(report_to=)``)."""
     layout: RunLayout | None = None
     """What :func:`ray_disagg.layout.resolve` made of the run (as the trainer will)."""
 
@@ -173,6 +176,7 @@ def load_recipe(source, overrides=(), *, for_training: bool = False) -> Recipe:
         wait_for_resources=top["wait_for_resources"],
         data=data,
         run_config=run_config_section(top["run_config"], name),
+        report_to=report_to_section(top["run_config"]),
         plan=plan_section(top["plan"], data),
         raw=raw,
     )
@@ -200,4 +204,5 @@ def trainer_kwargs(recipe: Recipe) -> dict[str, Any]:
         placement=recipe.placement,
         transfer=recipe.transfer,
         wait_for_resources=recipe.wait_for_resources,
+        report_to=recipe.report_to,
     )

@@ -88,7 +88,8 @@ PARALLELISM = {  # type -> (class, allowed keys: the class's fields)
         )
     },
 }
-RUN = {"name": None, "storage_path": None, "max_failures": 0, "checkpoint": None}
+RUN = {"name": None, "storage_path": None, "max_failures": 0, "checkpoint": None,
+       "report_to": None}  # fmt: skip
 CHECKPOINT = {"num_to_keep": None, "score_attribute": None, "order": "max"}
 PLAN = {"image_size": None, "images_per_sample": 1, "seq_len": None}
 
@@ -201,6 +202,18 @@ def lora_section(value, path: str):
 
     with at(path):
         return require_peft().LoraConfig(**{LORA[k][0]: v for k, v in lora.items()})
+
+
+def report_to_section(value) -> tuple[str, ...]:
+    """``run_config.report_to``: the experiment trackers (names checked here; their
+    packages by the trainer)."""
+    from ray_disagg.launch.trackers import TRACKERS
+
+    names = (value or {}).get("report_to") if isinstance(value, dict) else None
+    names = [names] if isinstance(names, str) else list(names or [])
+    for k, name in enumerate(names):
+        choice(name, f"run_config.report_to[{k}]", TRACKERS)
+    return tuple(names)
 
 
 def run_config_section(value, name: str) -> RunConfig:

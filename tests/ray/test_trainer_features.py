@@ -74,8 +74,12 @@ def setup():
 
 
 def test_schedule_freezing_validation_packing_and_callbacks_match_reference(
-    ray_start_4_cpus, setup, tmp_path
+    ray_start_4_cpus, setup, tmp_path, monkeypatch
 ):
+    """(Also the experiment trackers, logging from the driver: TensorBoard, MLflow and
+    W&B offline.)"""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
     spec, data, val = setup
     groups = vt(group(1), group(2, TensorParallel(size=2)))
     groups["vision"].freeze, groups["vision"].lr_multiplier = FROZEN, 3.0
@@ -93,6 +97,7 @@ def test_schedule_freezing_validation_packing_and_callbacks_match_reference(
         validation=val,
         callbacks=[RecordReports(str(reports))],
         checkpoint_config=score,
+        report_to=["tensorboard", "mlflow", "wandb"],
     )
     cfg = TrainLoopConfig(**LOOP)
     planned = built_trainer(spec, data, LOOP, groups, tmp_path, validation=val)
@@ -129,6 +134,20 @@ def test_schedule_freezing_validation_packing_and_callbacks_match_reference(
     assert (
         {f"checkpoint_{s:06d}" for s in best} <= kept <= {f"checkpoint_{s:06d}" for s in [*best, 4]}
     )
+    # every step reached the trackers, from the driver, with the run's settings
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(result.path, "tensorboard"))
+    events.Reload()
+    logged = events.Scalars("val_loss")
+    assert [e.step for e in logged] == [1, 2, 3, 4]
+    assert [e.value for e in logged] == pytest.approx(history["val_loss"].tolist(), rel=1e-6)
+    client = MlflowClient(tracking_uri=f"sqlite:///{result.path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("ray_disagg").experiment_id])
+    assert run.data.params["loop.max_tokens_per_microbatch"] == "48"
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == 4
+    assert os.listdir(os.path.join(result.path, "wandb"))
     # the user callback saw every report, once, each with its checkpoint
     seen = [json.loads(line) for line in reports.read_text().splitlines()]
     assert seen == [{"step": s, "ckpt": True} for s in range(1, 5)]
