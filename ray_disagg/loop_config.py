@@ -167,6 +167,11 @@ class TrainLoopConfig:
     """Add the metric ``sample_ids``: the indices of the samples each step trained on, in
     order (an audit that no sample is repeated or dropped within an epoch)."""
 
+    trace_steps: tuple[int, ...] = setting((), ge=1)
+    """Steps (from 1, as reported) whose actions each group's rank 0 records with their
+    start and end times into ``<run>/trace/<group>.jsonl``: the timeline that
+    ``ray-disagg plot RUN_DIR`` draws (which group waits for which, the 1F1B overlap)."""
+
     report_placement: bool = setting(False)
     """Add the metric ``placement``: each worker's ``[placement group id, bundle index]``
     per group (to check where ``placement="colocated"`` put the workers)."""
@@ -194,6 +199,12 @@ class TrainLoopConfig:
                 "packed row), e.g. 4096."
             )
         self._check_budget()
+        late = [s for s in self.trace_steps if s > self.max_steps]
+        if late:
+            raise ValueError(
+                f"train_loop_config['trace_steps'] has {late}, after the run's last step "
+                f"(max_steps={self.max_steps}); trace steps 1..{self.max_steps}."
+            )
 
     def _check_budget(self) -> None:
         budget = self.max_tokens_per_microbatch

@@ -5,9 +5,10 @@ defaults (:func:`defaults`).
 
 The type is the field's annotation: ``bool``, ``int``, ``float``, ``str``, a
 ``Literal[...]`` of allowed values (read with ``typing.get_args``), a fixed-length
-``tuple[float, float]``, ``tuple[str, ...]`` or ``dict``; ``... | None`` also allows
-``None``. A ``bool`` is refused where an int or a float is meant, a float where an int is
-(``1e3`` from YAML: "write 1000"); numpy integers and floats are taken as Python ones.
+``tuple[float, float]``, ``tuple[str, ...]``, ``tuple[int, ...]`` or ``dict``;
+``... | None`` also allows ``None``. A ``bool`` is refused where an int or a float is
+meant, a float where an int is (``1e3`` from YAML: "write 1000"); numpy integers and
+floats are taken as Python ones.
 
 Example:
     >>> from dataclasses import dataclass
@@ -166,6 +167,8 @@ def _describe(tp, bounds: _Bounds) -> str:
     if origin is tuple and typing.get_args(tp)[-1] is not Ellipsis:
         n = len(typing.get_args(tp))
         return f"{n} numbers" + bounds.text()
+    if origin is tuple and typing.get_args(tp)[0] is int:
+        return "a list of ints" + bounds.text()
     if origin is tuple:
         return "a list of non-empty strings"
     if tp is str:
@@ -197,6 +200,12 @@ def _convert(value, tp, bounds: _Bounds) -> tuple[bool, Any, str]:
 
 
 def _convert_tuple(value, args, bounds: _Bounds) -> tuple[bool, Any, str]:
+    if args[-1] is Ellipsis and args[0] is int:  # tuple[int, ...]: each element bounded
+        value = (value,) if isinstance(value, numbers.Integral) else value
+        if not isinstance(value, list | tuple):
+            return False, value, ""
+        out = [_convert(v, int, bounds) for v in value]
+        return all(ok for ok, _, _ in out), tuple(v for _, v, _ in out), ""
     if args[-1] is Ellipsis:  # tuple[str, ...]: one string is a tuple of one
         value = (value,) if isinstance(value, str) else value
         ok = isinstance(value, list | tuple) and all(isinstance(v, str) and v for v in value)

@@ -127,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Overrides are dotted keys with YAML values, e.g. train_loop_config.max_steps=4 "
         "groups.vision.trainable=false 'groups.text.parallelism={type: tensor, size: 2}'.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,recipes}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,plot,recipes}")
     for name, text in (
         ("train", "build the trainer from RECIPE and fit() it"),
         ("plan", "check RECIPE without starting Ray; print the layout and memory per worker"),
@@ -137,6 +137,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides")
         if name == "plan":
             _auto_arguments(p)
+    p = sub.add_parser("plot", help="draw a run's loss, step times and traced steps",
+                       description="draw a run's loss, step times and traced steps")  # fmt: skip
+    p.add_argument("run_dir", help="the run's directory (<storage_path>/<name>)")
+    p.add_argument("--out", help="where to write the pictures (default: the run's directory)")
     sub.add_parser("recipes", help="list the bundled recipes")
     return parser
 
@@ -165,7 +169,12 @@ def main(argv: list[str] | None = None):
     and raises ``SystemExit(2)``."""
     args = _parser().parse_args(argv)
     try:
-        if args.command == "recipes":
+        if args.command == "plot":
+            from ray_disagg.plot_run import plot_run
+
+            out = plot_run(args.run_dir, args.out)
+            print("\n".join(out))
+        elif args.command == "recipes":
             from ray_disagg.recipes.recipe import bundled_recipes
 
             out = "\n".join(f"{k}  {v}" for k, v in sorted(bundled_recipes().items()))

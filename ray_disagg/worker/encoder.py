@@ -148,7 +148,7 @@ class EncoderStep:
         for action in actions:
             if action.op is Op.RECV_GRADS and not self.w.leader:
                 continue
-            with self.w.clock.span(waiting=action.op in WAITS):
+            with self.w.clock.span(waiting=action.op in WAITS, action=action):
                 handlers[action.op](action.mb)
 
     def recv_inputs(self, _mb) -> None:
@@ -216,6 +216,7 @@ def encoder_train_loop(args: LoopArgs, part: str) -> None:
         _reference_pass(w, data, args.reference_plan)
     for step in range(start, w.cfg.max_steps):
         faults_hook.drill(part, w.group_rank, step)
+        w.clock.begin(step, w.cfg.trace_steps)
         key = StepKey(step)
         run = EncoderStep(w, data, args.plan, step, key, grad=not w.frozen, reference=reference)
         run.run(actions)

@@ -144,7 +144,7 @@ class LLMStep:
             Op.SEND_GRADS: self.send_grads,
         }
         for action in actions:
-            with self.w.clock.span(waiting=action.op in WAITS):
+            with self.w.clock.span(waiting=action.op in WAITS, action=action):
                 handlers[action.op](action.mb)
         recovery.agree(self.w)  # the step's last transfers went through on every rank
         if self.w.is_cp:  # the replica's loss: the sum of its ranks' slices
@@ -321,6 +321,7 @@ def llm_train_loop(args: LoopArgs) -> None:
 
 def _train_step(w: PartWorker, llm: LLMModel, source, step: int, actions, evaluate) -> None:
     faults_hook.drill(w.part, w.group_rank, step)
+    w.clock.begin(step, w.cfg.trace_steps)
     run = LLMStep(llm, source, w.args.plan, step, StepKey(step), grad=True)
     run.run(actions)
     ids, extra = sample_ids(w, run)

@@ -110,10 +110,16 @@ class StepClock:
         self.excluded = 0.0
         self.cycles: list[float] = []
         self.compute = self.wait = 0.0
+        self.trace: list | None = None  # a traced step's [action, start, end, waiting]
+
+    def begin(self, step: int, trace_steps) -> None:
+        """Start ``step`` (from 0): its actions are recorded when it is one of
+        ``trace_steps`` (from 1)."""
+        self.trace = [] if step + 1 in trace_steps else None
 
     @contextlib.contextmanager
-    def span(self, waiting: bool):
-        t0 = time.perf_counter()
+    def span(self, waiting: bool, action=None):
+        t0, wall = time.perf_counter(), time.time()
         try:
             yield
         finally:
@@ -122,6 +128,8 @@ class StepClock:
                 self.wait += dt
             else:
                 self.compute += dt
+            if self.trace is not None and action is not None:
+                self.trace.append([str(action), wall, wall + dt, waiting])
 
     def take(self) -> tuple[float, float]:
         """``(compute, wait)`` seconds of this step so far; starts the next step at 0."""
@@ -144,6 +152,21 @@ class StepClock:
         """Mean step time without the first (warm-up) step."""
         steady = self.cycles[1:] or self.cycles
         return sum(steady) / len(steady)
+
+
+def write_trace(w, step: int) -> None:
+    """A traced step's actions (group rank 0) as one line of ``<run>/trace/<group>.jsonl``:
+    ``{"step", "group", "actions": [{"action", "start", "end", "waiting"}, ...]}`` (wall
+    clock seconds)."""
+    trace, w.clock.trace = w.clock.trace, None
+    if trace is None or w.group_rank != 0 or not w.args.metrics_path:
+        return
+    folder = os.path.join(os.path.dirname(w.args.metrics_path), "trace")
+    os.makedirs(folder, exist_ok=True)
+    keys = ("action", "start", "end", "waiting")
+    line = {"step": step + 1, "group": w.part, "actions": [dict(zip(keys, a)) for a in trace]}
+    with open(os.path.join(folder, f"{w.part}.jsonl"), "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def group_lrs(args, step: int) -> dict[str, float]:

@@ -158,6 +158,7 @@ def finish_step(w, step: int, stats, *, sample_ids=(), inflight=1, evaluate=None
     """Reduce, exchange the step's stats, clip, step at the scheduled learning rate, run
     ``evaluate(step)`` (this rank's ``[loss sum, label tokens]`` of the validation set) on
     evaluation steps, and report."""
+    metrics.write_trace(w, step)  # a traced step's actions (not the update's)
     with w.clock.span(waiting=False):
         reduce_grads(w)
         sq = tp.grad_sq_norm(w.params, dist.group.WORLD, w.device)

@@ -128,3 +128,14 @@ def test_the_recipe_schema_takes_its_defaults_from_the_declarations():
         recipe.load_recipe("digits_cpu", ["groups.vision.standby=maybe"])
     with pytest.raises(ValueError, match=r"model.attn_implementation='flash'.*'sdpa', 'eager'"):
         recipe.load_recipe("digits_cpu", ["model.attn_implementation=flash"])
+
+
+def test_trace_steps_are_steps_of_the_run():
+    from ray_disagg import TrainLoopConfig
+
+    cfg = TrainLoopConfig(max_steps=4, global_batch_size=1, trace_steps=[1, 4])
+    assert cfg.trace_steps == (1, 4)
+    with pytest.raises(ValueError, match=r"trace_steps'\]=\[0\]: must be a list of ints >= 1"):
+        TrainLoopConfig(max_steps=4, global_batch_size=1, trace_steps=[0])
+    with pytest.raises(ValueError, match=r"has \[5\], after the run's last step \(max_steps=4\)"):
+        TrainLoopConfig(max_steps=4, global_batch_size=1, trace_steps=[2, 5])

@@ -1,0 +1,41 @@
+"""Tier 2 (the groups' workers without Ray): a traced 1F1B step records each group's
+rank-0 actions in the order of the schedule's action lists, with their measured times,
+and ``ray-disagg plot RUN_DIR`` draws the run (loss, step times, the traced step's
+timeline)."""
+
+import os
+
+from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
+from ray_disagg.data.examples import synthetic_samples
+from ray_disagg.pipeline.schedule import encoder_actions, llm_actions
+from ray_disagg.plot_run import read_traces
+from ray_disagg.recipes.cli import main
+from tests.helpers import group, run_layout, vt
+
+
+def test_a_traced_1f1b_step_follows_the_schedule_and_is_plotted(tmp_path):
+    cfg = tiny_qwen2_5_vl_config()
+    loop = {"max_steps": 2, "global_batch_size": 6, "micro_batches": 3, "trace_steps": [2]}
+    data = synthetic_samples(cfg, 12)
+    result = run_layout(
+        HFModelSpec(config=cfg, seed=1), data, loop, vt(group(1), group(1)), tmp_path, "trace",
+        local=True,
+    )  # fmt: skip
+
+    traces = read_traces(result.path)
+    assert list(traces) == [2]  # only the traced step
+    want = {  # 1F1B over 3 microbatches, 2 in flight (the default)
+        "text": [str(a) for a in llm_actions(3, 2, sends_grads=True)],
+        "vision": [str(a) for a in encoder_actions(3, 2, trains=True)],
+    }
+    for name, actions in traces[2].items():
+        assert [a["action"] for a in actions] == want[name]
+        starts = [a["start"] for a in actions]
+        assert starts == sorted(starts) and all(a["end"] >= a["start"] for a in actions)
+        assert any(a["waiting"] for a in actions) and not all(a["waiting"] for a in actions)
+
+    out = tmp_path / "pictures"
+    paths = main(["plot", result.path, "--out", str(out)])
+    names = sorted(os.path.basename(p) for p in paths)
+    assert names == ["loss_curve.png", "step_times.png", "timeline_step2.png"]
+    assert all(os.path.getsize(p) > 1000 for p in paths)
