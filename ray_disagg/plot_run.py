@@ -31,8 +31,11 @@ def read_traces(run_dir: str) -> dict[int, dict[str, list[dict]]]:
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
         with open(os.path.join(folder, name)) as f:
             for line in f:
-                if line.strip():
+                try:
                     rec = json.loads(line)
+                except ValueError:  # blank, or a line cut short by a crash
+                    continue
+                if rec.get("actions"):
                     out.setdefault(rec["step"], {})[rec["group"]] = rec["actions"]
     return out
 
@@ -71,7 +74,8 @@ def _step_times(df, groups: list[str], path: str) -> str:
     width = 0.8 / len(groups)
     for k, g in enumerate(groups):
         x = df["step"] + (k - (len(groups) - 1) / 2) * width
-        compute, wait = df[f"{g}_compute_s"], df[f"{g}_wait_s"]
+        compute = df[f"{g}_compute_s"].fillna(0.0)
+        wait = df[f"{g}_wait_s"].fillna(0.0) if f"{g}_wait_s" in df else 0.0 * compute
         ax.bar(x, compute, width, label=f"{g} compute")
         ax.bar(x, wait, width, bottom=compute, label=f"{g} wait", alpha=0.4, hatch="//")
     if "step_time_s" in df:

@@ -202,13 +202,13 @@ class RunProgress:
             self.echo(line)
         path = t.metrics_file()
         if path is not None:
+            self.progress = Progress(path, cfg.max_steps, echo=self.echo)  # (its offset now)
             if t.report_to:  # the trackers log what the progress display reads
                 from ray_disagg.launch.trackers import Trackers, run_params
 
                 run_dir, name = os.path.dirname(path), t.run_config.name
                 self.trackers = Trackers(t.report_to, run_dir, name, run_params(t))
-            log = None if self.trackers is None else self.trackers.log
-            self.progress = Progress(path, cfg.max_steps, echo=self.echo, on_step=log)
+                self.progress.on_step = self.trackers.log
             self.progress.start()
         return self
 

@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 
 __all__ = ["TRACKERS", "Trackers", "check_report_to", "run_params"]
@@ -83,10 +84,13 @@ def _wandb_key() -> bool:
 
 
 def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
+    """The file's JSON object, or ``{}`` (missing, or unreadable: a fresh start)."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    return value if isinstance(value, dict) else {}
 
 
 def run_params(trainer) -> dict[str, str]:
@@ -138,13 +142,24 @@ class _MLflow:
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "ray_disagg")
         found = self.client.get_experiment_by_name(experiment)
         exp_id = found.experiment_id if found else self.client.create_experiment(experiment)
-        if ids.get("mlflow"):
-            self.run_id = ids["mlflow"]
-        else:
+        self.run_id = self._reused(ids.get("mlflow"))
+        if self.run_id is None:
             self.run_id = self.client.create_run(exp_id, run_name=name).info.run_id
             for k, v in params.items():
                 self.client.log_param(self.run_id, k, v)
         ids["mlflow"] = self.run_id
+
+    def _reused(self, run_id: str | None) -> str | None:
+        """An earlier fit's run, running again (``None``: none, or it is gone)."""
+        if not run_id:
+            return None
+        try:
+            if self.client.get_run(run_id).info.lifecycle_stage != "active":
+                return None
+        except Exception:  # noqa: BLE001 - another store, or deleted: a new run
+            return None
+        self.client.update_run(run_id, status="RUNNING")
+        return run_id
 
     def log(self, step: int, metrics: dict) -> None:
         from mlflow.entities import Metric
@@ -158,8 +173,8 @@ class _MLflow:
 
 
 def _mlflow_key(key: str) -> str:
-    """MLflow's metric names allow ``/``, ``.``, ``-``, ``_`` and spaces."""
-    return "".join(c if c.isalnum() or c in "/._- " else "_" for c in key)
+    """MLflow's metric names allow ``/``, ``.``, ``-``, ``_`` and spaces, 250 at most."""
+    return "".join(c if c.isalnum() or c in "/._- " else "_" for c in key)[:250]
 
 
 class _Wandb:
@@ -191,11 +206,14 @@ _OPEN = {"tensorboard": _TensorBoard, "mlflow": _MLflow, "wandb": _Wandb}
 class Trackers:
     """The run's trackers: opened with the run (their ids in ``<run>/trackers.json``,
     reused by a later ``fit()`` in the same directory), given each new step (:meth:`log`:
-    a step a restart redoes keeps the values logged first), closed at the end."""
+    a step a restart redoes keeps the values logged first), closed at the end. Logging
+    and closing take a lock (the progress thread logs; the driver closes)."""
 
     def __init__(self, names: tuple[str, ...], run_dir: str, name: str, params: dict):
-        self.path = os.path.join(run_dir, "trackers.json")
+        os.makedirs(run_dir, exist_ok=True)
+        self.path, self.lock = os.path.join(run_dir, "trackers.json"), threading.Lock()
         self.ids = _read_json(self.path)  # each tracker's run id, the last step logged
+        self.warned = self.closed = False
         self.open = {}
         for tracker in names:
             try:
@@ -205,12 +223,29 @@ class Trackers:
         self._save()
 
     def _save(self) -> None:
-        with open(self.path, "w") as f:
-            json.dump(self.ids, f)
+        """``trackers.json``, replaced whole (a crash leaves the old or the new one)."""
+        try:
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.ids, f)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            logger.warning("report_to: could not save %s (%s)", self.path, e)
 
     def log(self, metrics: dict) -> None:
-        step = int(metrics.get("step", 0))
+        with self.lock:
+            if not self.closed:  # (a late poll after the end: nothing to do)
+                self._log(int(metrics.get("step", 0)), metrics)
+
+    def _log(self, step: int, metrics: dict) -> None:
         if step <= self.ids.get("last_step", 0):
+            if not self.warned and self.open:
+                logger.warning(
+                    "report_to: steps up to %d were logged by an earlier attempt or fit in "
+                    "this run directory; the trackers keep those values (metrics.jsonl has "
+                    "the latest)", self.ids["last_step"],
+                )  # fmt: skip
+                self.warned = True
             return
         self.ids["last_step"] = step
         self._save()
@@ -223,9 +258,10 @@ class Trackers:
                 del self.open[tracker]
 
     def finish(self) -> None:
-        for tracker, sink in self.open.items():
-            try:
-                sink.finish()
-            except Exception as e:  # noqa: BLE001
-                logger.warning("report_to %s: closing failed (%s)", tracker, e)
-        self.open = {}
+        with self.lock:
+            for tracker, sink in list(self.open.items()):
+                try:
+                    sink.finish()
+                except Exception as e:  # noqa: BLE001
+                    logger.warning("report_to %s: closing failed (%s)", tracker, e)
+            self.open, self.closed = {}, True

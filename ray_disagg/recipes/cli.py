@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None):
             print(out)
         else:
             out = train(args.recipe, args.overrides)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:
         print(f"ray-disagg: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     return out if argv is not None else 0

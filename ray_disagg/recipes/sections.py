@@ -210,7 +210,9 @@ def report_to_section(value) -> tuple[str, ...]:
     from ray_disagg.launch.trackers import TRACKERS
 
     names = (value or {}).get("report_to") if isinstance(value, dict) else None
-    names = [names] if isinstance(names, str) else list(names or [])
+    names = [names] if isinstance(names, str) else names or []
+    if not isinstance(names, list):
+        fail(f"run_config.report_to={names!r}: must be a list of {list(TRACKERS)}.")
     for k, name in enumerate(names):
         choice(name, f"run_config.report_to[{k}]", TRACKERS)
     return tuple(names)

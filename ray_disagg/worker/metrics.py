@@ -162,11 +162,14 @@ def write_trace(w, step: int) -> None:
     if trace is None or w.group_rank != 0 or not w.args.metrics_path:
         return
     folder = os.path.join(os.path.dirname(w.args.metrics_path), "trace")
-    os.makedirs(folder, exist_ok=True)
     keys = ("action", "start", "end", "waiting")
     line = {"step": step + 1, "group": w.part, "actions": [dict(zip(keys, a)) for a in trace]}
-    with open(os.path.join(folder, f"{w.part}.jsonl"), "a") as f:
-        f.write(json.dumps(line) + "\n")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"{w.part}.jsonl"), "a") as f:
+            f.write(json.dumps(line) + "\n")
+    except OSError as e:  # a trace never stops the training
+        log_line(f"{w.part}: could not write the trace of step {step + 1} ({e})")
 
 
 def group_lrs(args, step: int) -> dict[str, float]:

@@ -158,7 +158,6 @@ def finish_step(w, step: int, stats, *, sample_ids=(), inflight=1, evaluate=None
     """Reduce, exchange the step's stats, clip, step at the scheduled learning rate, run
     ``evaluate(step)`` (this rank's ``[loss sum, label tokens]`` of the validation set) on
     evaluation steps, and report."""
-    metrics.write_trace(w, step)  # a traced step's actions (not the update's)
     with w.clock.span(waiting=False):
         reduce_grads(w)
         sq = tp.grad_sq_norm(w.params, dist.group.WORLD, w.device)
@@ -167,6 +166,7 @@ def finish_step(w, step: int, stats, *, sample_ids=(), inflight=1, evaluate=None
     args = (w.channel, stats, w.args.stats, is_timer)
     stats = recovery.guarded(w, w.clock.exchange, *args, default=stats)
     recovery.agree(w)  # every rank has the global stats, or the step is abandoned
+    metrics.write_trace(w, step)  # a traced step's actions, once it is not abandoned
     total_norm = w.args.stats.total_norm(stats)
     if w.fsdp and not group_had_inputs(w, stats):
         for p in w.params:  # every rank ran a stand-in: zero gradients, not real ones

@@ -86,7 +86,17 @@ def test_a_failing_tracker_warns_and_the_others_go_on(tmp_path, offline, caplog)
     assert "report_to mlflow failed at step 2" in caplog.text and list(sinks.open) == [
         "tensorboard"
     ]
+    deleted = sinks.ids["mlflow"]
     sinks.finish()
+    sinks.log({"step": 4, "loss": 0.1})  # after closing (a late poll): nothing happens
+    again = Trackers(("mlflow",), run_dir, "run", {})  # its stored run was deleted
+    assert again.ids["mlflow"] != deleted and again.ids["last_step"] == 3
+    again.finish()
+    with open(os.path.join(run_dir, "trackers.json"), "w") as f:
+        f.write('{"mlflow": "' + deleted + '", "last_')  # cut short by a crash
+    fresh = Trackers(("tensorboard",), run_dir, "run", {})
+    assert "last_step" not in fresh.ids  # read as a fresh start
+    fresh.finish()
 
 
 @pytest.mark.parametrize(
