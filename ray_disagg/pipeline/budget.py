@@ -123,9 +123,8 @@ class BudgetPlan(BudgetedPlan):
             encoders = {g: n for g, n in self.dp_sizes.items() if g != self.reader_group}
             shape = (self.micro_batches, self.dp_sizes[self.reader_group], encoders)
             filler = self.filler(self.lengths, self.patches, self.global_batch_size, shape)
-            self._epochs[key] = fill_steps(
-                filler, range(self.num_samples) if order is None else order
-            )
+            order = range(self.num_samples) if order is None else order
+            self._epochs[key] = fill_steps(filler, order, cover=self.cover)
         return self._epochs[key]
 
     def _locate(self, step: int) -> tuple[int, int]:

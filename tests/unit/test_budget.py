@@ -1,6 +1,8 @@
 """Tier 1: token-budget batching (``max_tokens_per_microbatch``): the steps' bins, the plan
 the workers follow, and the settings the driver refuses."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from ray.train import ScalingConfig
@@ -94,6 +96,12 @@ def test_a_covering_pass_places_every_sample_and_a_binding_cap_is_refused():
     steps = fill_steps(filler, range(50), cover=True)
     assert {i for s in steps for i in s.indices()} == set(range(50))  # some repeated last
     assert all(s.every_bin_used for s in steps)
+    plan = BudgetPlan(num_samples=50, global_batch_size=64, dp_sizes={"vision": 1, "text": 2},
+                      micro_batches=2, reader="text", max_tokens=640, max_patches=1000,
+                      lengths=lengths, patches=patches)  # fmt: skip
+    covering = dataclasses.replace(plan, cover=True)  # DPO's reference pass
+    seen = {i for s in range(covering.steps_per_epoch) for i in covering.global_indices(s)}
+    assert seen == set(range(50)) > {i for s in plan.epoch_steps(0) for i in s.indices()}
     # one vision replica for two LLM replicas, room for one image per microbatch: most
     # samples (all with images) cannot share a step
     kw = dict(num_samples=40, global_batch_size=8, dp_sizes={"vision": 1, "text": 2},
