@@ -156,7 +156,9 @@ def scan(data, adapter, cfg: TrainLoopConfig, validate: bool, min_tokens: int = 
     if is_stream(data) or not (validate or balanced or budget):
         return None, None
     costs = {part: np.zeros(len(data), np.float32) for part in adapter.parts}
-    sizes = {"lengths": [], **{p: np.zeros(len(data), np.int64) for p in adapter.encoder_parts}}
+    sizes = None
+    if budget:
+        sizes = {"lengths": [], **{p: np.zeros(len(data), np.int64) for p in adapter.encoder_parts}}
     ids = {}  # id -> index, when the objective keeps values by record id
     keyed = getattr(cfg.objective, "reference", None) == "precompute"
     for i in range(len(data)):
@@ -169,22 +171,20 @@ def scan(data, adapter, cfg: TrainLoopConfig, validate: bool, min_tokens: int = 
                 _check_sequence(seq, i, cfg, min_tokens)
         lengths = tuple(len(s["input_ids"]) for s in seqs)
         costs[adapter.llm_part][i] = sum(lengths)
-        sizes["lengths"].append(lengths)
-        for part in adapter.encoder_parts:
-            if balanced:
+        if balanced:
+            for part in adapter.encoder_parts:
                 costs[part][i] = adapter.encoder_cost(part, sample)
-            if budget:
-                sizes[part][i] = adapter.encoder_patches(part, sample)
         if budget:
-            _check_budget(sample, i, sizes, cfg)
-    return (costs if balanced else None), (sizes if budget else None)
+            patches = {p: adapter.encoder_patches(p, sample) for p in adapter.encoder_parts}
+            _check_budget(sample, i, lengths, patches, cfg)
+            sizes["lengths"].append(lengths)
+            for part, n in patches.items():
+                sizes[part][i] = n
+    return (costs if balanced else None), sizes
 
 
-def _check_budget(sample: dict, i: int, sizes: dict, cfg: TrainLoopConfig) -> None:
-    patches = {p: int(v[i]) for p, v in sizes.items() if p != "lengths"}
-    packed = cfg.max_seq_len if cfg.pack_sequences else None
-    limits = (cfg.max_tokens_per_microbatch, cfg.max_patches_per_microbatch, packed)
-    why = over_budget(sizes["lengths"][i], patches, *limits)
+def _check_budget(sample: dict, i: int, lengths, patches: dict, cfg: TrainLoopConfig) -> None:
+    why = over_budget(lengths, patches, **_budget(cfg))  # the plan's limits, as it has them
     if why:
         raise ValueError(
             f"sample {sample.get('id', i)!r} {why}: no microbatch holds it. Raise the limit, "

@@ -34,6 +34,10 @@ class BudgetedPlan(BatchPlan):
     max_seq_len: int | None = None
     """Packed rows of this many tokens (``pack_sequences``); ``None``: unpacked."""
 
+    def _encoders(self) -> dict[str, int]:
+        """Each encoder group's data-parallel size."""
+        return {g: n for g, n in self.dp_sizes.items() if g != self.reader_group}
+
     def caps(self) -> dict[str, int] | int | None:
         """The patch cap of a bin (per encoder part where it differs)."""
         return self.max_patches
@@ -120,8 +124,7 @@ class BudgetPlan(BudgetedPlan):
             if len(self._epochs) >= 2:
                 self._epochs.pop(min(self._epochs))
             order = sample_order(self.num_samples, self.seed, key) if self.shuffle else None
-            encoders = {g: n for g, n in self.dp_sizes.items() if g != self.reader_group}
-            shape = (self.micro_batches, self.dp_sizes[self.reader_group], encoders)
+            shape = (self.micro_batches, self.dp_sizes[self.reader_group], self._encoders())
             filler = self.filler(self.lengths, self.patches, self.global_batch_size, shape)
             order = range(self.num_samples) if order is None else order
             self._epochs[key] = fill_steps(filler, order, cover=self.cover)
@@ -207,9 +210,6 @@ class StreamBudgetPlan(BudgetedPlan):
         """0: the stream's own epoch is reported (its source's ``epoch`` metric)."""
         return 0
 
-    def _encoders(self) -> dict[str, int]:
-        return {g: n for g, n in self.dp_sizes.items() if g != self.reader_group}
-
     def caps(self) -> dict[str, int] | None:
         if self.max_patches is None:
             return None
@@ -246,11 +246,10 @@ class StreamBudgetPlan(BudgetedPlan):
             costs = [float(cost[p]) for p in union]
             return balanced_split(union, costs, n, equal_counts=False)
         out = [[] for _ in range(n)]
-        dp = len(shares)
         for d, share in enumerate(shares):
             mine = [e for e in range(n) if d in self.serves(part, e)]
             costs = [float(cost[p]) for p in share]
             for e, got in zip(mine, balanced_split(share, costs, len(mine), equal_counts=False)):
                 out[e] += got
-        assert sum(map(len, out)) == sum(map(len, shares)), (dp, n)
+        assert sum(map(len, out)) == sum(map(len, shares))
         return [sorted(o) for o in out]

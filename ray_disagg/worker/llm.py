@@ -173,9 +173,11 @@ class LLMStep:
         keys = self.llm.text_keys
         items = {p: {k: s[k] for k in keys if k in s} for p, s in self.samples.items()}
         self.items = w.broadcast_object(items)
-        self.local_labels = self.llm.label_tokens(self.items.values())
-        if self.by_source is not None:
+        if self.by_source is not None:  # a mixture (token loss): counted per source
             self.source_labels = label_tokens_by_source(w, self.items.values())
+            self.local_labels = sum(self.source_labels)
+        else:
+            self.local_labels = self.llm.label_tokens(self.items.values())
         if self.grad:  # the loss's normaliser: label tokens, or an objective's samples
             local = self.local_labels if self.llm.objective is None else len(self.items)
             n = torch.tensor([local], dtype=torch.float64, device=w.device)

@@ -14,7 +14,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from ray_disagg.data.mixture import SOURCE_KEY
 from ray_disagg.lr_schedule import lr_at
+from ray_disagg.pipeline.assignment import count_label_tokens
 from ray_disagg.transport.channel import Channel
 from ray_disagg.worker import checkpoint, memory
 from ray_disagg.worker.checkpoint import is_checkpoint_step
@@ -275,16 +277,11 @@ def step_stats(w, run, objective_sums=None):
 
 def source_index(items, sources: tuple[str, ...], device) -> torch.Tensor:
     """The source (index into ``sources``) of each item of a mixture's microbatch."""
-    from ray_disagg.data.mixture import SOURCE_KEY
-
     return torch.tensor([sources.index(it[SOURCE_KEY]) for it in items], device=device)
 
 
 def label_tokens_by_source(w, items) -> list[int]:
     """The label tokens of ``items`` per source of the run's mixture (host counts)."""
-    from ray_disagg.data.mixture import SOURCE_KEY
-    from ray_disagg.pipeline.assignment import count_label_tokens
-
     out = [0] * len(w.args.sources)
     for it in items:
         out[w.args.sources.index(it[SOURCE_KEY])] += count_label_tokens(w.adapter.labels(it))
