@@ -31,6 +31,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vision-workers", type=int, default=1)
     parser.add_argument("--text-workers", type=int, default=1)
     parser.add_argument(
+        "--micro-batches", type=int, default=1, help="microbatches per step (1F1B from 2)"
+    )
+    parser.add_argument(
+        "--trace-steps",
+        type=int,
+        nargs="*",
+        default=[],
+        help="steps whose actions are recorded for `ray-disagg plot RUN_DIR`'s timeline",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="each worker's dense peak TFLOP/s, for MFU (a GPU's is known)",
+    )
+    parser.add_argument(
         "--storage",
         default=None,
         help="RunConfig storage_path (default: a new temporary directory). Rerunning with the "
@@ -97,6 +113,9 @@ def main() -> None:
             "max_steps": args.steps,
             "global_batch_size": args.batch_size,
             "checkpoint_every": 20,
+            "micro_batches": args.micro_batches,
+            "trace_steps": args.trace_steps,
+            "peak_tflops": args.peak_tflops,
         },
         datasets={"train": digits_samples(config, n=args.samples)},
         run_config=RunConfig(

@@ -172,6 +172,11 @@ class TrainLoopConfig:
     start and end times into ``<run>/trace/<group>.jsonl``: the timeline that
     ``ray-disagg plot RUN_DIR`` draws (which group waits for which, the 1F1B overlap)."""
 
+    peak_tflops: float | None = setting(None, gt=0)
+    """Each worker's dense peak TFLOP/s in the run's dtype, for the ``mfu`` and
+    ``<group>_mfu`` metrics. ``None``: a GPU's from ``ray_disagg.worker.mfu.PEAK_TFLOPS``
+    (an unknown GPU warns and reports no MFU); a CPU reports MFU only with this set."""
+
     report_placement: bool = setting(False)
     """Add the metric ``placement``: each worker's ``[placement group id, bundle index]``
     per group (to check where ``placement="colocated"`` put the workers)."""

@@ -1,11 +1,12 @@
 """What the driver prints while a run trains: a start summary (the layout, workers and
-parameters per group), one line per reported step (step/N, loss, lr, tokens/s, step
+parameters per group), one line per reported step (step/N, loss, lr, tokens/s, MFU, step
 time, ETA) or a live bar when stdout is a terminal, and an end summary (wall time,
-tokens, tokens/s, peak memory per group, restarts, the last checkpoint).
+tokens, tokens/s, MFU, peak memory and MFU per group, restarts, the last checkpoint).
 
 The steps come from the run's ``metrics.jsonl`` (written by the LLM group's rank 0 at every
 reported step), polled by :class:`Progress` while ``fit()`` waits; the formatting is pure
-functions (:func:`step_line`, :func:`start_lines`, :func:`end_lines`).
+functions (:func:`step_line`, :func:`start_lines`, :func:`end_lines`). Each step also goes
+to Ray's metrics (:mod:`ray_disagg.launch.ray_metrics`) and the experiment trackers.
 
 Example:
     >>> step_line({"step": 3, "loss": 1.25, "lr": 1e-3, "tokens_per_s": 900.0,
@@ -54,7 +55,8 @@ def format_count(n: float) -> str:
 
 def step_line(m: dict, max_steps: int) -> str:
     """One reported step: ``step s/N loss ... lr ... tokens/s ... step ...s ETA h:mm:ss``
-    (``val_loss`` when the step evaluated; an objective's ``rewards/margins``)."""
+    (``val_loss`` when the step evaluated; an objective's ``rewards/margins``; ``MFU``
+    when the devices' peak is known)."""
     left = (max_steps - m["step"]) * m.get("mean_step_time_s", m["step_time_s"])
     parts = [f"step {m['step']}/{max_steps}", f"loss {m['loss']:.4f}"]
     if "val_loss" in m:
@@ -62,6 +64,8 @@ def step_line(m: dict, max_steps: int) -> str:
     if "rewards/margins" in m:
         parts.append(f"margin {m['rewards/margins']:.4f}")
     parts += [f"lr {m['lr']:.3g}", f"tokens/s {m['tokens_per_s']:.0f}"]
+    if "mfu" in m:
+        parts.append(f"MFU {100 * m['mfu']:.1f}%")
     parts += [f"step {m['step_time_s']:.3f}s", f"ETA {format_eta(left)}"]
     return " ".join(parts)
 
@@ -102,14 +106,27 @@ def end_lines(rows: list[dict], groups, wall_s: float, checkpoint: str | None) -
     out = [
         f"done: {last['step']} steps in {format_eta(wall_s)} (wall), final loss "
         f"{last['loss']:.4f}, {tokens:,.0f} tokens in the reported steps, "
-        f"{tokens / max(train_s, 1e-9):,.0f} tokens/s"
+        f"{tokens / max(train_s, 1e-9):,.0f} tokens/s{_mean_mfu(rows, 'mfu')}"
     ]
     for g in groups:
         peak = max(r.get(f"{g}_peak_memory_mb", 0.0) for r in rows)
         restarts = max(r.get(f"{g}_restarts", 0) for r in rows)
-        out.append(f"  {g}: peak memory {peak:,.0f} MB (rank 0), restarts {restarts}")
+        out.append(
+            f"  {g}: peak memory {peak:,.0f} MB (rank 0), restarts {restarts}"
+            f"{_mean_mfu(rows, f'{g}_mfu')}"
+        )
     out.append(f"  last checkpoint: {checkpoint or 'none'}")
     return out
+
+
+def _mean_mfu(rows: list[dict], key: str) -> str:
+    """``, MFU 41.2%``: ``key``'s mean over the reported steps weighted by their time
+    (empty when no step has it)."""
+    timed = [(r[key], r.get("step_time_s", 0.0)) for r in rows if key in r]
+    total = sum(t for _, t in timed)
+    if not timed or total <= 0:
+        return ""
+    return f", MFU {100 * sum(m * t for m, t in timed) / total:.1f}%"
 
 
 def _read_rows(path: str, offset: int) -> tuple[list[dict], int]:
@@ -203,14 +220,28 @@ class RunProgress:
         path = t.metrics_file()
         if path is not None:
             self.progress = Progress(path, cfg.max_steps, echo=self.echo)  # (its offset now)
-            if t.report_to:  # the trackers log what the progress display reads
-                from ray_disagg.launch.trackers import Trackers, run_params
-
-                run_dir, name = os.path.dirname(path), t.run_config.name
-                self.trackers = Trackers(t.report_to, run_dir, name, run_params(t))
-                self.progress.on_step = self.trackers.log
+            self.progress.on_step = self._sinks(os.path.dirname(path))
             self.progress.start()
         return self
+
+    def _sinks(self, run_dir: str) -> Callable[[dict], None]:
+        """Where each step's metrics go besides the display: Ray's metrics and the
+        trackers (``report_to``)."""
+        from ray_disagg.launch.ray_metrics import RayMetrics
+
+        t = self.trainer
+        sinks = [RayMetrics(t.run_config.name, t.groups).log]
+        if t.report_to:
+            from ray_disagg.launch.trackers import Trackers, run_params
+
+            self.trackers = Trackers(t.report_to, run_dir, t.run_config.name, run_params(t))
+            sinks.append(self.trackers.log)
+
+        def log(m: dict) -> None:
+            for sink in sinks:
+                sink(m)
+
+        return log
 
     def finish(self, result):
         """Print the end lines; returns ``result`` (a ``ray.train.Result``)."""

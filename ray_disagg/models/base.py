@@ -185,6 +185,10 @@ class ModelAdapter(CostHooks):
         labels[np.isin(ids, self.placeholder_ids())] = IGNORE_INDEX
         return labels
 
+    def label_positions(self, sample: dict) -> int:
+        """Positions whose next token enters the loss (after the causal shift)."""
+        return int((self.labels(sample)[1:] != IGNORE_INDEX).sum())
+
     def crossings(self, part: str) -> tuple[Crossing, ...]:
         raise NotImplementedError
 

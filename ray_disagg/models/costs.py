@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ray_disagg.models.flops import Flops, decoder_flops
+
 __all__ = [
     "ActivationShape",
     "CostHooks",
@@ -129,6 +131,22 @@ class CostHooks:
         if v is None:  # another encoder (audio): a small share
             return 2 * params * tokens * 0.1
         return 2 * params * patches + tower_attention_flops(v, patches, images)
+
+    def sample_flops(self, part: str, sample: dict) -> Flops:
+        """Model FLOPs of one forward of ``part`` over ``sample`` (a processed sample; see
+        :mod:`ray_disagg.models.flops` for what counts): the LLM's decoder by default
+        (:meth:`decoder_flops`); an encoder's from its family's :meth:`tower_flops`."""
+        if part == self.llm_part:
+            return self.decoder_flops(len(sample["input_ids"]), self.label_positions(sample))
+        return self.tower_flops(part, sample)
+
+    def decoder_flops(self, tokens: int, labels: int) -> Flops:
+        """The LLM over one sample of ``tokens`` tokens with ``labels`` label positions."""
+        return decoder_flops(_text(self.config), tokens, labels)
+
+    def tower_flops(self, part: str, sample: dict) -> Flops:
+        """Encoder ``part`` over ``sample``'s media (every family with encoders says)."""
+        raise NotImplementedError(f"{type(self).__name__} counts no FLOPs of part {part!r}")
 
     def activation_bytes(self, part: str, shape: ActivationShape) -> float | None:
         """Bytes of activations ``part`` keeps for backward over one microbatch on one

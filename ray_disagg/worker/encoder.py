@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ray_disagg.parallel import fsdp
 from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expect
 from ray_disagg.pipeline.schedule import WAITS, Op, encoder_actions, peak_in_flight
-from ray_disagg.worker import faults_hook, ingest
+from ray_disagg.worker import faults_hook, ingest, mfu
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.metrics import StepClock
 from ray_disagg.worker.objective import REF
@@ -72,6 +72,7 @@ class _Microbatch:
         self.samples, self.routes, self.j = samples, routes, j
         # FSDP2: every rank must run the same units; one without inputs runs a stand-in
         self.counts = w.adapter.item_counts(w.part, samples)
+        self.flops = mfu.samples_flops(w.adapter, w.part, samples, trains=grad)
         self.real = not w.fsdp or sum(self.counts.values()) > 0
         inputs = samples if self.real else w.adapter.stand_in_samples(w.part)
         with torch.set_grad_enabled(grad):  # forward only: frozen group, validation
@@ -128,14 +129,15 @@ class _Microbatch:
 
 class EncoderStep:
     """Executes one step's encoder actions (a training step, or a validation batch with
-    ``grad=False``); ``counts`` are the items (images, videos, ...) it encoded."""
+    ``grad=False``); ``counts`` are the items (images, videos, ...) it encoded, ``flops``
+    their model FLOPs (:mod:`ray_disagg.worker.mfu`)."""
 
     def __init__(
         self, w: PartWorker, data, plan, plan_step: int, key: StepKey, grad: bool, reference=None
     ):
         self.w, self.data, self.plan, self.plan_step = w, data, plan, plan_step
         self.key, self.grad, self.reference = key, grad, reference
-        self.inputs, self.live, self.counts = None, {}, {}
+        self.inputs, self.live, self.counts, self.flops = None, {}, {}, 0.0
 
     def run(self, actions) -> None:
         handlers = {
@@ -169,6 +171,7 @@ class EncoderStep:
         mb.ref_outputs = None  # posted: the transports hold what they still send
         for name, n in mb.counts.items():
             self.counts[name] = self.counts.get(name, 0) + n
+        self.flops += mb.flops
         if self.grad:
             self.live[j] = mb
 
@@ -224,6 +227,7 @@ def encoder_train_loop(args: LoopArgs, part: str) -> None:
         if w.leader:
             for name, n in run.counts.items():
                 stats[args.stats.index[name]] = n
+            stats[args.stats.index[f"{part}_flops"]] = run.flops
         inflight = peak_in_flight(actions)
         finish_step(
             w, step, stats, sample_ids=run.sample_ids(), inflight=inflight, evaluate=evaluate

@@ -25,7 +25,7 @@ from ray_disagg.models import moe
 from ray_disagg.pipeline.assignment import count_label_tokens
 from ray_disagg.pipeline.messages import StepKey
 from ray_disagg.pipeline.schedule import WAITS, Op, llm_actions
-from ray_disagg.worker import faults_hook, ingest, llm_batch, llm_io, recovery
+from ray_disagg.worker import faults_hook, ingest, llm_batch, llm_io, mfu, recovery
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.checkpoint import record_data_position
 from ray_disagg.worker.metrics import (
@@ -74,6 +74,11 @@ class LLMModel:
     def tokens(self, items) -> int:
         seqs = items if self.objective is None else self.objective.sequences(items)[0]
         return sum(len(q["input_ids"]) for q in seqs)
+
+    def flops(self, items, trains: bool) -> float:
+        """Model FLOPs of ``items``' sequences (an objective's reference pass not counted)."""
+        seqs = items if self.objective is None else self.objective.sequences(items)[0]
+        return mfu.samples_flops(self.w.adapter, self.w.part, seqs, trains)
 
     def loss(self, items, mb, received, rows, n_labels, grad: bool, by_source=None):
         """The microbatch's loss: the token loss over ``n_labels`` (the global batch's
@@ -128,7 +133,7 @@ class LLMStep:
         self.samples, self.items, self.local_labels, self.n_labels = {}, {}, 0, 1.0
         self.received = {}  # microbatch -> (its crossings, their routes back, rows)
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.w.device)
-        self.tokens = 0
+        self.tokens, self.flops = 0, 0.0
         n = len(self.w.args.sources) if grad else 0  # a mixture's per-source loss sums
         self.by_source = torch.zeros(n, device=self.w.device) if n else None
         self.source_labels = [0] * n
@@ -216,7 +221,9 @@ class LLMStep:
                 llm_io.sum_over_cp(w, [v.grad for v in received.values() if v.grad is not None])
         reported = loss if self.llm.objective is None else self.llm.objective.reported
         self.loss_sum += reported.detach().to(torch.float64)
-        self.tokens += self.llm.tokens([self.items[p] for p in mb[w.part][w.dp_rank]])
+        mine = [self.items[p] for p in mb[w.part][w.dp_rank]]
+        self.tokens += self.llm.tokens(mine)
+        self.flops += self.llm.flops(mine, trains=loss.requires_grad)
 
     def send_grads(self, j: int) -> None:
         w = self.w

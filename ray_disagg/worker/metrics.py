@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -37,6 +38,9 @@ class StepStats:
     - ``<group>_{sq,time,wait,peak,inflight,bwd}``: squared grad norm, compute and wait
       seconds, peak memory (MB), most microbatches alive at once, backward passes run, of
       each group, from its rank 0;
+    - ``<group>_flops``: the model FLOPs of the group's samples (:mod:`ray_disagg.worker.mfu`),
+      its DP leaders; ``<group>_peak_flops`` and ``<group>_no_peak``: the known peak FLOP/s
+      and the count of ranks without one, every rank of the group;
     - counters (``images``, ``videos``, ``audios``, ``tiles``): the encoder groups' DP leaders;
     - with a per-sequence objective, ``objective_samples`` and the sums of its
       ``metric_names`` (reported as means over the samples): the LLM's DP leaders;
@@ -51,7 +55,8 @@ class StepStats:
         self.sources = tuple(sources)
         names = ["loss", "label_tokens", "llm_tokens", "samples", "cycle", "transfer_fallbacks"]
         names += ["checkpoint_writing"]
-        per_group = ("sq", "time", "wait", "peak", "inflight", "bwd")
+        per_group = ("sq", "time", "wait", "peak", "inflight", "bwd", "flops", "peak_flops")
+        per_group += ("no_peak",)
         names += [f"{g}_{k}" for g in groups for k in per_group]
         names += list(counters)
         if objective_metrics is not None:
@@ -88,6 +93,7 @@ class StepStats:
             out[f"{g}_peak_memory_mb"] = s[f"{g}_peak"]
             out[f"{g}_max_in_flight"] = int(s[f"{g}_inflight"])
             out[f"{g}_backward_passes"] = int(s[f"{g}_bwd"])
+        out.update(_mfu(s, self.groups, cycle))
         out.update({c: int(s[c]) for c in self.counters})
         if self.objective_metrics is not None:
             n = max(s["objective_samples"], 1.0)
@@ -100,6 +106,21 @@ class StepStats:
 
     def total_norm(self, stats) -> float:
         return float(sum(stats[self.index[f"{g}_sq"]] for g in self.groups)) ** 0.5
+
+
+def _mfu(s: dict, groups: list[str], cycle: float) -> dict:
+    """``tflops_per_s`` (model FLOPs, every group) and, where every rank knows its peak,
+    ``<group>_mfu`` and ``mfu``."""
+    flops = sum(s[f"{g}_flops"] for g in groups)
+    if math.isnan(flops):  # an adapter that counts no FLOPs
+        return {}
+    out = {"tflops_per_s": flops / cycle / 1e12}
+    known = [g for g in groups if not s[f"{g}_no_peak"] and s[f"{g}_peak_flops"] > 0]
+    for g in known:
+        out[f"{g}_mfu"] = s[f"{g}_flops"] / (cycle * s[f"{g}_peak_flops"])
+    if known and len(known) == len(groups):
+        out["mfu"] = flops / (cycle * sum(s[f"{g}_peak_flops"] for g in groups))
+    return out
 
 
 class StepClock:
@@ -263,6 +284,7 @@ def step_stats(w, run, objective_sums=None):
         stats[ix["label_tokens"]] = run.local_labels
         stats[ix["llm_tokens"]] = run.tokens
         stats[ix["samples"]] = len(run.items)
+        stats[ix[f"{w.part}_flops"]] = run.flops
         if run.by_source is not None:
             sums = run.by_source.tolist()  # after the last gradients were posted
             for src, total, n in zip(w.args.sources, sums, run.source_labels):
@@ -312,6 +334,8 @@ def record(w, stats, sq: float, inflight: int) -> None:
         stats[ix[f"{part}_inflight"]] = inflight
         stats[ix[f"{part}_bwd"]] = w.backward_passes
     w.backward_passes = 0
+    stats[ix[f"{part}_peak_flops"]] = w.peak_flops or 0.0
+    stats[ix[f"{part}_no_peak"]] = w.peak_flops is None
     stats[ix["transfer_fallbacks"]] = w.channel.fallbacks
     stats[ix["checkpoint_writing"]] = checkpoint.writing(w.writer)
     w.channel.fallbacks = 0

@@ -18,7 +18,7 @@ from ray_disagg.models.lora_files import base_record
 from ray_disagg.parallel import expert_parallel as ep
 from ray_disagg.parallel import fsdp
 from ray_disagg.parallel import tensor_parallel as tp
-from ray_disagg.worker import checkpoint, standby
+from ray_disagg.worker import checkpoint, mfu, standby
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.metrics import StepClock, log_line
 from ray_disagg.worker.parallelize import ParallelPart, parallelize_part
@@ -97,6 +97,7 @@ class PartWorker:
         self.frozen = part in args.frozen_parts  # every parameter frozen: forward only
         self.is_llm = part == self.adapter.llm_part
         self.clock = StepClock()
+        self.peak_flops = mfu.peak_flops(self.device, self.cfg, warn=self.group_rank == 0)
         self.pending = []  # posted cross-group sends not yet known delivered
         self.skipped = 0  # steps not applied (no label token, or non-finite with skipping)
         self.backward_passes = 0  # of this step

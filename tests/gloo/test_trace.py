@@ -1,9 +1,12 @@
 """Tier 2 (the groups' workers without Ray): a traced 1F1B step records each group's
 rank-0 actions in the order of the schedule's action lists, with their measured times,
 and ``ray-disagg plot RUN_DIR`` draws the run (loss, step times, the traced step's
-timeline)."""
+timeline); the step's MFU per group is its samples' counted FLOPs over step time x
+workers x ``peak_tflops``."""
 
 import os
+
+import pytest
 
 from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
 from ray_disagg.data.examples import synthetic_samples
@@ -15,12 +18,12 @@ from tests.helpers import group, run_layout, vt
 
 def test_a_traced_1f1b_step_follows_the_schedule_and_is_plotted(tmp_path):
     cfg = tiny_qwen2_5_vl_config()
-    loop = {"max_steps": 2, "global_batch_size": 6, "micro_batches": 3, "trace_steps": [2]}
+    loop = {"max_steps": 2, "global_batch_size": 6, "micro_batches": 3, "trace_steps": [2],
+            "peak_tflops": 0.5, "report_sample_ids": True}  # fmt: skip
     data = synthetic_samples(cfg, 12)
-    result = run_layout(
-        HFModelSpec(config=cfg, seed=1), data, loop, vt(group(1), group(1)), tmp_path, "trace",
-        local=True,
-    )  # fmt: skip
+    spec = HFModelSpec(config=cfg, seed=1)
+    result = run_layout(spec, data, loop, vt(group(1), group(2)), tmp_path, "trace", local=True)
+    _assert_mfu(spec.adapter, data, result.metrics, peak=0.5e12, workers={"vision": 1, "text": 2})
 
     traces = read_traces(result.path)
     assert list(traces) == [2]  # only the traced step
@@ -39,3 +42,13 @@ def test_a_traced_1f1b_step_follows_the_schedule_and_is_plotted(tmp_path):
     names = sorted(os.path.basename(p) for p in paths)
     assert names == ["loss_curve.png", "step_times.png", "timeline_step2.png"]
     assert all(os.path.getsize(p) > 1000 for p in paths)
+
+
+def _assert_mfu(adapter, data, m, peak: float, workers: dict) -> None:
+    samples = [data[i] for i in m["sample_ids"]]
+    flops = {p: sum(adapter.sample_flops(p, s).training for s in samples) for p in workers}
+    for p, n in workers.items():
+        assert m[f"{p}_mfu"] == pytest.approx(flops[p] / (m["step_time_s"] * n * peak))
+    total = sum(flops.values()) / (m["step_time_s"] * sum(workers.values()) * peak)
+    assert m["mfu"] == pytest.approx(total)
+    assert m["tflops_per_s"] == pytest.approx(sum(flops.values()) / m["step_time_s"] / 1e12)

@@ -8,6 +8,8 @@ frozen group is tested through the CLI: tests/ray/test_cli.py.)"""
 import json
 import os
 import re
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -49,6 +51,7 @@ LOOP = {
     "pack_sequences": True,
     "max_seq_len": 48,
     "max_tokens_per_microbatch": 48,  # some steps take fewer than 8 samples
+    "peak_tflops": 1.0,  # MFU on a CPU (Ray metrics show it)
 }
 FROZEN = ("model.visual.patch_embed", "model.visual.blocks")  # the tower, not the merger
 
@@ -148,6 +151,10 @@ def test_schedule_freezing_validation_packing_and_callbacks_match_reference(
     assert run.data.params["loop.max_tokens_per_microbatch"] == "48"
     assert len(client.get_metric_history(run.info.run_id, "loss")) == 4
     assert os.listdir(os.path.join(result.path, "wandb"))
+    # and to Ray's metrics (gauges on the driver), as the node's exporter shows them
+    gauges = _ray_gauges("features", ("ray_disagg_loss", "ray_disagg_group_mfu"))
+    assert gauges["ray_disagg_loss"][""] == pytest.approx(history["loss"].iloc[-1], rel=1e-6)
+    assert set(gauges["ray_disagg_group_mfu"]) == {'group="vision"', 'group="text"'}
     # the user callback saw every report, once, each with its checkpoint
     seen = [json.loads(line) for line in reports.read_text().splitlines()]
     assert seen == [{"step": s, "ckpt": True} for s in range(1, 5)]
@@ -180,3 +187,24 @@ def test_frozen_llm_trains_the_encoder_through_text_only_microbatches(
     initial = spec.build_full().state_dict()
     assert all(torch.equal(state[k], initial[k]) for k in state if not k.startswith("model.visual"))
     assert_params_close(state, ref_model.state_dict())
+
+
+def _ray_gauges(run: str, names, timeout_s: float = 30.0) -> dict:
+    """``{name: {group tag or "": value}}`` of ``run``'s gauges from the node's metrics
+    export port, polled until every name shows (Ray exports every few seconds)."""
+    import ray
+
+    port = ray.nodes()[0]["MetricsExportPort"]
+    deadline, found = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        found = {}
+        for name, tags, value in re.findall(r"^(\w+)\{(.*)\} (\S+)$", text, re.M):
+            if name in names and f'run="{run}"' in tags:
+                group = re.search(r'group="[^"]*"', tags)
+                found.setdefault(name, {})[group.group(0) if group else ""] = float(value)
+        if set(found) == set(names):
+            return found
+        time.sleep(1.0)
+    raise AssertionError(f"Ray's metrics export showed {sorted(found)} of {names}")

@@ -28,6 +28,7 @@ def test_step_line_and_eta():
     )
     line = step_line({**STEP, "val_loss": 2.0, "rewards/margins": 0.125}, 3)
     assert "val_loss 2.0000 margin 0.1250" in line and line.endswith("ETA 0:00:00")
+    assert "tokens/s 900 MFU 41.3% step" in step_line({**STEP, "mfu": 0.4126}, 10)
     assert format_eta(3725) == "1:02:05" and format_eta(None) == "?" and format_eta(-1) == "?"
     assert [format_count(n) for n in (49_056, 306.8e6, 32.5e9, 12)] == [
         "49.1K",
@@ -53,15 +54,17 @@ def test_start_and_end_summaries():
         {**STEP, "step": 1, "step_time_s": 2.0, "tokens_per_s": 100.0},
         {**STEP, "step": 2, "step_time_s": 1.0, "tokens_per_s": 200.0, "vision_restarts": 1},
     ]
+    for row, mfu in zip(rows, (0.3, 0.6)):  # the mean weights each step by its time
+        row.update(mfu=mfu, text_mfu=mfu)
     rows[0]["text_peak_memory_mb"], rows[1]["text_peak_memory_mb"] = 900.0, 950.0
     out = end_lines(rows, groups, 125.0, "/runs/a/checkpoint_000002")
     assert out[0] == (
         "done: 2 steps in 0:02:05 (wall), final loss 1.2500, 400 tokens in the reported "
-        "steps, 133 tokens/s"
+        "steps, 133 tokens/s, MFU 40.0%"
     )
     assert out[1:] == [
         "  vision: peak memory 0 MB (rank 0), restarts 1",
-        "  text: peak memory 950 MB (rank 0), restarts 0",
+        "  text: peak memory 950 MB (rank 0), restarts 0, MFU 40.0%",
         "  last checkpoint: /runs/a/checkpoint_000002",
     ]
     assert end_lines([], groups, 3.0, None) == ["done in 0:00:03: no step was reported"]

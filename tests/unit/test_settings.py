@@ -139,3 +139,12 @@ def test_trace_steps_are_steps_of_the_run():
         TrainLoopConfig(max_steps=4, global_batch_size=1, trace_steps=[0])
     with pytest.raises(ValueError, match=r"has \[5\], after the run's last step \(max_steps=4\)"):
         TrainLoopConfig(max_steps=4, global_batch_size=1, trace_steps=[2, 5])
+
+
+def test_peak_tflops_is_a_positive_figure():
+    assert TrainLoopConfig(max_steps=1, global_batch_size=1, peak_tflops=989.4).peak_tflops
+    for bad in (0, -1.0, float("inf")):
+        with pytest.raises(
+            ValueError, match=r"peak_tflops'\]=.*must be None or a finite float > 0"
+        ):
+            TrainLoopConfig(max_steps=1, global_batch_size=1, peak_tflops=bad)

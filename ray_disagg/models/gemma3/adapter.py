@@ -13,6 +13,7 @@ import torch
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
 
+from ray_disagg.models.flops import Flops, linear
 from ray_disagg.models.gemma3.flavors import tiny_gemma3_config
 from ray_disagg.models.llava_common import LlavaAdapter
 from ray_disagg.models.packing import PACKED_KEY, host_to_device
@@ -51,6 +52,13 @@ class Gemma3Adapter(LlavaAdapter):
     @property
     def tokens_per_tile(self):
         return self.config.mm_tokens_per_image
+
+    def projector_flops(self, tiles):
+        """Average pooling to ``mm_tokens_per_image`` rows per tile (no FLOPs), then the
+        ``mm_input_projection_weight`` product (vision width -> LLM width) on each row."""
+        c = self.config
+        rows = tiles * c.mm_tokens_per_image
+        return Flops(forward=linear(rows, c.vision_config.hidden_size, c.text_config.hidden_size))
 
     def counter_names(self, part):
         return ("images",)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from transformers import InternVLConfig, InternVLForConditionalGeneration
 
+from ray_disagg.models.flops import Flops, linear
 from ray_disagg.models.internvl.flavors import tiny_internvl_config
 from ray_disagg.models.llava_common import LlavaAdapter
+from ray_disagg.models.tower_flops import tile_patches
 
 __all__ = ["InternVLAdapter"]
 
@@ -22,6 +24,17 @@ class InternVLAdapter(LlavaAdapter):
     tiles_per_image_run = True
     per_head_norms = ("q_norm", "k_norm")  # InternVL3.5's Qwen3 decoders (none in Qwen2)
     tiny_config = staticmethod(tiny_internvl_config)
+    tower_cls_tokens = 1  # InternViT's CLS, dropped before the pixel shuffle
+
+    def projector_flops(self, tiles):
+        """The pixel shuffle (no FLOPs) folds ``k = (1 / downsample_ratio)^2`` patches
+        into one row of ``k`` x the tower's width; the projector's ``linear_1`` (that
+        width -> LLM width) and ``linear_2`` (LLM width -> LLM width) on each row."""
+        c = self.config
+        k = int(1 / c.downsample_ratio) ** 2
+        rows, t = tiles * tile_patches(c.vision_config) // k, c.text_config.hidden_size
+        flops = linear(rows, k * c.vision_config.hidden_size, t) + linear(rows, t, t)
+        return Flops(forward=flops)
 
     @property
     def tokens_per_tile(self):

@@ -30,6 +30,7 @@ from ray_disagg.models.base import (
     SampleError,
     tensor_or_none,
 )
+from ray_disagg.models.llava_common.costs import LlavaTowerCosts
 from ray_disagg.models.llava_common.parallelize import LlavaParallelMixin
 from ray_disagg.models.packing import PackedTextMixin
 
@@ -41,7 +42,7 @@ def _pair(size) -> tuple[int, int]:
     return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
 
-class LlavaAdapter(LlavaParallelMixin, PackedTextMixin, ModelAdapter):
+class LlavaAdapter(LlavaTowerCosts, LlavaParallelMixin, PackedTextMixin, ModelAdapter):
     """Shared logic of the LLaVA-shaped families (see module docstring)."""
 
     encoder_parts = ("vision",)

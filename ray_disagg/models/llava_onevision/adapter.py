@@ -21,8 +21,10 @@ from transformers.models.llava_onevision.modeling_llava_onevision import (
 )
 
 from ray_disagg.models.base import SampleError, tensor_or_none
+from ray_disagg.models.flops import Flops, linear
 from ray_disagg.models.llava_common import LlavaAdapter
 from ray_disagg.models.llava_onevision.flavors import tiny_llava_onevision_config
+from ray_disagg.models.tower_flops import tile_patches
 
 __all__ = ["LlavaOnevisionAdapter"]
 
@@ -86,6 +88,17 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         if sizes is None:
             return 0
         return sum(self.image_tiles(s, len(sizes) == 1) for s in sizes)
+
+    def projector_flops(self, tiles):
+        """The projector on every patch of every tile (strategy ``"full"``), before
+        ``pack_image_features`` unpads, pools and appends ``image_newline`` (no FLOPs):
+        ``linear_1`` (the tower's width x the feature layers -> LLM width) and
+        ``linear_2`` (LLM width -> LLM width)."""
+        c = self.config
+        layers = c.vision_feature_layer
+        width = c.vision_config.hidden_size * (1 if isinstance(layers, int) else len(layers))
+        rows, t = tiles * tile_patches(c.vision_config), c.text_config.hidden_size
+        return Flops(forward=linear(rows, width, t) + linear(rows, t, t))
 
     def counter_names(self, part):
         return ("images", "tiles")

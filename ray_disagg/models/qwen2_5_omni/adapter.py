@@ -12,6 +12,8 @@ import torch
 from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
 
 from ray_disagg.models.base import Crossing, SampleError, tensor_or_none
+from ray_disagg.models.flops import Flops
+from ray_disagg.models.qwen2_5_omni.costs import audio_tower_flops
 from ray_disagg.models.qwen2_5_omni.flavors import tiny_qwen2_5_omni_thinker_config
 from ray_disagg.models.qwen2_5_omni.parallelize import TOWER_PLAN, OmniParallelMixin
 from ray_disagg.models.qwen_common.adapter import QwenVLAdapter
@@ -44,6 +46,7 @@ class Qwen2_5OmniThinkerAdapter(OmniParallelMixin, QwenVLAdapter):
     tower_plan = TOWER_PLAN
     llm_extra_fields = ("video_second_per_grid",)
     windowed_tower = True
+    gated_tower_mlp = True
     tiny_config = staticmethod(tiny_qwen2_5_omni_thinker_config)
 
     # ---- samples ----------------------------------------------------------------------
@@ -151,6 +154,13 @@ class Qwen2_5OmniThinkerAdapter(OmniParallelMixin, QwenVLAdapter):
         if part == "audio":
             return {"audios": sum(len(self.audio_lengths(s)) for s in samples)}
         return super().item_counts(part, samples)
+
+    def tower_flops(self, part, sample) -> Flops:
+        """``audio``: the audio tower over the sample's audios (:func:`audio_tower_flops`,
+        their mel frames from ``feature_attention_mask``); the vision tower otherwise."""
+        if part != "audio":
+            return super().tower_flops(part, sample)
+        return audio_tower_flops(self.config.audio_config, self.audio_lengths(sample))
 
     # ---- compute ----------------------------------------------------------------------
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
+from ray_disagg.models.flops import Flops, decoder_flops
+from ray_disagg.models.qwen3_5.costs import gated_deltanet_flops
 from ray_disagg.models.qwen3_5.flavors import tiny_qwen3_5_config
 from ray_disagg.models.qwen3_5.parallelize import (
     LINEAR_ATTENTION,
@@ -42,3 +44,11 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
     tiny_config = staticmethod(tiny_qwen3_5_config)
     deepstack_levels = 0
     encoder_output = QwenVLAdapter.encoder_output
+
+    def decoder_flops(self, tokens: int, labels: int) -> Flops:
+        """The decoder with its Gated DeltaNet layers (:func:`gated_deltanet_flops`) and
+        the full-attention layers' gated queries (``q_proj`` twice as wide)."""
+        t = self.config.text_config
+        return decoder_flops(
+            t, tokens, labels, linear_attention=gated_deltanet_flops, gated_query=True
+        )
