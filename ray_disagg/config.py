@@ -244,7 +244,7 @@ class ModuleGroup:
     """Keep a started copy of this group's workers (same resources, its own placement
     group) that takes the group's place when one of its workers fails: the group restart
     then skips starting workers. Costs the group's resources twice; only for a group that
-    restarts alone (README "Fault tolerance and elasticity")."""
+    restarts alone (``docs/checkpoints-and-recovery.md``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.scaling_config, ScalingConfig):

@@ -120,7 +120,8 @@ class DisaggregatedTrainer(rc.TrainerBase):
     Restarts (``FailureConfig(max_failures=K)``) and a rerun with the same
     ``RunConfig(name=..., storage_path=...)`` continue from the latest checkpoint;
     ``resume_from_checkpoint`` starts from a given one (of any layout). A failed encoder
-    group restarts alone where it can (``restart_failed_group``; README "Fault tolerance").
+    group restarts alone where it can (``restart_failed_group``;
+    ``docs/checkpoints-and-recovery.md``).
 
     While ``fit()`` runs, the driver prints the layout, one line per reported step (a live
     bar when stdout is a terminal) and a summary at the end

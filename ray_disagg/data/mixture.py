@@ -185,7 +185,7 @@ def mix(sources: Mapping, weights: Mapping | None = None, *, seed: int = 0) -> M
     Example:
         >>> train = mix({"captions": [{"x": 0}] * 10, "docs": [{"x": 1}] * 4},
         ...             weights={"captions": 0.7, "docs": 0.3})
-        >>> sorted(train.fingerprint()["sources"].items())
-        [('captions', 10), ('docs', 4)]
+        >>> train.fingerprint()["sources"]
+        [['captions', 10], ['docs', 4]]
     """
     return Mixture(sources, weights, seed=seed)

@@ -10,8 +10,8 @@ to Ray's metrics (:mod:`ray_disagg.launch.ray_metrics`) and the experiment track
 
 Example:
     >>> step_line({"step": 3, "loss": 1.25, "lr": 1e-3, "tokens_per_s": 900.0,
-    ...            "step_time_s": 0.5, "mean_step_time_s": 0.5}, max_steps=10)
-    'step 3/10 loss 1.2500 lr 0.001 tokens/s 900 step 0.500s ETA 0:00:03'
+    ...            "step_time_s": 0.5, "mean_step_time_s": 0.5}, max_steps=11)
+    'step 3/11 loss 1.2500 lr 0.001 tokens/s 900 step 0.500s ETA 0:00:04'
 """
 
 from __future__ import annotations

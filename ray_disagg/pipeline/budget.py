@@ -186,7 +186,8 @@ class StreamBudgetPlan(BudgetedPlan):
 
     Example:
         >>> plan = StreamBudgetPlan(num_samples=9, global_batch_size=8, max_tokens=64,
-        ...                         dp_sizes={"vision": 1, "text": 2}, max_patches=100)
+        ...                         dp_sizes={"vision": 1, "text": 2}, max_patches=100,
+        ...                         reader="text")
         >>> plan.caps(), plan.assign(0, {"counts": [[2], [1]], "costs": {"vision": [1] * 3}})
         ({'vision': 50}, [{'text': [[0, 1], [2]], 'vision': [[0, 1, 2]]}])
     """

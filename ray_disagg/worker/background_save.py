@@ -87,7 +87,7 @@ def _shared_stager():
     On GPUs the copy runs on a stream of its own, from a thread of DCP's, while the next
     step computes; that step's optimizer waits for it (:func:`wait_staged`). On CPUs it
     runs in the checkpoint step: there it would only compete with the next step for the
-    cores (measured slower: ``benchmarks/checkpoint.py``, README)."""
+    cores (measured slower: ``benchmarks/checkpoint.py``, ``docs/checkpoints-and-recovery.md``)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     gpu = torch.cuda.is_available()

@@ -7,8 +7,8 @@ accelerators' dense peaks; ``None``, and no MFU, on a CPU or an unknown GPU).
 the same over all groups (:class:`~ray_disagg.worker.metrics.StepStats`).
 
 Example:
-    >>> dense_peak("NVIDIA H100 80GB HBM3", bf16=True)
-    9.894e+14
+    >>> dense_peak("NVIDIA H100 80GB HBM3", bf16=True) / 1e12
+    989.4
     >>> dense_peak("NVIDIA GeForce GT 710", bf16=True) is None
     True
 """
