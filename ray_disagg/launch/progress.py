@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 __all__ = [
@@ -230,7 +231,11 @@ class RunProgress:
         from ray_disagg.launch.ray_metrics import RayMetrics
 
         t = self.trainer
-        sinks = [RayMetrics(t.run_config.name, t.groups).log]
+        sinks = []
+        try:
+            sinks.append(RayMetrics(t.run_config.name, t.groups).log)
+        except Exception as e:  # noqa: BLE001 - the run goes on without Ray's gauges
+            warnings.warn(f"Ray metrics are not recorded: {e!r}", stacklevel=2)
         if t.report_to:
             from ray_disagg.launch.trackers import Trackers, run_params
 

@@ -24,7 +24,8 @@ differs slightly, see ``ray_disagg.models.qwen3_5.costs``):
   shared expert and its gate);
 - model FLOPs, not hardware FLOPs: activation checkpointing's recomputation is not counted,
   and a LoRA or partly frozen part counts its whole backward; a part that trains nothing
-  runs forward only (:func:`step_flops`).
+  runs forward only, or forward and input gradients when gradients pass through it
+  (:func:`step_flops`).
 
 Example:
     >>> from ray_disagg.models.flops import Flops, linear
@@ -73,10 +74,16 @@ class Flops:
         return 3.0 * self.forward - self.data_input - 2.0 * self.no_backward
 
 
-def step_flops(flops: Flops, trains: bool) -> float:
-    """FLOPs a part runs for ``flops``: forward and backward, or forward only when the
-    part trains nothing (an encoder with ``trainable=False`` runs under ``no_grad``)."""
-    return flops.training if trains else flops.forward
+def step_flops(flops: Flops, backward: bool, trains: bool = True) -> float:
+    """FLOPs a part runs for ``flops``: forward only without a ``backward`` (an encoder
+    with ``trainable=False`` runs under ``no_grad``); forward and the input gradients
+    when it ``trains`` nothing but passes gradients on (a frozen LLM before a trained
+    encoder: ``2 x forward - data_input - no_backward``); else :attr:`Flops.training`."""
+    if not backward:
+        return flops.forward
+    if not trains:
+        return 2.0 * flops.forward - flops.data_input - flops.no_backward
+    return flops.training
 
 
 def linear(rows: float, d_in: float, d_out: float) -> float:

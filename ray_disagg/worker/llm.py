@@ -75,10 +75,12 @@ class LLMModel:
         seqs = items if self.objective is None else self.objective.sequences(items)[0]
         return sum(len(q["input_ids"]) for q in seqs)
 
-    def flops(self, items, trains: bool) -> float:
-        """Model FLOPs of ``items``' sequences (an objective's reference pass not counted)."""
+    def flops(self, items, backward: bool) -> float:
+        """Model FLOPs of ``items``' sequences (an objective's reference pass not counted;
+        a frozen LLM's backward: input gradients only)."""
         seqs = items if self.objective is None else self.objective.sequences(items)[0]
-        return mfu.samples_flops(self.w.adapter, self.w.part, seqs, trains)
+        w = self.w
+        return mfu.samples_flops(w.adapter, w.part, seqs, backward, trains=not w.frozen)
 
     def loss(self, items, mb, received, rows, n_labels, grad: bool, by_source=None):
         """The microbatch's loss: the token loss over ``n_labels`` (the global batch's
@@ -223,7 +225,7 @@ class LLMStep:
         self.loss_sum += reported.detach().to(torch.float64)
         mine = [self.items[p] for p in mb[w.part][w.dp_rank]]
         self.tokens += self.llm.tokens(mine)
-        self.flops += self.llm.flops(mine, trains=loss.requires_grad)
+        self.flops += self.llm.flops(mine, backward=loss.requires_grad)
 
     def send_grads(self, j: int) -> None:
         w = self.w

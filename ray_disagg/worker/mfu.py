@@ -16,26 +16,29 @@ Example:
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import torch
 
 from ray_disagg.models.flops import step_flops
 
-__all__ = ["PEAK_TFLOPS", "dense_peak", "peak_flops", "samples_flops"]
+__all__ = ["PEAK_TFLOPS", "dense_peak", "device_share", "peak_flops", "samples_flops"]
 
 # Dense (no sparsity) peak TFLOP/s from the vendors' datasheets: (bf16 tensor cores,
 # fp32 without TF32, as PyTorch's default ``float32_matmul_precision="highest"`` runs).
-# Matched against ``torch.cuda.get_device_name()`` in order (the first key it contains).
+# Matched against ``torch.cuda.get_device_name()`` in order: the first key it contains as
+# whole words ("A10" is not "A10G", "L4" not "L40S"). A MIG slice gets its GPU's peak.
 PEAK_TFLOPS: dict[str, tuple[float, float]] = {
+    "H200 NVL": (835.0, 60.0),
     "H200": (989.4, 66.9),
     "H100 PCIe": (756.0, 51.2),
     "H100 NVL": (835.0, 60.0),
     "H100": (989.4, 66.9),  # SXM ("H100 80GB HBM3")
     "A100": (312.0, 19.5),
     "L40S": (362.05, 91.6),
+    "L40": (181.05, 90.5),
     "L4": (121.0, 30.3),
-    "A10G": (70.0, 31.2),
     "A10": (125.0, 31.2),
 }
 
@@ -43,18 +46,29 @@ PEAK_TFLOPS: dict[str, tuple[float, float]] = {
 def dense_peak(device_name: str, bf16: bool) -> float | None:
     """The table's dense peak FLOP/s of ``device_name`` (``None``: not in the table)."""
     for key, (half, single) in PEAK_TFLOPS.items():
-        if key in device_name:
+        if re.search(rf"\b{re.escape(key)}\b", device_name):
             return (half if bf16 else single) * 1e12
     return None
 
 
-def peak_flops(device: torch.device, cfg, warn: bool) -> float | None:
+def device_share(scaling_config) -> float:
+    """The fraction of a GPU each worker of ``scaling_config`` holds (``resources_per_worker
+    ={"GPU": 0.5}`` under ``placement="colocated"``: two groups' workers share one GPU);
+    1 without GPUs."""
+    if not scaling_config.use_gpu:
+        return 1.0
+    return float((scaling_config.resources_per_worker or {}).get("GPU", 1.0))
+
+
+def peak_flops(device: torch.device, cfg, warn: bool, share: float = 1.0) -> float | None:
     """This worker's peak FLOP/s in the run's dtype (bf16 under ``bf16`` or
-    ``param_dtype="bfloat16"``): ``cfg.peak_tflops`` when set; a GPU's from the table
-    (an unknown one warns when ``warn``); ``None`` on a CPU (no MFU without the setting:
-    a CPU's peak depends on its cores, vector units and clocks)."""
+    ``param_dtype="bfloat16"``) times its ``share`` of the device (:func:`device_share`:
+    a device's peak counts once over the groups sharing it): ``cfg.peak_tflops`` when
+    set; a GPU's from the table (an unknown one warns when ``warn``); ``None`` on a CPU
+    (no MFU without the setting: a CPU's peak depends on its cores, vector units and
+    clocks)."""
     if cfg.peak_tflops is not None:
-        return cfg.peak_tflops * 1e12
+        return cfg.peak_tflops * 1e12 * share
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -66,14 +80,15 @@ def peak_flops(device: torch.device, cfg, warn: bool) -> float | None:
             "train_loop_config['peak_tflops'] to the device's dense peak in the run's dtype",
             stacklevel=2,
         )
-    return peak
+    return None if peak is None else peak * share
 
 
-def samples_flops(adapter, part: str, samples, trains: bool) -> float:
-    """Model FLOPs ``part`` runs over ``samples``: forward and backward when it trains,
-    else forward only (:func:`~ray_disagg.models.flops.step_flops`); NaN (no MFU) for an
-    adapter of one's own that counts none (``tower_flops`` not written)."""
+def samples_flops(adapter, part: str, samples, backward: bool, trains: bool = True) -> float:
+    """Model FLOPs ``part`` runs over ``samples`` (:func:`~ray_disagg.models.flops.
+    step_flops`: forward only without ``backward``; input gradients only when the part
+    ``trains`` nothing but passes gradients on); NaN (no MFU) for an adapter of one's own
+    that counts none (``tower_flops`` not written)."""
     try:
-        return sum(step_flops(adapter.sample_flops(part, s), trains) for s in samples)
+        return sum(step_flops(adapter.sample_flops(part, s), backward, trains) for s in samples)
     except NotImplementedError:
         return math.nan

@@ -97,7 +97,8 @@ class PartWorker:
         self.frozen = part in args.frozen_parts  # every parameter frozen: forward only
         self.is_llm = part == self.adapter.llm_part
         self.clock = StepClock()
-        self.peak_flops = mfu.peak_flops(self.device, self.cfg, warn=self.group_rank == 0)
+        share = mfu.device_share(self.group.scaling_config)
+        self.peak_flops = mfu.peak_flops(self.device, self.cfg, self.group_rank == 0, share)
         self.pending = []  # posted cross-group sends not yet known delivered
         self.skipped = 0  # steps not applied (no label token, or non-finite with skipping)
         self.backward_passes = 0  # of this step

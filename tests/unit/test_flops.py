@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from ray.train import ScalingConfig
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
 
 from ray_disagg import ADAPTERS, HFModelSpec, TrainLoopConfig
@@ -18,7 +19,7 @@ from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.models.flops import Flops, decoder_flops, step_flops
 from ray_disagg.testing.reference import reference_batch
 from ray_disagg.worker.metrics import StepStats
-from ray_disagg.worker.mfu import dense_peak, peak_flops
+from ray_disagg.worker.mfu import dense_peak, device_share, peak_flops
 
 MEDIA = [
     {"images": [(1, 8, 8), (1, 4, 12)]},
@@ -54,6 +55,13 @@ def _samples(cfg) -> list[dict]:
     return samples
 
 
+def _with_absent_media(adapter, sample: dict) -> dict:
+    """``sample`` with every encoder field it lacks set to ``None``, as conversation
+    processors and nullable dataset columns give them."""
+    fields = {f for p in adapter.encoder_parts for f in adapter.encoder_fields(p)}
+    return {**{f: None for f in fields}, **sample}
+
+
 def measured_flops(spec: HFModelSpec, sample: dict) -> float:
     """FlopCounterMode's FLOPs of one forward and backward of ``sample``, logits at the
     label positions only (``logits_to_keep``)."""
@@ -79,13 +87,16 @@ def test_counted_flops_match_flop_counter(model_type):
     adapter = spec.adapter
     for i, sample in enumerate(_samples(cfg)):  # (media a family does not take are left out)
         counted = sum(adapter.sample_flops(p, sample).training for p in adapter.parts)
+        absent = _with_absent_media(adapter, sample)  # the same count with None fields
+        assert sum(adapter.sample_flops(p, absent).training for p in adapter.parts) == counted
         assert counted == pytest.approx(measured_flops(spec, sample), rel=0.05), (model_type, i)
 
 
 def test_flops_conventions():
     a = Flops(forward=10.0, data_input=4.0)
     assert (a + Flops(forward=1.0)).training == 3 * 11 - 4
-    assert step_flops(a, trains=False) == 10.0 and step_flops(a, trains=True) == 26.0
+    assert step_flops(a, backward=False) == 10.0 and step_flops(a, backward=True) == 26.0
+    assert step_flops(a, backward=True, trains=False) == 2 * 10 - 4  # input gradients only
     t = ADAPTERS["qwen2_vl"].tiny_config().text_config
     one, two = (decoder_flops(t, n, labels=0).forward for n in (10, 20))
     assert two > 2 * one  # attention grows with the square of the length
@@ -98,10 +109,16 @@ def test_peaks_and_the_mfu_of_a_step():
     assert dense_peak("NVIDIA H100 80GB HBM3", bf16=True) == 989.4e12
     assert dense_peak("NVIDIA H100 PCIe", bf16=False) == 51.2e12  # not the SXM's
     assert dense_peak("NVIDIA A100-SXM4-80GB", bf16=False) == 19.5e12
+    assert dense_peak("NVIDIA L40", bf16=True) == 181.05e12  # not the L4's, not the L40S's
+    assert dense_peak("NVIDIA A10G", bf16=True) is None  # not the A10's: unknown
+    assert device_share(ScalingConfig(num_workers=2, use_gpu=True,
+                                      resources_per_worker={"GPU": 0.5})) == 0.5  # fmt: skip
+    assert device_share(ScalingConfig(num_workers=2)) == 1.0
     cpu, cfg = torch.device("cpu"), TrainLoopConfig(max_steps=1, global_batch_size=1)
     assert peak_flops(cpu, cfg, warn=True) is None  # a CPU: only with the setting
     cfg.peak_tflops = 2.0
     assert peak_flops(cpu, cfg, warn=True) == 2e12
+    assert peak_flops(cpu, cfg, warn=True, share=0.5) == 1e12  # colocated: counted once
     stats = StepStats(["vision", "text"], [])
     s = stats.new()
     ix = stats.index

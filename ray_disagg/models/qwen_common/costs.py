@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import numpy as np
-
 from ray_disagg.models.costs import (
     ActivationShape,
     merger_tower_activation_bytes,
@@ -44,10 +42,12 @@ class QwenTowerCosts:
         v = self.tower_config(part)
         if v is None:
             return super().tower_flops(part, sample)
+        grids = [self._grid(sample, k) for k in ("image_grid_thw", "video_grid_thw")]
         frames = [
             (int(h), int(w))
-            for key in ("image_grid_thw", "video_grid_thw")
-            for t, h, w in np.asarray(sample.get(key, np.zeros((0, 3)))).reshape(-1, 3)
+            for grid in grids
+            if grid is not None  # no such media (a missing key or None)
+            for t, h, w in grid
             for _ in range(int(t))
         ]
         patches = sum(h * w for h, w in frames)
