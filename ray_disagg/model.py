@@ -18,6 +18,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from ray_disagg.models import IGNORE_INDEX, get_adapter, loading, lora
 from ray_disagg.models.base import ModelAdapter
+from ray_disagg.parallel.row_blocks import block_rows
 from ray_disagg.settings import check_settings, setting
 
 SLOW_LOAD_S = 5.0  # a load taking longer logs its progress every quarter
@@ -29,12 +30,13 @@ def _hf_shapes(module: nn.Module, adapter: ModelAdapter) -> dict[str, tuple[int,
     """The HF tensors ``module``'s parameters come from, with their global shapes (a row
     block of a split Linear reads the fused tensor)."""
     shapes, hf_name = {}, lora.hf_name_map(adapter.hf_param_name)
+    blocks = block_rows(module, hf_name)
     for name, p in module.named_parameters():
         if lora.is_factor(name):
             continue  # from the adapter directory (checked on the driver) or fresh
-        fused, index, blocks = hf_name(name)
+        fused, index, _ = hf_name(name)
         shape = tuple(p.shape)
-        shapes[fused] = (blocks * shape[0], *shape[1:]) if index is not None else shape
+        shapes[fused] = (blocks[name][2], *shape[1:]) if index is not None else shape
     return shapes
 
 

@@ -21,7 +21,7 @@ from ray_disagg.models.costs import CostHooks
 from ray_disagg.models.moe import RouterSpec, router_spec
 
 if TYPE_CHECKING:
-    from ray_disagg.parallel.tensor_parallel import BlockTPPlan, LinearSplit
+    from ray_disagg.parallel.tensor_parallel import BlockTPPlan, LayerTPPlan, LinearSplit
 
 __all__ = ["IGNORE_INDEX", "Crossing", "ModelAdapter", "SampleError", "sample_name"]
 
@@ -309,8 +309,8 @@ class ModelAdapter(CostHooks):
         raise NotImplementedError
 
     param_splits: ClassVar[tuple[LinearSplit, ...]] = ()
-    """Fused Linears that a parallel plan may store as row blocks (their checkpoint names
-    then differ from HF's; see :meth:`hf_param_name`)."""
+    """Fused Linears (and depthwise convolutions) that a parallel plan may store as row
+    blocks (their checkpoint names then differ from HF's; see :meth:`hf_param_name`)."""
 
     @classmethod
     def hf_param_name(cls, name: str) -> tuple[str, int | None, int]:
@@ -339,8 +339,10 @@ class ModelAdapter(CostHooks):
     per_head_norms: ClassVar[tuple[str, ...]] = ()
     """Decoder-layer modules applied per attention head (their TP gradients are partial)."""
 
-    def llm_tp_plan(self) -> dict[str, str]:
-        """Decoder-layer-relative module name -> ``"colwise"``/``"rowwise"``."""
+    def llm_tp_plan(self) -> dict[str, str] | LayerTPPlan:
+        """Decoder-layer-relative module name -> ``"colwise"``/``"rowwise"``, or a
+        :class:`~ray_disagg.parallel.tensor_parallel.LayerTPPlan` for layers that need
+        more (split fused modules, dim-0 shards read locally, divided sizes)."""
         raise NotImplementedError
 
     def tower_tp_plan(self, part: str) -> BlockTPPlan | None:

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ray_disagg.models import hf_param_name
 from ray_disagg.models.conversions import Converted, unsupported_operation
+from ray_disagg.parallel.row_blocks import block_rows
 
 __all__ = [
     "InitSource",
@@ -273,17 +274,25 @@ class SafetensorsSource:
         return self._file(fname).get_slice(ck_key)[region]
 
 
-def part_tensor(source, name: str, hf_name=hf_param_name) -> torch.Tensor:
+def part_tensor(source, name: str, hf_name=hf_param_name, blocks=None) -> torch.Tensor:
     """The full tensor of a part's parameter ``name`` from ``source`` (anything with
     ``.get(hf_name)``), sliced out of the fused HF tensor for a row block of a split
     Linear. ``hf_name``: the family's :meth:`ModelAdapter.hf_param_name` (default: that
-    of every registered family)."""
-    fused, index, blocks = hf_name(name)
+    of every registered family); ``blocks``: the part's
+    :func:`~ray_disagg.parallel.row_blocks.block_rows` (without it, equal blocks)."""
+    fused, index, count = hf_name(name)
     if index is None:
         return source.get(name)
     full = source.get(fused)
-    rows = full.shape[0] // blocks
-    return full[index * rows : (index + 1) * rows]
+    start, rows = _block(blocks, name, full.shape[0], index, count)[:2]
+    return full[start : start + rows]
+
+
+def _block(blocks, name: str, total: int, index: int, count: int) -> tuple[int, int, int]:
+    """``(first row, rows, fused rows)`` of the row block ``name``."""
+    if blocks is not None:
+        return blocks[name]
+    return index * (total // count), total // count, total
 
 
 @torch.no_grad()
@@ -318,28 +327,27 @@ def local_region(p: torch.Tensor) -> tuple[slice, ...] | None:
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
-def _check_shape(source, name: str, p: torch.Tensor, hf_name) -> None:
+def _check_shape(source, name: str, p: torch.Tensor, hf_name, blocks) -> None:
     if not hasattr(source, "shape"):
         return  # fill checks the full tensor
-    fused, index, blocks = hf_name(name)
-    shape = tuple(source.shape(name if index is None else fused))
-    if index is not None:
-        shape = (shape[0] // blocks, *shape[1:])
-    if shape != tuple(p.shape):
-        raise ValueError(f"shape {shape} does not match the model's {tuple(p.shape)}")
+    fused, index, _ = hf_name(name)
+    shape, want = tuple(source.shape(name if index is None else fused)), tuple(p.shape)
+    if index is not None:  # the fused tensor against the model's blocks
+        want = (blocks[name][2], *want[1:])
+    if shape != want:
+        raise ValueError(f"shape {shape} does not match the model's {want}")
 
 
-def _read(source, name: str, region, hf_name) -> torch.Tensor:
+def _read(source, name: str, region, hf_name, blocks) -> torch.Tensor:
     """``part_tensor(source, name)[region]``, read as such where the source can
     (``SafetensorsSource.read``: only those bytes)."""
     if region is None or not hasattr(source, "read"):
-        full = part_tensor(source, name, hf_name)
+        full = part_tensor(source, name, hf_name, blocks)
         return full if region is None else full[region]
-    fused, index, blocks = hf_name(name)
+    fused, index, _ = hf_name(name)
     if index is not None:  # a row block of a fused tensor: shift the rows
-        rows = source.shape(fused)[0] // blocks
-        first = region[0]
-        region = (slice(first.start + index * rows, first.stop + index * rows), *region[1:])
+        start, first = blocks[name][0], region[0]
+        region = (slice(first.start + start, first.stop + start), *region[1:])
         name = fused
     return source.read(name, region)
 
@@ -371,15 +379,15 @@ def materialize(
         tensor = module.get_parameter(source)
         if not isinstance(tensor, DTensor):  # FSDP2 / TP keep theirs tied themselves
             setattr(module.get_submodule(owner), attr, tensor)
-    named = list(module.named_parameters())
+    named, blocks = list(module.named_parameters()), block_rows(module, hf_name)
     for i, (name, p) in enumerate(named):
         try:
-            _check_shape(params, name, p, hf_name)
+            _check_shape(params, name, p, hf_name, blocks)
             region = local_region(p)
             if region is None:
-                fill(p, part_tensor(params, name, hf_name))
+                fill(p, part_tensor(params, name, hf_name, blocks))
             else:  # only this rank's block is read and copied to the device
-                p.to_local().copy_(_read(params, name, region, hf_name))
+                p.to_local().copy_(_read(params, name, region, hf_name, blocks))
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         if progress is not None:

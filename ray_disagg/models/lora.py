@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ray_disagg.models.loading import name_seed
+from ray_disagg.parallel.row_blocks import block_rows
 
 __all__ = [
     "ADAPTER",
@@ -306,10 +307,11 @@ class LoraWeights:
         names = [n for n, _ in module.named_modules()]
         self.saved = saved_modules(lora.config.modules_to_save, names)
         self.shapes = {}  # every factor's global shape, a split one's as the fused factor
+        blocks = block_rows(module, hf_param_name)
         for name, p in module.named_parameters():
             if is_factor(name):
-                fused, index, blocks = hf_param_name(name)
-                rows = p.shape[0] * (blocks if index is not None else 1)
+                fused = hf_param_name(name)[0]
+                rows = blocks[name][2] if name in blocks else p.shape[0]
                 self.shapes[fused] = (rows, *p.shape[1:])
         self.file = None
         if lora.path is not None:

@@ -4,7 +4,10 @@ embedding, lm_head and cross-entropy (no rank ever holds full-vocab logits).
 The per-layer plan comes from the family adapter (typically the attention's q/k/v and the
 MLP's input projections column-wise, each rank holding a slice of the heads / of the MLP
 width; the output projections row-wise, partial sums all-reduced); norms stay replicated.
-A tower's blocks are sharded the same way with a :class:`BlockTPPlan`.
+A tower's blocks are sharded the same way with a :class:`BlockTPPlan`. A decoder layer
+whose modules are more than Linears (Qwen3.5's Gated DeltaNet) has a :class:`LayerTPPlan`:
+fused modules split into row blocks and parameters sharded on dim 0 that the module reads
+as its local rows (:mod:`ray_disagg.parallel.row_blocks`).
 The input embeddings enter the layers replicated; in backward, the column-wise layers'
 ``Replicate`` input turns their partial input gradients into the full sum, so the gradient
 w.r.t. the image embeddings is complete on every tp rank.
@@ -23,11 +26,15 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from ray_disagg.parallel.row_blocks import LinearSplit, SplitConv1d, SplitLinear, shard_rows
+
 __all__ = [
     "BlockTPPlan",
+    "LayerTPPlan",
     "LinearSplit",
     "SplitLinear",
     "VocabParallelCrossEntropy",
+    "parallelize_layer",
     "parallelize_text",
     "parallelize_vision",
     "grad_sq_norm",
@@ -40,10 +47,12 @@ _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
 def mark_partial_grads(module, per_head_norms) -> None:
-    """Mark the parameters of the modules named in ``per_head_norms`` (call again after
-    anything that replaces parameters, e.g. FSDP2)."""
+    """Mark the parameters of the modules named in ``per_head_norms``: a leaf name
+    (``q_norm``) or the end of a dotted path (``linear_attn.norm``, where a bare ``norm``
+    would also name the decoder's final norm); call again after anything that replaces
+    parameters, e.g. FSDP2."""
     for name, mod in module.named_modules():
-        if name.rsplit(".", 1)[-1] in per_head_norms:
+        if any(name == n or name.endswith(f".{n}") for n in per_head_norms):
             for p in mod.parameters():
                 p._tp_partial_grad = True
 
@@ -139,16 +148,20 @@ def _plan(root: torch.nn.Module, styles: dict[str, str]) -> dict:
     return {n: _STYLES[s]() for n, s in out.items()}
 
 
-def _split(blk: torch.nn.Module, path: str, pieces: tuple[str, ...]) -> None:
-    """Replace the fused Linear at ``path`` by a :class:`SplitLinear`; under LoRA its
+def _split(blk: torch.nn.Module, path: str, split: LinearSplit) -> None:
+    """Replace the fused module at ``path`` by its row blocks: a depthwise Conv1d by a
+    :class:`SplitConv1d`, a Linear by a :class:`SplitLinear`; under LoRA the Linear's
     ``base_layer`` and ``lora_B`` (rows in the same blocks; ``lora_A`` is shared)."""
-    mod = blk.get_submodule(path)
-    if not _is_lora(mod):
-        _set(blk, path, SplitLinear(mod, pieces))
+    mod, pieces, sizes = blk.get_submodule(path), split.pieces, split.sizes
+    if isinstance(mod, torch.nn.Conv1d):
+        _set(blk, path, SplitConv1d(mod, pieces, sizes))
         return
-    mod.base_layer = SplitLinear(mod.base_layer, pieces)
+    if not _is_lora(mod):
+        _set(blk, path, SplitLinear(mod, pieces, sizes))
+        return
+    mod.base_layer = SplitLinear(mod.base_layer, pieces, sizes)
     for key in list(mod.lora_B):
-        mod.lora_B[key] = SplitLinear(mod.lora_B[key], pieces)
+        mod.lora_B[key] = SplitLinear(mod.lora_B[key], pieces, sizes)
 
 
 def _has(module: torch.nn.Module, name: str) -> bool:
@@ -160,11 +173,12 @@ def _has(module: torch.nn.Module, name: str) -> bool:
 
 
 def parallelize_text(
-    part, lm, lm_head, tp_mesh, layer_plan: dict[str, str], per_head_norms=()
+    part, lm, lm_head, tp_mesh, layer_plan: dict[str, str] | LayerTPPlan, per_head_norms=()
 ) -> tuple[dist.ProcessGroup, int]:
     """Shard the LLM part in place over the 1-D ``tp_mesh``: each of the decoder ``lm``'s
-    ``.layers`` with ``layer_plan`` (layer-relative module name -> ``"colwise"`` /
-    ``"rowwise"``, from the family adapter), ``lm.embed_tokens`` vocab-parallel and the
+    ``.layers`` with ``layer_plan`` (a :class:`LayerTPPlan`, or just its ``styles``:
+    layer-relative module name -> ``"colwise"`` / ``"rowwise"``, from the family
+    adapter; :func:`parallelize_layer`), ``lm.embed_tokens`` vocab-parallel and the
     ``lm_head`` module vocab-sharded. Parameters of the modules named in ``per_head_norms``
     (per-head norms of q and k) see only this rank's heads: their gradients are
     partial sums (see :func:`all_reduce_partial_grads`). Tied embeddings
@@ -173,8 +187,10 @@ def parallelize_text(
     embedding's shard and both gradients add into it. Returns the tp group and the first
     vocab row of this rank's logits (for :class:`VocabParallelCrossEntropy`)."""
     tied = lm_head.weight is lm.embed_tokens.weight
-    for layer in lm.layers:  # a layer may lack entries (an MoE layer has no dense MLP)
-        parallelize_module(layer, tp_mesh, _plan(layer, layer_plan))
+    if not isinstance(layer_plan, LayerTPPlan):
+        layer_plan = LayerTPPlan(styles=layer_plan)
+    for layer in lm.layers:
+        parallelize_layer(layer, layer_plan, tp_mesh)
     mark_partial_grads(lm, per_head_norms)
     # vocab-parallel embedding: row shards of the table, partial lookups summed
     parallelize_module(
@@ -194,55 +210,51 @@ def parallelize_text(
 
 
 @dataclass(frozen=True, kw_only=True)
-class LinearSplit:
-    """A fused Linear (leaf module name ``module``) that a plan stores as equal row blocks
-    ``pieces`` (:class:`SplitLinear`): its parameters ``*.<module>.<piece>.<leaf>`` are
-    rows of the fused ``*.<module>.<leaf>``."""
+class LayerTPPlan:
+    """Tensor-parallel plan of a decoder layer (from the family adapter). Paths are
+    layer-relative; what a layer lacks is skipped (an MoE layer has no dense MLP, a
+    full-attention layer no linear attention)."""
 
-    module: str
-    """Leaf name of the fused Linear."""
-    pieces: tuple[str, ...]
-    """Names of the row blocks, in row order."""
+    styles: dict[str, str]
+    """Module name -> ``"colwise"``/``"rowwise"`` (split blocks are named
+    ``<fused path>.<piece>``)."""
+    splits: dict[str, LinearSplit] = field(default_factory=dict)
+    """Path of a fused Linear or depthwise Conv1d -> its :class:`LinearSplit` (with the
+    blocks' ``sizes`` where they differ; split first)."""
+    sharded: tuple[str, ...] = ()
+    """Parameters outside the styles' Linears sharded on dim 0, which their module reads
+    as this rank's rows (:func:`~ray_disagg.parallel.row_blocks.shard_rows`)."""
+    divided: tuple[str, ...] = ()
+    """Integer attributes (head counts, widths) the module sizes its local tensors with,
+    divided by tp."""
 
-    def fused_name(self, name: str) -> tuple[str, int | None]:
-        """``(fused name, row block index)`` of a block's parameter ``name``;
-        ``(name, None)`` for any other name. Under LoRA the blocks sit inside PEFT's
-        layer: ``<module>.base_layer.<piece>.<leaf>`` and
-        ``<module>.lora_B.<adapter>.<piece>.<leaf>`` are rows of the same names without
-        ``<piece>``."""
-        head, sep, tail = name.rpartition(f".{self.module}.")
-        parts = tail.split(".") if sep else []
-        if len(parts) < 2 or parts[-2] not in self.pieces:
-            return name, None
-        inner = parts[:-2]
-        if inner in ([], ["base_layer"]) or (len(inner) == 2 and inner[0] == "lora_B"):
-            return ".".join([head, self.module, *inner, parts[-1]]), self.pieces.index(parts[-2])
-        return name, None
+    def fused_styles(self) -> dict[str, str]:
+        """``styles`` by the modules of the unsplit HF layer (for estimates over the HF
+        model, e.g. the planner's memory): a split module is sharded as its blocks, and a
+        block whose weight is in ``sharded`` counts as ``"colwise"`` (rows sharded)."""
+        out = dict(self.styles)
+        for path, split in self.splits.items():
+            first = f"{path}.{split.pieces[0]}"
+            sharded = f"{first}.weight" in self.sharded
+            style = out.get(first, "colwise" if sharded else None)
+            if style is not None:
+                out[path] = style
+        return out
 
 
-class SplitLinear(torch.nn.Module):
-    """A fused Linear as one Linear per row block ``pieces`` (equal sizes), so that each
-    can be sharded column-wise on its own (a contiguous row shard of the fused weight would
-    mix blocks). ``forward`` returns the concatenation like the fused layer; with sharded
-    blocks that is each block's local rows in turn."""
-
-    def __init__(self, fused: torch.nn.Linear, pieces: tuple[str, ...]):
-        super().__init__()
-        self.pieces = tuple(pieces)
-        dim, out = fused.in_features, fused.out_features // len(self.pieces)
-        for i, name in enumerate(self.pieces):
-            lin = torch.nn.Linear(dim, out, bias=fused.bias is not None, device=fused.weight.device)
-            with torch.no_grad():
-                lin.weight.copy_(fused.weight[i * out : (i + 1) * out])
-                if fused.bias is not None:
-                    lin.bias.copy_(fused.bias[i * out : (i + 1) * out])
-            lin.weight.requires_grad_(fused.weight.requires_grad)  # frozen stays frozen
-            if fused.bias is not None:
-                lin.bias.requires_grad_(fused.bias.requires_grad)
-            setattr(self, name, lin)
-
-    def forward(self, x):
-        return torch.cat([getattr(self, name)(x) for name in self.pieces], dim=-1)
+def parallelize_layer(layer: torch.nn.Module, plan: LayerTPPlan, tp_mesh) -> None:
+    """Shard one decoder ``layer`` in place with ``plan``: the splits, then the styles
+    (LoRA layers: see :func:`_lora_styles`), the dim-0 shards and the divided sizes."""
+    for path, split in plan.splits.items():
+        if _has(layer, path):
+            _split(layer, path, split)
+    parallelize_module(layer, tp_mesh, _plan(layer, plan.styles))
+    shard_rows(layer, plan.sharded, tp_mesh)
+    for path in plan.divided:
+        owner, _, attr = path.rpartition(".")
+        mod = layer.get_submodule(owner) if _has(layer, owner) else None
+        if mod is not None and hasattr(mod, attr):
+            setattr(mod, attr, getattr(mod, attr) // tp_mesh.size())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,7 +284,7 @@ def parallelize_vision(tower, plan: BlockTPPlan, tp_mesh) -> None:
     layers: see :func:`_lora_styles`."""
     for blk in tower.get_submodule(plan.blocks):
         for path, split in plan.splits.items():
-            _split(blk, path, split.pieces)
+            _split(blk, path, split)
         parallelize_module(blk, tp_mesh, _plan(blk, plan.styles))
         owner, _, attr = plan.heads.rpartition(".")
         attn = blk.get_submodule(owner) if owner else blk

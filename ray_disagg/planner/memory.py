@@ -71,6 +71,7 @@ from ray_disagg.launch.ray_compat import resources_per_worker
 from ray_disagg.lora import lora_key, lora_meta_part, part_lora
 from ray_disagg.models.costs import ActivationShape, depth
 from ray_disagg.models.lora import base_name, is_factor
+from ray_disagg.parallel.tensor_parallel import LayerTPPlan
 from ray_disagg.planner.cluster import Cluster, DeviceFigures
 
 __all__ = [
@@ -153,6 +154,7 @@ def _tp_style(adapter, part: str, name: str):
         if name.endswith("embed_tokens.weight") or name.startswith("lm_head."):
             return True
         plan, layers = adapter.llm_tp_plan(), r"\.layers\.\d+\."
+        plan = plan.fused_styles() if isinstance(plan, LayerTPPlan) else plan
     else:
         tower = adapter.tower_tp_plan(part)
         if tower is None:

@@ -31,6 +31,7 @@ from ray_disagg.lr_schedule import lr_at
 from ray_disagg.models import hf_param_name
 from ray_disagg.models.loading import fill, part_tensor
 from ray_disagg.models.lora_files import write_record
+from ray_disagg.parallel.row_blocks import block_rows
 from ray_disagg.worker import background_save
 
 __all__ = [
@@ -193,9 +194,10 @@ class _Dict:
 def load_model(part, source: dict[str, torch.Tensor], names=None) -> None:
     """Copy full HF-named tensors into the (possibly sharded) ``part`` (``names``: only
     these parameters)."""
+    blocks = block_rows(part, hf_param_name)
     for name, p in part.named_parameters():
         if names is None or name in names:
-            fill(p, part_tensor(_Dict(source), name))
+            fill(p, part_tensor(_Dict(source), name, blocks=blocks))
 
 
 def load_optimizer(opt, part, fields: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -203,11 +205,12 @@ def load_optimizer(opt, part, fields: dict[str, dict[str, torch.Tensor]]) -> Non
     inner = getattr(opt, "optim", opt)  # ZeRO-1: the local optimizer of this rank's shard
     owned = {id(p) for g in inner.param_groups for p in g["params"]}
     inner.state.clear()  # in place (a group restart): state the checkpoint lacks goes too
+    blocks = block_rows(part, hf_param_name)
     for name, p in part.named_parameters():
         if id(p) not in owned:
             continue
         try:
-            state = {f: part_tensor(_Dict(fields[f]), name) for f in _STATE_KEYS}
+            state = {f: part_tensor(_Dict(fields[f]), name, blocks=blocks) for f in _STATE_KEYS}
             steps = fields["step"]  # one count per tensor: never sliced like qkv rows
             step = steps[name] if name in steps else steps[hf_param_name(name)[0]]
         except KeyError:

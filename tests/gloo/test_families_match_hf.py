@@ -84,6 +84,13 @@ def ep2_tp2(parts):  # vision 1 + text: 2 replicas split the experts, attention 
     }
 
 
+def fsdp_tp_ac(parts):  # vision 1 + text FSDP2(2) x TP2, activation checkpointing
+    return {
+        p: group(1) if p == "vision" else group(4, TensorParallel(size=2, fsdp=True), 0.25, True)
+        for p in parts
+    }
+
+
 def dp_tp(parts):  # towers without SP (fixed-size tiles): vision 2 + text TP2
     return {p: group(2) if p == "vision" else group(2, TensorParallel(size=2)) for p in parts}
 
@@ -107,12 +114,16 @@ CASES = [
     # 2026: MoE with the router's auxiliary loss over the global batch; linear attention
     ("qwen3_vl_moe", sp_tp),  # experts whole on every tp rank
     ("qwen3_vl_moe", sp_fsdp),
-    ("qwen3_5", sp_fsdp),  # Gated DeltaNet: no TP plan, FSDP2 shards it
+    ("qwen3_5", sp_fsdp),
+    ("qwen3_5", sp_tp),  # Gated DeltaNet by key heads: split in_proj_qkv and conv1d
+    ("qwen3_5", fsdp_tp_ac),  # ... under FSDP2 x TP2 and recomputation
     ("qwen3_5_moe", sp_fsdp),
+    ("qwen3_5_moe", sp_tp),  # experts, router and shared expert whole on every tp rank
     ("qwen3_vl_moe", ep2),
     ("qwen3_vl_moe", ep2_fsdp),
     ("qwen3_5_moe", ep2_fsdp),
     ("qwen3_vl_moe", ep2_tp2),
+    ("qwen3_5_moe", ep2_tp2),  # Gated DeltaNet TP2 beside the experts' EP2
     # beyond Qwen: tower + projector, 1-D rope, tied embeddings (vocab-parallel under TP)
     ("gemma3", dp_tp),  # image blocks bidirectional in the sliding-window mask
     ("gemma3", dp_fsdp),
@@ -141,12 +152,16 @@ def test_family_layout_matches_hf(tmp_path, model_type, layout):
     assert sorted(os.listdir(result.checkpoint.path)) == sorted(
         [*spec.adapter.parts, "config.json"]
     )
-    if any(isinstance(g.parallelism, ExpertParallel) for g in groups.values()):
+    split = model_type.startswith("qwen3_5") and isinstance(
+        groups["text"].parallelism, TensorParallel
+    )
+    if split or any(isinstance(g.parallelism, ExpertParallel) for g in groups.values()):
         _assert_export_round_trips(result, spec, tmp_path)
 
 
 def _assert_export_round_trips(result, spec, tmp_path):
-    """Expert shards come back whole: ``export_hf`` writes the HF layout that the family's
+    """Expert shards and row blocks (Qwen3.5's split ``in_proj_qkv``/``conv1d`` under
+    text TP) come back whole: ``export_hf`` writes the HF layout that the family's
     ``from_pretrained`` (with its own weight conversions) loads unchanged."""
     out = export_hf(result.checkpoint, tmp_path / "hf")
     loaded = spec.adapter.hf_class.from_pretrained(out).state_dict()

@@ -47,6 +47,7 @@ def _tp_text(rank, world, model_type):
     from ray_disagg.data.examples import synthetic_samples
     from ray_disagg.models.loss import lm_loss
     from ray_disagg.parallel.tensor_parallel import all_reduce_partial_grads, parallelize_text
+    from ray_disagg.worker.shards import merge_row_blocks
 
     cfg = ADAPTERS[model_type].tiny_config()
     spec = HFModelSpec(config=cfg, seed=2)
@@ -72,7 +73,7 @@ def _tp_text(rank, world, model_type):
         for n, p in part.named_parameters():
             g = p.grad
             grads[n] = g.full_tensor() if isinstance(g, DTensor) else g
-        return loss.detach(), {k: v.grad for k, v in got.items()}, grads
+        return loss.detach(), {k: v.grad for k, v in got.items()}, merge_row_blocks(grads)
 
     dense = run(spec.build_part("text"))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -83,8 +84,10 @@ def _tp_text(rank, world, model_type):
     return {"dense": dense, "tp": sharded}
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"])
 def test_tp_text_part_matches_dense_including_crossing_gradients(model_type):
+    """Qwen3.5: Gated DeltaNet layers sharded by key heads (split ``in_proj_qkv`` and
+    ``conv1d``, sharded ``A_log``/``dt_bias``, the gated norm's partial gradients)."""
     out = run_distributed(_tp_text, 2, model_type)
     for o in out:
         (dl, de, dg), (tl, te, tg) = o["dense"], o["tp"]
@@ -94,6 +97,7 @@ def test_tp_text_part_matches_dense_including_crossing_gradients(model_type):
         assert sorted(te) == sorted(de)
         for k in de:
             torch.testing.assert_close(te[k], de[k], rtol=1e-5, atol=1e-7, msg=k)
+        assert sorted(tg) == sorted(dg)  # row blocks merged back under HF names
         for name, g in dg.items():
             torch.testing.assert_close(tg[name], g, rtol=1e-5, atol=1e-6, msg=name)
 

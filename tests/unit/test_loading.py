@@ -206,3 +206,62 @@ def test_pretrained_source_reads_only_the_asked_block(tmp_path):
     assert source.shape(name) == tuple(full.shape)
     block = (slice(1, 3), slice(2, full.shape[1]))
     assert torch.equal(source.read(name, block), full[block])
+
+
+def _split_linear_attention(spec, part) -> None:
+    """Qwen3.5's text-TP row blocks, unsharded: every Gated DeltaNet's ``in_proj_qkv`` and
+    ``conv1d`` as ``q``/``k``/``v`` blocks of ``key_dim, key_dim, value_dim`` rows."""
+    from ray_disagg.parallel.row_blocks import SplitConv1d, SplitLinear
+
+    splits = spec.adapter.llm_tp_plan().splits
+    for layer in spec.adapter.llm_modules(part)[0].layers:
+        la = getattr(layer, "linear_attn", None)
+        if la is not None:
+            s = splits["linear_attn.in_proj_qkv"]
+            la.in_proj_qkv = SplitLinear(la.in_proj_qkv, s.pieces, s.sizes)
+            s = splits["linear_attn.conv1d"]
+            la.conv1d = SplitConv1d(la.conv1d, s.pieces, s.sizes)
+
+
+def test_unequal_row_blocks_load_from_the_fused_tensors(tmp_path):
+    """Qwen3.5's ``in_proj_qkv``/``conv1d`` blocks (16, 16 and 32 rows in the tiny
+    config) load from HF's fused tensors: from a pretrained directory (whole, and the
+    rows a shard reads), and from full tensors with their AdamW state (a resume from a
+    fused checkpoint)."""
+    from ray_disagg import tiny_qwen3_5_config
+    from ray_disagg.models.loading import _read
+    from ray_disagg.parallel.row_blocks import block_rows
+    from ray_disagg.worker.shards import load_model, load_optimizer
+
+    spec = HFModelSpec(config=tiny_qwen3_5_config(), seed=5)
+    spec.build_full().save_pretrained(tmp_path)
+    full = spec.build_part("text").state_dict()
+    pre = HFModelSpec(pretrained_path=tmp_path)
+    part = pre.meta_model("text")
+    _split_linear_attention(pre, part)
+    pre.materialize(part, "cpu", "text")  # checks the fused shapes, reads the blocks
+    prefix = "model.language_model.layers.0.linear_attn"
+    blocks = block_rows(part, spec.adapter.hf_param_name)
+    assert [blocks[f"{prefix}.conv1d.{w}.weight"] for w in "qkv"] == [
+        (0, 16, 64), (16, 16, 64), (32, 32, 64)
+    ]  # fmt: skip
+    for fused, leaf in (("in_proj_qkv", "weight"), ("conv1d", "weight")):
+        rows = full[f"{prefix}.{fused}.{leaf}"]
+        q, k, v = (getattr(part.get_submodule(f"{prefix}.{fused}"), w).weight for w in "qkv")
+        assert torch.equal(torch.cat([q, k, v]), rows) and v.shape[0] == 2 * q.shape[0]
+    source, name = pre.weight_source(pre.meta_model("text")), f"{prefix}.in_proj_qkv.v.weight"
+    region = (slice(3, 9), slice(0, 64))  # a shard's rows of the v block
+    got = _read(source, name, region, spec.adapter.hf_param_name, blocks)
+    assert torch.equal(got, full[f"{prefix}.in_proj_qkv.weight"][32 + 3 : 32 + 9])
+
+    with torch.no_grad():
+        for p in part.parameters():
+            p.zero_()
+    opt = torch.optim.AdamW(part.parameters())
+    fields = {f: {k: v + 1 for k, v in full.items()} for f in ("exp_avg", "exp_avg_sq")}
+    fields["step"] = {k: torch.tensor([3.0]) for k in full}
+    load_model(part, full)
+    load_optimizer(opt, part, fields)
+    v = part.get_submodule(f"{prefix}.conv1d").v.weight
+    assert torch.equal(v, full[f"{prefix}.conv1d.weight"][32:])
+    assert torch.equal(opt.state[v]["exp_avg"], full[f"{prefix}.conv1d.weight"][32:] + 1)

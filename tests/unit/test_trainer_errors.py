@@ -217,19 +217,12 @@ def test_fractional_gpu_refused_for_separate_placement():
 
 
 def test_2026_families_refuse_what_they_cannot_train_exactly():
-    """Qwen3.5's linear attention has no TP plan and cannot be packed; the MoE auxiliary
-    loss over the global batch needs one microbatch and unpacked rows."""
+    """Qwen3.5's linear attention cannot be packed; the MoE auxiliary loss over the global
+    batch needs one microbatch and unpacked rows."""
     from ray_disagg import DataParallel, tiny_qwen3_5_config, tiny_qwen3_vl_moe_config
 
     q35, moe = tiny_qwen3_5_config(), tiny_qwen3_vl_moe_config()
     data35, data_moe = synthetic_samples(q35, 8), synthetic_samples(moe, 8)
-    tp2 = {"vision": g(), "text": g(2, TensorParallel(size=2))}
-    with pytest.raises(
-        ValueError,
-        match=r"'text' group of qwen3_5: its linear_attention.*"
-        r"DataParallel\(fsdp=True\)",
-    ):
-        make(tp2, data=data35, cfg=q35)
     packed = dict(LOOP, pack_sequences=True, max_seq_len=256)
     with pytest.raises(ValueError, match=r"pack_sequences.*qwen3_5: its linear_attention"):
         make(data=data35, loop=packed, cfg=q35)
@@ -241,6 +234,30 @@ def test_2026_families_refuse_what_they_cannot_train_exactly():
     assert make(fsdp, data=data35, cfg=q35).plan.micro_batches == 1
     no_aux = tiny_qwen3_vl_moe_config(output_router_logits=False)
     assert make(data=data_moe, loop=dict(LOOP, micro_batches=2), cfg=no_aux)
+
+
+def test_qwen3_5_text_tp_must_divide_the_linear_attention_key_heads():
+    """Qwen3.5's Gated DeltaNet layers are sharded by key heads (the value heads grouped
+    with them): a text tp degree that does not divide ``linear_num_key_heads`` fails on
+    the driver naming the setting and the fix, in the dense and the MoE family, with
+    TensorParallel and ExpertParallel's tp; one that divides it constructs."""
+    from ray_disagg import ExpertParallel, tiny_qwen3_5_config, tiny_qwen3_5_moe_config
+
+    tp2 = {"vision": g(), "text": g(2, TensorParallel(size=2))}
+    for cfg in (tiny_qwen3_5_config(), tiny_qwen3_5_moe_config()):
+        data = synthetic_samples(cfg, 8)
+        assert make(tp2, data=data, cfg=cfg).plan.steps_per_epoch == 2
+        text = cfg.text_config  # 3 key heads, each with 2 value heads; all else divides
+        text.linear_num_key_heads, text.linear_num_value_heads = 3, 6
+        with pytest.raises(
+            ValueError,
+            match=r"TensorParallel\(size=2\) in the text group does not divide "
+            r"linear_num_key_heads=3; choose a degree that divides 3\.",
+        ):
+            make(tp2, data=data, cfg=cfg)
+    ep = {"vision": g(), "text": g(4, ExpertParallel(size=2, tp=2))}
+    with pytest.raises(ValueError, match=r"ExpertParallel\(tp=2\) .* linear_num_key_heads=3"):
+        make(ep, data=data, cfg=cfg)
 
 
 def test_expert_parallel_degree_must_divide_the_experts():

@@ -1,8 +1,8 @@
 """Qwen3.5: natively multimodal; a Qwen3-VL-style tower without DeepStack and a decoder
 that interleaves Gated DeltaNet linear-attention layers (``layer_types``) with gated full
-attention (partial rotary mrope). The LLM trains data parallel or with FSDP2: the linear
-layers have no TP plan, and their recurrent state would cross packed samples (the torch
-fallbacks ignore ``cu_seqlens``), so packing is refused."""
+attention (partial rotary mrope). The LLM takes tensor parallelism by heads (the linear
+layers by key heads: ``parallelize.py``); their recurrent state would cross packed
+samples (the torch fallbacks ignore ``cu_seqlens``), so packing is refused."""
 
 from __future__ import annotations
 
@@ -12,13 +12,17 @@ from ray_disagg.models.flops import Flops, decoder_flops
 from ray_disagg.models.qwen3_5.costs import gated_deltanet_flops
 from ray_disagg.models.qwen3_5.flavors import tiny_qwen3_5_config
 from ray_disagg.models.qwen3_5.parallelize import (
-    LINEAR_ATTENTION,
+    CONV1D_SPLIT,
+    IN_PROJ_QKV_SPLIT,
     PER_HEAD_NORMS,
     TOWER_MLP,
     TOWER_PLAN,
+    linear_attention_counts,
+    llm_tp_plan,
 )
 from ray_disagg.models.qwen3_vl.adapter import Qwen3VLAdapter
 from ray_disagg.models.qwen_common.adapter import QwenVLAdapter
+from ray_disagg.models.qwen_common.parallelize import QKV_SPLIT
 
 __all__ = ["PACKING_REFUSAL", "Qwen3_5Adapter"]
 
@@ -38,12 +42,20 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
     tower_plan = TOWER_PLAN
     tower_mlp = TOWER_MLP
     per_head_norms = PER_HEAD_NORMS
-    tp_parts = ("vision",)
-    tp_refusals = {"text": LINEAR_ATTENTION}
+    param_splits = (QKV_SPLIT, IN_PROJ_QKV_SPLIT, CONV1D_SPLIT)
     packing_refusal = PACKING_REFUSAL
     tiny_config = staticmethod(tiny_qwen3_5_config)
     deepstack_levels = 0
     encoder_output = QwenVLAdapter.encoder_output
+
+    def llm_tp_plan(self):
+        return llm_tp_plan(self.config.text_config)
+
+    def head_counts(self, part):
+        counts = super().head_counts(part)
+        if part == self.llm_part:
+            counts.update(linear_attention_counts(self.config.text_config))
+        return counts
 
     def decoder_flops(self, tokens: int, labels: int) -> Flops:
         """The decoder with its Gated DeltaNet layers (:func:`gated_deltanet_flops`) and
