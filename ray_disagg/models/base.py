@@ -270,6 +270,11 @@ class ModelAdapter(CostHooks):
     packing_refusal: ClassVar[str | None] = None
     """Why ``pack_sequences`` cannot be exact for this family (``None``: it can)."""
 
+    def prepare_packing(self, decoder: nn.Module) -> None:
+        """Prepare the LLM's ``decoder`` (on ``meta``, after its parallel plans) for packed
+        batches, where layers that see whole rows need each sample's span (Qwen3.5's
+        linear attention); nothing by default."""
+
     def collate_llm(self, items: Sequence[dict]) -> dict[str, Any]:
         """The LLM's batch of ``items``: ``input_ids`` padded to the longest (the text
         config's ``pad_token_id``), ``labels`` (``IGNORE_INDEX`` past each sample) and the

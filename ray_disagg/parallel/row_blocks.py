@@ -120,8 +120,9 @@ class SplitLinear(nn.Module):
         super().__init__()
         self.pieces = tuple(pieces)
         start, bias, device = 0, fused.bias is not None, fused.weight.device
+        dtype = fused.weight.dtype  # a bf16 model (param_dtype) keeps bf16 blocks
         for name, rows in zip(self.pieces, _sizes(fused.out_features, self.pieces, sizes)):
-            lin = nn.Linear(fused.in_features, rows, bias=bias, device=device)
+            lin = nn.Linear(fused.in_features, rows, bias=bias, device=device, dtype=dtype)
             _copy_rows(lin, fused, start, rows)
             setattr(self, name, lin)
             start += rows
@@ -145,8 +146,11 @@ class SplitConv1d(nn.Module):
         self.pieces, self.padding = tuple(pieces), fused.padding
         self.stride, self.dilation = fused.stride, fused.dilation
         start, bias, device = 0, fused.bias is not None, fused.weight.device
+        dtype = fused.weight.dtype  # a bf16 model (param_dtype) keeps bf16 blocks
         for name, rows in zip(self.pieces, _sizes(channels, self.pieces, sizes)):
-            conv = nn.Conv1d(rows, rows, fused.kernel_size, groups=rows, bias=bias, device=device)
+            conv = nn.Conv1d(
+                rows, rows, fused.kernel_size, groups=rows, bias=bias, device=device, dtype=dtype
+            )
             _copy_rows(conv, fused, start, rows)
             setattr(self, name, conv)
             start += rows

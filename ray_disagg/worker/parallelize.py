@@ -1,7 +1,8 @@
 """Applying a group's parallelism to its part, on the ``meta`` device, in one place
 (:func:`parallelize_part`, called by ``PartWorker.setup`` before FSDP2 shards the part
 and its weights are materialized): the LLM's tensor-, context- and expert-parallel plans,
-a tower's Ulysses sequence parallelism or tensor-parallel plan."""
+a tower's Ulysses sequence parallelism or tensor-parallel plan, and what packed batches
+need of the LLM (``adapter.prepare_packing``)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def parallelize_part(w, model: nn.Module) -> ParallelPart:
     if w.is_tp:
         plan, norms = adapter.llm_tp_plan(), adapter.per_head_norms
         tp_group, vocab_start = tp.parallelize_text(model, decoder, lm_head, w.tp_mesh, plan, norms)
+    if w.cfg.pack_sequences:
+        adapter.prepare_packing(decoder)
     if w.is_cp:
         cp.enable_context_parallel(decoder)
     if w.expert_mesh is not None:

@@ -80,3 +80,22 @@ def test_checkpoints_move_between_row_blocks_and_fused_tensors(tmp_path):
         name = "tp-fsdp" if first is tp else "fsdp-tp"
         moved = fit(then, 3, name, fit(first, 2, f"{name}-first").checkpoint)
         assert moved.metrics["loss"] == pytest.approx(straight, rel=1e-5), name
+
+
+def test_pure_bf16_text_tp_keeps_the_split_blocks_in_bf16(tmp_path):
+    """``param_dtype="bfloat16"`` casts the model before the plan splits ``in_proj_qkv``
+    and ``conv1d``: the blocks stay bf16 (a float32 block would fail the bf16 input), and
+    the run follows the fp32 model's losses within bf16's precision."""
+    cfg = tiny_qwen3_5_config()
+    spec = HFModelSpec(config=cfg, seed=5)
+    data = synthetic_samples(cfg, 8, grids=[(1, 4, 4), None, (1, 4, 8), (1, 8, 4)])
+    loop = dict(LOOP, param_dtype="bfloat16", bf16=True, lr=1e-3)
+    groups = vt(group(1), group(2, TensorParallel(size=2)))
+    result = run_layout(spec, data, loop, groups, tmp_path, "bf16", local=True)
+    state = checkpoint_state(result.checkpoint)
+    assert all(v.dtype == torch.bfloat16 for v in state.values())
+    ref = run_layout(spec, data, dict(LOOP, lr=1e-3), vt(group(1), group(1)), tmp_path, "fp32",
+                     local=True)  # fmt: skip
+    torch.testing.assert_close(
+        torch.tensor(losses(result)), torch.tensor(losses(ref)), rtol=0.02, atol=0.0
+    )

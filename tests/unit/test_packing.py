@@ -56,9 +56,10 @@ def run(adapter, llm, batch, crossings, n_labels):
     return loss, hidden.detach(), grads, {k: v.grad for k, v in leaves.items()}, seen["pos"]
 
 
-def assert_close(actual, expected, name):
-    """Equal within 1e-5 relative to the tensor's largest entry."""
-    scale = float(expected.abs().max()) or 1.0
+def assert_close(actual, expected, name, floor: float = 0.0):
+    """Equal within 1e-5 relative to the tensor's largest entry (or to ``floor``, when
+    larger: a tensor of tiny gradients is compared at the model's gradient scale)."""
+    scale = max(float(expected.abs().max()), floor) or 1.0
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * scale, msg=name)
 
 
@@ -74,6 +75,7 @@ def test_packed_batch_equals_padded_batch(model_type):
     lengths = [len(s["input_ids"]) for s in samples]
     assert max(lengths) > 4 * min(lengths)
     llm = spec.build_part(adapter.llm_part)
+    adapter.prepare_packing(adapter.llm_modules(llm)[0])  # as the worker's plans do
     gen = torch.Generator().manual_seed(0)
     crossings = {}
     for part in adapter.encoder_parts:
@@ -122,8 +124,12 @@ def test_packed_batch_equals_padded_batch(model_type):
         for row, end in ends.items():  # padding: no loss
             assert (packed["labels"][row, end:] == IGNORE_INDEX).all()
         assert set(grads) == set(ref_grads)
+        # at least 1% of the largest gradient: Qwen3.5's A_log and dt_bias get ~1e-5
+        # gradients whose fp32 rounding (the attention layers' packed rows) is ~4e-9
+        # (in float64 they are equal)
+        floor = 1e-2 * max(float(g.abs().max()) for g in ref_grads.values())
         for name, g in ref_grads.items():
-            assert_close(grads[name], g, name)
+            assert_close(grads[name], g, name, floor)
         for name, g in ref_cross.items():
             assert g.abs().sum() > 0, name
             assert_close(cross[name], g, name)

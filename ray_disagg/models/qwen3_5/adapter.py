@@ -1,16 +1,18 @@
 """Qwen3.5: natively multimodal; a Qwen3-VL-style tower without DeepStack and a decoder
 that interleaves Gated DeltaNet linear-attention layers (``layer_types``) with gated full
 attention (partial rotary mrope). The LLM takes tensor parallelism by heads (the linear
-layers by key heads: ``parallelize.py``); their recurrent state would cross packed
-samples (the torch fallbacks ignore ``cu_seqlens``), so packing is refused."""
+layers by key heads: ``parallelize.py``); packed, the linear layers run each sample as
+its own row so that no recurrent state crosses samples (``packing.py``)."""
 
 from __future__ import annotations
 
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
 from ray_disagg.models.flops import Flops, decoder_flops
+from ray_disagg.models.packing import PACKED_KEY
 from ray_disagg.models.qwen3_5.costs import gated_deltanet_flops
 from ray_disagg.models.qwen3_5.flavors import tiny_qwen3_5_config
+from ray_disagg.models.qwen3_5.packing import SEGMENTS, segment_linear_attention
 from ray_disagg.models.qwen3_5.parallelize import (
     CONV1D_SPLIT,
     IN_PROJ_QKV_SPLIT,
@@ -24,13 +26,7 @@ from ray_disagg.models.qwen3_vl.adapter import Qwen3VLAdapter
 from ray_disagg.models.qwen_common.adapter import QwenVLAdapter
 from ray_disagg.models.qwen_common.parallelize import QKV_SPLIT
 
-__all__ = ["PACKING_REFUSAL", "Qwen3_5Adapter"]
-
-PACKING_REFUSAL = (
-    "its linear_attention layers (Gated DeltaNet) carry a recurrent state along each row, "
-    "and transformers' torch kernels ignore the packed samples' boundaries (cu_seqlens), "
-    "so one sample's state would leak into the next"
-)
+__all__ = ["Qwen3_5Adapter"]
 
 
 class Qwen3_5Adapter(Qwen3VLAdapter):
@@ -43,10 +39,19 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
     tower_mlp = TOWER_MLP
     per_head_norms = PER_HEAD_NORMS
     param_splits = (QKV_SPLIT, IN_PROJ_QKV_SPLIT, CONV1D_SPLIT)
-    packing_refusal = PACKING_REFUSAL
     tiny_config = staticmethod(tiny_qwen3_5_config)
     deepstack_levels = 0
     encoder_output = QwenVLAdapter.encoder_output
+
+    def prepare_packing(self, decoder):
+        """The Gated DeltaNet layers run each packed sample as its own row
+        (:func:`~ray_disagg.models.qwen3_5.packing.segment_linear_attention`)."""
+        segment_linear_attention(decoder)
+
+    def packed_llm_kwargs(self, inner, batch):
+        """Qwen's packed arguments and the samples' spans for the Gated DeltaNet layers."""
+        spans = tuple((row, start, n) for row, start, n, _ in batch[PACKED_KEY])
+        return {**super().packed_llm_kwargs(inner, batch), SEGMENTS: spans}
 
     def llm_tp_plan(self):
         return llm_tp_plan(self.config.text_config)
