@@ -1,7 +1,7 @@
 """Tier 3, one Ray run per family added after the first four: the groups as Ray Train
 worker groups equal the family's single-process HF model (losses and parameters, fp32,
 1e-5). The 2026 families (Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE) with the router's auxiliary
-loss over the global batch; the LLaVA-shaped families (Gemma 3, InternVL,
+loss over the global batch, Qwen3.5 with its Gated DeltaNet under text TP2 and packed; the LLaVA-shaped families (Gemma 3, InternVL,
 LLaVA-OneVision) with text TP2 over tied (or untied) embeddings, a frozen tower, packed
 rows, validation and an export that ``from_pretrained`` loads. The other layouts are in the
 gloo tier (``tests/gloo/test_families_match_hf.py``)."""
@@ -34,9 +34,10 @@ LOOP["checkpoint_every"] = 1  # the metrics history comes from the checkpoints
 GRIDS = [{"images": [(1, 4, 4), (1, 8, 4)]}, None, {"videos": [(2, 4, 8)]}, (1, 8, 8)]
 LAYOUTS = {
     "qwen3_vl_moe": lambda: vt(group(1), group(2)),  # the aux loss over 2 replicas
-    "qwen3_5": lambda: vt(group(2), group(1)),
+    "qwen3_5": lambda: vt(group(1), group(2, TensorParallel(size=2))),  # DeltaNet TP
     "qwen3_5_moe": lambda: vt(group(1), group(2, DataParallel(fsdp=True))),
 }
+EXTRA = {"qwen3_5": {"pack_sequences": True, "max_seq_len": 128}}  # DeltaNet per sample
 
 
 @pytest.mark.parametrize("model_type", sorted(LAYOUTS))
@@ -44,8 +45,9 @@ def test_family_trains_on_ray_like_hf(ray_start_4_cpus, tmp_path, model_type):
     cfg = ADAPTERS[model_type].tiny_config()
     spec = HFModelSpec(config=cfg, seed=11)
     data = synthetic_samples(cfg, 8, grids=GRIDS)
-    result = run_layout(spec, data, LOOP, LAYOUTS[model_type](), tmp_path, model_type)
-    assert_matches_reference(result, spec, data, LOOP)
+    loop = dict(LOOP, **EXTRA.get(model_type, {}))
+    result = run_layout(spec, data, loop, LAYOUTS[model_type](), tmp_path, model_type)
+    assert_matches_reference(result, spec, data, loop)
 
 
 LLAVA_LOOP = dict(LOOP, eval_every=1, pack_sequences=True, max_seq_len=128)
