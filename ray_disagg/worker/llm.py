@@ -103,7 +103,7 @@ class LLMModel:
         mine = [items[p] for p in mb[w.part][w.dp_rank]]
         batch = llm_batch.collate(w, mine, sequences=by_source is not None)
         if grad and w.adapter.router is not None:  # validation reports the token loss
-            batch["router"] = w.dp_mesh.get_group() if w.dp_mesh.size() > 1 else None
+            batch["router"] = w.token_group
         ctx = batch.pop("context", None)
         chunk = w.cfg.loss_chunk_tokens
         loss_args = (batch, received, n_labels, self.tp_group, self.vocab_start, chunk, ctx)
@@ -116,11 +116,11 @@ class LLMModel:
 
     def expert_load(self) -> dict[str, float]:
         """The step's ``<part>_expert_load_max`` / ``_mean`` over the global batch (MoE;
-        collective over the data-parallel ranks)."""
+        collective over the ranks holding different tokens)."""
         if self.load is None:
             return {}
         w = self.w
-        load = self.load.take(w.dp_mesh.get_group() if w.dp_mesh.size() > 1 else None, w.device)
+        load = self.load.take(w.token_group, w.device)
         return {f"{w.part}_{k}": v for k, v in load.items()}
 
 

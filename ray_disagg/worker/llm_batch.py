@@ -8,11 +8,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ray_disagg.models import moe
 from ray_disagg.models.loss import lm_loss, lm_loss_by_sequence, loss_index
 from ray_disagg.parallel import context_parallel as cp
 from ray_disagg.worker.metrics import plain
-from ray_disagg.worker.objective import sequence_index
+from ray_disagg.worker.objective import router_aux, sequence_index
 from ray_disagg.worker.part_worker import PartWorker
 
 __all__ = ["collate", "loss"]
@@ -37,10 +36,7 @@ def loss(adapter, lm_head, batch, received, n_labels, tp_group, vocab_start, chu
     else:
         total = lm_loss(hidden, lm_head, labels, n_labels, tp_group, vocab_start, **kwargs)
     if router_logits is not None and "router" in batch:
-        aux = moe.router_aux_loss(
-            router_logits, adapter.router, batch["attention_mask"], batch["router"]
-        )
-        total = total + aux
+        total = total + router_aux(adapter, router_logits, batch, ctx)
     return total, per_sequence
 
 

@@ -78,9 +78,16 @@ def _logps(adapter, lm_head, batch, received, tp_group, vocab_start, chunk, ctx,
         logps = SumOverContext.apply(logps, ctx.group)
     if router_logits is None or "router" not in batch:
         return logps, None
-    return logps, moe.router_aux_loss(
-        router_logits, adapter.router, batch["attention_mask"], batch["router"]
-    )
+    return logps, router_aux(adapter, router_logits, batch, ctx)
+
+
+def router_aux(adapter, router_logits, batch: dict, ctx) -> torch.Tensor:
+    """This rank's share of the MoE router's auxiliary loss over the tokens it routed
+    (with a context slice ``ctx``, the slice's: its part of the attention mask)."""
+    mask = batch.get("attention_mask")
+    if ctx is not None and mask is not None:
+        mask = mask[:, slice(*ctx.bounds[ctx.rank])]
+    return moe.router_aux_loss(router_logits, adapter.router, mask, batch["router"])
 
 
 class ObjectiveRunner:
@@ -123,7 +130,7 @@ class ObjectiveRunner:
             return self.reported
         ref_logps = self._reference(policy, samples, batch, own, received, rows, counts, ctx)
         if grad and adapter.router is not None:
-            batch["router"] = w.dp_mesh.get_group() if w.dp_mesh.size() > 1 else None
+            batch["router"] = w.token_group
         logps, aux = self._run(policy.runner, policy, batch, repeat_rows(own, rows, counts), ctx)
         tokens = [count_label_tokens(adapter.labels(q)) for q in seqs]
         fields = ("id", *self.obj.fields)

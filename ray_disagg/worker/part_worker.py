@@ -94,6 +94,7 @@ class PartWorker:
         # None: the whole group (its default process group) without FSDP2
         self.shard_mesh = self._shard_mesh() if self.fsdp or self.tp_mesh is not None else None
         self.expert_mesh = self._expert_mesh()  # ("ep_replica", "ep"), or None
+        self.token_group = self._token_group()
         self.frozen = part in args.frozen_parts  # every parameter frozen: forward only
         self.is_llm = part == self.adapter.llm_part
         self.clock = StepClock()
@@ -209,6 +210,15 @@ class PartWorker:
         if names[-1] != "tp":
             return _flat_mesh(mesh, self.device)
         return self.dp_mesh if len(names) == 2 else mesh[names[:2]]._flatten()
+
+    def _token_group(self):
+        """The ranks holding different tokens of a step, over which the router's auxiliary
+        loss and the expert load reduce: the data-parallel ranks and, under context
+        parallelism, their ``cp`` ranks (``None``: one rank holds them all)."""
+        mesh, names = self.rt.mesh, self.rt.mesh.mesh_dim_names
+        if self.is_cp:
+            return mesh[(names[0], "cp")]._flatten().get_group()
+        return self.dp_mesh.get_group() if self.dp_mesh.size() > 1 else None
 
     def _expert_mesh(self):
         """With :class:`~ray_disagg.config.ExpertParallel`: the group's ``(dp, tp)`` ranks

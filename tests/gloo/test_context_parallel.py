@@ -86,6 +86,7 @@ def test_context_parallel_degrees_and_short_sequences_are_checked():
         ContextParallel,
         ModuleGroup,
         tiny_qwen2_5_vl_config,
+        tiny_qwen3_5_config,
         tiny_qwen3_vl_config,
     )
     from ray_disagg.launch.checks import validate_layout
@@ -109,7 +110,8 @@ def test_context_parallel_degrees_and_short_sequences_are_checked():
     with pytest.raises(ValueError, match=f"size=3.* does not divide num_attention_heads={heads}"):
         validate_layout(adapter, groups(3))
     with pytest.raises(ValueError, match="ContextParallel is not supported for the 'text'"):
-        validate_layout(get_adapter(tiny_qwen3_vl_config()), groups(2))
+        validate_layout(get_adapter(tiny_qwen3_5_config()), groups(2))  # Gated DeltaNet
+    validate_layout(get_adapter(tiny_qwen3_vl_config()), groups(2))  # DeepStack sliced
     with pytest.raises(ValueError, match=r"ContextParallel\(size=0\): must be an int"):
         ContextParallel(size=0)
 
@@ -140,3 +142,36 @@ def test_cp_layouts_train_like_the_single_process_model(workers, cp, extra, tmp_
     text = group(workers, ContextParallel(size=2, **cp))
     result = run_layout(spec, data, loop, vt(group(1), text), tmp_path, "cp", local=True)
     assert_matches_reference(result, spec, data, loop)
+
+
+@pytest.mark.parametrize(
+    "model_type,workers,extra",
+    [
+        ("qwen3_vl", 2, {}),  # DeepStack's mask and rows sliced with the sequence
+        # (Adam's eps 1e-4: a near-zero gradient entry's update would magnify fp32 rounding)
+        ("qwen3_vl", 2, {"pack_sequences": True, "max_seq_len": 200, "eps": 1e-4}),
+        ("qwen3_vl_moe", 4, {}),  # dp2 x cp2: the router's aux loss over all four ranks
+    ],
+    ids=["qwen3_vl-cp2", "qwen3_vl-cp2-packed", "qwen3_vl_moe-dp2xcp2"],
+)
+def test_cp_for_deepstack_families_trains_like_the_single_process_model(
+    model_type, workers, extra, tmp_path
+):
+    """Qwen3-VL's DeepStack features (added after the first decoder layers) and
+    Qwen3-VL-MoE's router auxiliary loss (over the global batch) under LLM context
+    parallelism: losses and parameters after 2 steps equal HF's (fp32, 1e-5)."""
+    from ray_disagg import ADAPTERS, ContextParallel, HFModelSpec
+    from ray_disagg.data.examples import synthetic_samples
+    from tests.helpers import assert_matches_reference, group, run_layout, vt
+
+    cfg = ADAPTERS[model_type].tiny_config()
+    spec = HFModelSpec(config=cfg, seed=5)
+    grids = [{"images": [(1, 4, 4), (1, 8, 4)]}, None, {"videos": [(2, 4, 8)]}, (1, 8, 8)]
+    data = synthetic_samples(cfg, 8, grids=grids)
+    loop = {"max_steps": 2, "global_batch_size": 4, "checkpoint_every": 1, "eps": 1e-6,
+            "seed": 5, **extra}  # fmt: skip
+    text = group(workers, ContextParallel(size=2))
+    result = run_layout(spec, data, loop, vt(group(1), text), tmp_path, "cp", local=True)
+    assert_matches_reference(result, spec, data, loop)
+    if model_type == "qwen3_vl_moe":
+        assert result.metrics["text_expert_load_mean"] >= 1.0

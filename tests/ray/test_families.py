@@ -1,16 +1,18 @@
 """Tier 3, one Ray run per family added after the first four: the groups as Ray Train
 worker groups equal the family's single-process HF model (losses and parameters, fp32,
 1e-5). The 2026 families (Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE) with the router's auxiliary
-loss over the global batch, Qwen3.5 with its Gated DeltaNet under text TP2 and packed; the LLaVA-shaped families (Gemma 3, InternVL,
-LLaVA-OneVision) with text TP2 over tied (or untied) embeddings, a frozen tower, packed
-rows, validation and an export that ``from_pretrained`` loads. The other layouts are in the
-gloo tier (``tests/gloo/test_families_match_hf.py``)."""
+loss over the global batch: Qwen3-VL-MoE under LLM context parallelism, Qwen3.5 with its
+Gated DeltaNet under text TP2 and packed rows. The LLaVA-shaped families (Gemma 3,
+InternVL, LLaVA-OneVision) with text TP2 over tied (or untied) embeddings, a frozen
+tower, packed rows, validation and an export that ``from_pretrained`` loads. The other
+layouts are in the gloo tier (``tests/gloo/test_families_match_hf.py``)."""
 
 import pytest
 import torch
 
 from ray_disagg import (
     ADAPTERS,
+    ContextParallel,
     DataParallel,
     HFModelSpec,
     TensorParallel,
@@ -33,7 +35,8 @@ LOOP = {"max_steps": 2, "global_batch_size": 4, "lr": 1e-3, "eps": 1e-6, "seed":
 LOOP["checkpoint_every"] = 1  # the metrics history comes from the checkpoints
 GRIDS = [{"images": [(1, 4, 4), (1, 8, 4)]}, None, {"videos": [(2, 4, 8)]}, (1, 8, 8)]
 LAYOUTS = {
-    "qwen3_vl_moe": lambda: vt(group(1), group(2)),  # the aux loss over 2 replicas
+    # DeepStack and the router's aux loss over the 2 context-parallel ranks' tokens
+    "qwen3_vl_moe": lambda: vt(group(1), group(2, ContextParallel(size=2))),
     "qwen3_5": lambda: vt(group(1), group(2, TensorParallel(size=2))),  # DeltaNet TP
     "qwen3_5_moe": lambda: vt(group(1), group(2, DataParallel(fsdp=True))),
 }

@@ -21,5 +21,5 @@ class Qwen2_5_VLAdapter(QwenVLAdapter):
     llm_extra_fields = ("second_per_grid_ts",)
     windowed_tower = True
     gated_tower_mlp = True
-    cp_parts = ("text",)  # Qwen3-VL: DeepStack adds to full-length hidden states; not yet
+    cp_parts = ("text",)
     tiny_config = staticmethod(tiny_qwen2_5_vl_config)

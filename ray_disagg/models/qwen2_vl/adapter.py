@@ -18,5 +18,5 @@ class Qwen2VLAdapter(QwenVLAdapter):
     hf_class = Qwen2VLForConditionalGeneration
     tower_plan = TOWER_PLAN
     tower_mlp = TOWER_MLP
-    cp_parts = ("text",)  # Qwen3-VL: DeepStack adds to full-length hidden states; not yet
+    cp_parts = ("text",)
     tiny_config = staticmethod(tiny_qwen2_vl_config)

@@ -41,6 +41,7 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
     param_splits = (QKV_SPLIT, IN_PROJ_QKV_SPLIT, CONV1D_SPLIT)
     tiny_config = staticmethod(tiny_qwen3_5_config)
     deepstack_levels = 0
+    cp_parts = ()  # Gated DeltaNet: its recurrence runs along the whole sequence
     encoder_output = QwenVLAdapter.encoder_output
 
     def prepare_packing(self, decoder):

@@ -24,6 +24,7 @@ class Qwen3VLAdapter(QwenVLAdapter):
     tower_mlp = TOWER_MLP
     per_head_norms = PER_HEAD_NORMS
     tiny_config = staticmethod(tiny_qwen3_vl_config)
+    cp_parts = ("text",)  # DeepStack's mask and rows sliced with the sequence
 
     @property
     def deepstack_levels(self) -> int:
