@@ -154,7 +154,7 @@ def resolve(
     frozen = frozen_parts(model, groups)
     validated = data.validate_samples and not data.streamed
     loop = resolve_schedule(loop, placement, data.kind, validated)
-    validate_loop(adapter, loop)
+    validate_loop(adapter, loop, model.attn_implementation)
     trained = [p for p in groups if p not in frozen]
     loop = resolve_objective(loop, data, lora, trained)
     if loop.eval_every is not None and not data.validation:

@@ -93,8 +93,16 @@ def _is_tp(p) -> bool:
     return isinstance(p, TensorParallel) or getattr(p, "tp", 1) > 1
 
 
-def validate_loop(adapter, cfg) -> None:
+def validate_loop(adapter, cfg, attn_implementation: str = "sdpa") -> None:
     """The loop settings the model cannot train exactly with (packing, microbatches)."""
+    if cfg.pack_sequences and attn_implementation.startswith("flash_attention"):
+        raise ValueError(
+            f"train_loop_config['pack_sequences']=True with HFModelSpec(attn_implementation="
+            f"{attn_implementation!r}): transformers' flash attention finds packed samples "
+            "only in a batch of one row, so the samples sharing a row would attend to each "
+            "other. Use attn_implementation='sdpa' (packed rows get a block-diagonal mask) "
+            "or pack_sequences=False."
+        )
     if cfg.pack_sequences and adapter.packing_refusal:
         raise ValueError(
             f"train_loop_config['pack_sequences']=True is not supported for "

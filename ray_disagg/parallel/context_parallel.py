@@ -136,8 +136,9 @@ def _slice_inputs(_module, args, kwargs):
 def _slice_deepstack(kwargs: dict, lo: int, hi: int) -> None:
     """Qwen3-VL's DeepStack inputs of the slice: ``visual_pos_masks`` ``(B, S)`` cut to
     ``[lo, hi)`` and each level's rows ``(n_visual, d)`` (in the mask's row-major order)
-    to those of the slice's visual positions (a gather on the device, no host sync: their
-    gradients reach the crossings, summed over the ``cp`` ranks with the rest)."""
+    to those of the slice's visual positions (a gather on the device; the boolean index
+    syncs once, as HF's own ``_deepstack_process`` does per level; their gradients reach
+    the crossings, summed over the ``cp`` ranks with the rest)."""
     masks, levels = kwargs.get("visual_pos_masks"), kwargs.get("deepstack_visual_embeds")
     if masks is None or levels is None:
         return

@@ -180,22 +180,26 @@ def read_local(module: nn.Module, names) -> None:
     """Let ``module``'s forward read its parameters ``names`` as plain tensors of this
     rank's shard: while its (HF) forward runs, they are replaced by their ``to_local()``
     views and put back afterwards, even on error, as ``torch.func.functional_call`` swaps
-    parameters (the instance's ``forward`` is :func:`_local_forward`). Outside the forward
-    they are the DTensor parameters (``named_parameters``, checkpoints, FSDP2, the
-    optimizer and grad norms see the sharded tensor); ``to_local`` is differentiable, so
-    the gradient of what the module computed reaches the DTensor's gradient."""
-    module._local_reads = tuple(names)
-    module.forward = types.MethodType(_local_forward, module)
+    parameters (the instance's ``forward`` wraps the one it had: :func:`_local_forward`).
+    Outside the forward they are the DTensor parameters (``named_parameters``,
+    checkpoints, FSDP2, the optimizer and grad norms see the sharded tensor); ``to_local``
+    is differentiable, so the gradient of what the module computed reaches the DTensor's
+    gradient."""
+    module.forward = types.MethodType(_local_forward(module.forward, tuple(names)), module)
 
 
-def _local_forward(self, *args, **kwargs):
-    """The class's forward with the parameters ``self._local_reads`` read locally."""
-    held = {n: self._parameters[n] for n in self._local_reads}
-    try:
-        self._parameters.update({n: _local(p) for n, p in held.items()})
-        return type(self).forward(self, *args, **kwargs)
-    finally:
-        self._parameters.update(held)
+def _local_forward(inner, names: tuple[str, ...]):
+    """``inner`` (the module's forward so far) with the parameters ``names`` read locally."""
+
+    def forward(self, *args, **kwargs):
+        held = {n: self._parameters[n] for n in names}
+        try:
+            self._parameters.update({n: _local(p) for n, p in held.items()})
+            return inner(*args, **kwargs)
+        finally:
+            self._parameters.update(held)
+
+    return forward
 
 
 def shard_rows(root: nn.Module, paths, tp_mesh) -> None:

@@ -155,3 +155,15 @@ def test_pack_rows_is_next_fit_in_order():
     assert pack_rows([], 4) == []
     with pytest.raises(ValueError, match=r"item 1 has 8 tokens.*max_seq_len=7"):
         pack_rows([3, 8], 7)
+
+
+def test_linear_attention_buckets_stay_within_the_packed_batch():
+    """Qwen3.5's per-sample runs of a packed batch never hold more positions than it."""
+    from ray_disagg.models.qwen3_5.packing import buckets
+
+    lengths = [8000] + [80] * 100 + [3000, 2900]
+    groups = buckets(lengths, 2 * 8192)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(len(g) * max(lengths[i] for i in g) <= 2 * 8192 for g in groups)
+    assert groups[:2] == [[0, 101], [102, 1, 2, 3, 4]]  # longest first: 2 x 8000, 5 x 2900
+    assert len(groups) == 3  # not one batch of 103 x 8000 positions

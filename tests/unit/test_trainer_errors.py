@@ -296,3 +296,15 @@ def test_tile_towers_refuse_sequence_parallel_and_suggest_data_parallel(model_ty
         make(sp, data=data, cfg=cfg)
     tp = {"vision": g(2), "text": g(2, TensorParallel(size=2))}  # tied embeddings too
     assert make(tp, data=data, cfg=cfg).plan is not None
+
+
+def test_flash_attention_with_packing_is_refused():
+    """transformers' flash attention keeps packed samples apart only in one-row batches."""
+    packed = dict(LOOP, pack_sequences=True, max_seq_len=256)
+    with pytest.raises(ValueError, match=r"pack_sequences.*flash_attention_2.*'sdpa'"):
+        DisaggregatedTrainer(
+            model=HFModelSpec(config=CFG, attn_implementation="flash_attention_2"),
+            groups={"vision": g(), "text": g()},
+            train_loop_config=packed,
+            datasets={"train": DATA},
+        )

@@ -4,8 +4,9 @@ recurrent state and a causal convolution along its row; transformers' torch path
 sample left. Instead each such layer (:func:`segment_linear_attention`) runs the samples
 of a packed batch as their own rows: it gathers every sample's span ``(row, start,
 length)`` (host integers, passed down as the keyword :data:`SEGMENTS` through HF's
-``...Model.forward`` and decoder layers, which hand their ``**kwargs`` on) into a
-right-padded batch, runs HF's own forward on it (no mask: right padding never reaches a
+``...Model.forward`` and decoder layers, which hand their ``**kwargs`` on) into
+right-padded batches of at most the packed batch's positions (:func:`buckets`), runs
+HF's own forward on each (no mask: right padding never reaches a
 real position of a causal convolution or recurrence), and puts each sample's outputs
 back at its span (zeros on the packed rows' padding). That is what the unpacked batch
 computes for each sample, so a packed run equals the unpacked one. The softmax-attention
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SEGMENTS", "segment_linear_attention"]
+__all__ = ["SEGMENTS", "buckets", "segment_linear_attention"]
 
 SEGMENTS = "packed_segments"
 """Keyword of HF's forward carrying a packed batch's ``((row, start, length), ...)``."""
@@ -44,10 +45,35 @@ def _segmented(inner):
         if segments is None:
             return inner(hidden_states, *args, **kwargs)
         kwargs["attention_mask"] = None
-        rows = inner(gather_segments(hidden_states, segments), *args, **kwargs)
-        return scatter_segments(rows, segments, hidden_states.shape)
+        outputs = [None] * len(segments)
+        b, t = hidden_states.shape[:2]
+        for bucket in buckets([n for _, _, n in segments], b * t):
+            spans = [segments[i] for i in bucket]
+            rows = inner(gather_segments(hidden_states, spans), *args, **kwargs)
+            for j, (i, (_, _, n)) in enumerate(zip(bucket, spans)):
+                outputs[i] = rows[j, :n]
+        return scatter_segments(outputs, segments, hidden_states.shape)
 
     return forward
+
+
+def buckets(lengths, budget: int) -> list[list[int]]:
+    """Sample indices in groups whose right-padded batch (count x the longest) holds at
+    most ``budget`` positions (the packed batch's), longest first, so that the layer never
+    runs on more positions than the packed rows hold (one group per sample at worst).
+
+    Example:
+        >>> buckets([8000, 80, 80, 80], 8192)
+        [[0], [1, 2, 3]]
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    out: list[list[int]] = []
+    for i in order:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
 
 def gather_segments(packed: torch.Tensor, segments) -> torch.Tensor:
@@ -62,21 +88,22 @@ def gather_segments(packed: torch.Tensor, segments) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def scatter_segments(rows: torch.Tensor, segments, shape) -> torch.Tensor:
-    """The inverse of :func:`gather_segments`: ``(n, L, ...)`` back into packed rows of
-    ``shape`` ``(B, T, ...)``, zeros where no span lies."""
+def scatter_segments(outputs, segments, shape) -> torch.Tensor:
+    """Each span's outputs ``(length, ...)`` (in ``segments``' order) back into packed
+    rows of ``shape`` ``(B, T, ...)``, zeros where no span lies."""
     by_row: dict[int, list[tuple[int, int, int]]] = {}
     for i, (row, start, n) in enumerate(segments):
         by_row.setdefault(row, []).append((start, n, i))
+    tail, like = tuple(shape[2:]), outputs[0]
     out = []
     for row in range(shape[0]):
         pieces, end = [], 0
         for start, n, i in sorted(by_row.get(row, [])):
             if start > end:
-                pieces.append(rows.new_zeros((start - end, *rows.shape[2:])))
-            pieces.append(rows[i, :n])
+                pieces.append(like.new_zeros((start - end, *tail)))
+            pieces.append(outputs[i])
             end = start + n
         if end < shape[1]:
-            pieces.append(rows.new_zeros((shape[1] - end, *rows.shape[2:])))
+            pieces.append(like.new_zeros((shape[1] - end, *tail)))
         out.append(torch.cat(pieces))
     return torch.stack(out)
