@@ -97,6 +97,8 @@ class ContextSlice:
     """This rank in ``group``."""
     bounds: tuple[tuple[int, int], ...]
     """Each rank's ``[lo, hi)`` (:func:`slice_bounds`)."""
+    packed: bool = False
+    """The rows are packed (several samples each; their text positions restart at 0)."""
     mask: torch.Tensor | None = None
     """Packed rows: ``(B, 1, S, S)`` bool, causal within each sample (set by the pre-hook);
     ``None``: causal per row."""
@@ -121,11 +123,13 @@ def _slice_inputs(_module, args, kwargs):
     if cp is None:
         return None
     lo, hi = cp.bounds[cp.rank]
-    positions = kwargs["position_ids"]
+    embeds, positions = kwargs["inputs_embeds"], kwargs.get("position_ids")
+    if positions is None:  # 1-D rope over padded rows: 0..S-1
+        positions = torch.arange(embeds.shape[1], device=embeds.device).expand(embeds.shape[:2])
     mask = None
-    if positions.ndim == 3 and positions.shape[0] == 4:  # packed: text positions first
-        mask = _packed_mask(positions[0])
-    kwargs["inputs_embeds"] = kwargs["inputs_embeds"][:, lo:hi]
+    if cp.packed:  # the text positions: mrope's first row, or the 1-D rope's
+        mask = _packed_mask(positions[0] if positions.ndim == 3 else positions)
+    kwargs["inputs_embeds"] = embeds[:, lo:hi]
     kwargs["position_ids"] = positions[..., lo:hi]
     _slice_deepstack(kwargs, lo, hi)
     kwargs["attention_mask"] = {"full_attention": None, "sliding_attention": None}

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ray_disagg.models.loss import lm_loss, lm_loss_by_sequence, loss_index
+from ray_disagg.models.packing import is_packed
 from ray_disagg.parallel import context_parallel as cp
 from ray_disagg.worker.metrics import plain
 from ray_disagg.worker.objective import router_aux, sequence_index
@@ -49,7 +50,7 @@ def collate(w: PartWorker, items: list[dict], sequences: bool = False) -> dict:
     else:
         batch = w.adapter.collate_llm(items)
     if w.is_cp:  # this rank's slice: its next-token targets (the shift crosses slices)
-        ctx = _context(w, batch["input_ids"].shape[1], items)
+        ctx = _context(w, batch["input_ids"].shape[1], items, is_packed(batch))
         lo, hi = ctx.bounds[ctx.rank]
         batch["loss_targets"] = cp.local_targets(batch["labels"], lo, hi)
         batch["loss_index"] = loss_index(batch["loss_targets"], shifted=True)
@@ -77,13 +78,14 @@ def _loss_chunks(w: PartWorker, positions: int) -> int:
     return int(n)
 
 
-def _context(w: PartWorker, seq_len: int, items: list[dict]):
+def _context(w: PartWorker, seq_len: int, items: list[dict], packed: bool):
     """This rank's :class:`~ray_disagg.parallel.context_parallel.ContextSlice` of rows of
-    ``seq_len`` tokens (an error naming the samples when they are too short to split)."""
+    ``seq_len`` tokens, ``packed`` or not (an error naming the samples when they are too
+    short to split)."""
     try:
         bounds = tuple(cp.slice_bounds(seq_len, w.cp_mesh.size()))
     except ValueError as e:
         ids = [plain(it.get("id")) for it in items]
         raise ValueError(f"LLM microbatch of samples {ids}: {e}") from None
     rank = w.cp_mesh.get_local_rank()
-    return cp.ContextSlice(group=w.cp_mesh.get_group(), rank=rank, bounds=bounds)
+    return cp.ContextSlice(w.cp_mesh.get_group(), rank, bounds, packed)

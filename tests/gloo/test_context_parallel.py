@@ -60,7 +60,7 @@ def _cp_text(rank, world, packed):
     part = spec.build_part("text")
     enable_context_parallel(adapter.llm_modules(part)[0])
     bounds = tuple(slice_bounds(batch["input_ids"].shape[1], world))
-    cp = run(part, ContextSlice(group=dist.group.WORLD, rank=rank, bounds=bounds))
+    cp = run(part, ContextSlice(dist.group.WORLD, rank, bounds, packed=packed))
     loss, crossing_grads, grads = cp
     dist.all_reduce(loss)
     for t in [*crossing_grads.values(), *grads.values()]:
@@ -85,6 +85,7 @@ def test_context_parallel_degrees_and_short_sequences_are_checked():
     from ray_disagg import (
         ContextParallel,
         ModuleGroup,
+        tiny_gemma3_config,
         tiny_qwen2_5_vl_config,
         tiny_qwen3_5_config,
         tiny_qwen3_vl_config,
@@ -111,6 +112,8 @@ def test_context_parallel_degrees_and_short_sequences_are_checked():
         validate_layout(adapter, groups(3))
     with pytest.raises(ValueError, match="ContextParallel is not supported for the 'text'"):
         validate_layout(get_adapter(tiny_qwen3_5_config()), groups(2))  # Gated DeltaNet
+    with pytest.raises(ValueError, match="ContextParallel is not supported for the 'text'"):
+        validate_layout(get_adapter(tiny_gemma3_config()), groups(2))  # bidirectional images
     validate_layout(get_adapter(tiny_qwen3_vl_config()), groups(2))  # DeepStack sliced
     with pytest.raises(ValueError, match=r"ContextParallel\(size=0\): must be an int"):
         ContextParallel(size=0)
@@ -151,27 +154,44 @@ def test_cp_layouts_train_like_the_single_process_model(workers, cp, extra, tmp_
         # (Adam's eps 1e-4: a near-zero gradient entry's update would magnify fp32 rounding)
         ("qwen3_vl", 2, {"pack_sequences": True, "max_seq_len": 200, "eps": 1e-4}),
         ("qwen3_vl_moe", 4, {}),  # dp2 x cp2: the router's aux loss over all four ranks
+        ("qwen2_5_omni_thinker", 2, {}),  # mrope over audio, video and image positions
+        ("internvl", 2, {}),  # 1-D rope, padded rows
+        ("internvl", 2, {"pack_sequences": True, "max_seq_len": 200}),  # 1-D packed rows
+        ("llava_onevision", 2, {}),
     ],
-    ids=["qwen3_vl-cp2", "qwen3_vl-cp2-packed", "qwen3_vl_moe-dp2xcp2"],
+    ids=[
+        "qwen3_vl-cp2",
+        "qwen3_vl-cp2-packed",
+        "qwen3_vl_moe-dp2xcp2",
+        "omni-cp2",
+        "internvl-cp2",
+        "internvl-cp2-packed",
+        "llava_onevision-cp2",
+    ],  # fmt: skip
 )
-def test_cp_for_deepstack_families_trains_like_the_single_process_model(
+def test_cp_for_more_families_trains_like_the_single_process_model(
     model_type, workers, extra, tmp_path
 ):
-    """Qwen3-VL's DeepStack features (added after the first decoder layers) and
-    Qwen3-VL-MoE's router auxiliary loss (over the global batch) under LLM context
-    parallelism: losses and parameters after 2 steps equal HF's (fp32, 1e-5)."""
+    """LLM context parallelism beyond Qwen2/2.5-VL: Qwen3-VL's DeepStack features (added
+    after the first decoder layers), Qwen3-VL-MoE's router auxiliary loss (over the
+    global batch), Qwen2.5-Omni's audio positions, the 1-D rope of InternVL and
+    LLaVA-OneVision (packed rows told apart by the batch, not by mrope's rows): losses
+    and parameters after 2 steps equal HF's (fp32, 1e-5)."""
     from ray_disagg import ADAPTERS, ContextParallel, HFModelSpec
     from ray_disagg.data.examples import synthetic_samples
-    from tests.helpers import assert_matches_reference, group, run_layout, vt
+    from tests.helpers import assert_matches_reference, group, run_layout
 
     cfg = ADAPTERS[model_type].tiny_config()
     spec = HFModelSpec(config=cfg, seed=5)
     grids = [{"images": [(1, 4, 4), (1, 8, 4)]}, None, {"videos": [(2, 4, 8)]}, (1, 8, 8)]
+    if model_type == "qwen2_5_omni_thinker":
+        grids = [{"images": [(1, 4, 8)], "audios": [40]}, None, {"audios": [24, 17]}, (1, 8, 8)]
     data = synthetic_samples(cfg, 8, grids=grids)
     loop = {"max_steps": 2, "global_batch_size": 4, "checkpoint_every": 1, "eps": 1e-6,
             "seed": 5, **extra}  # fmt: skip
-    text = group(workers, ContextParallel(size=2))
-    result = run_layout(spec, data, loop, vt(group(1), text), tmp_path, "cp", local=True)
+    groups = {p: group(1) for p in spec.adapter.parts}  # (Omni: vision, audio, text)
+    groups["text"] = group(workers, ContextParallel(size=2))
+    result = run_layout(spec, data, loop, groups, tmp_path, "cp", local=True)
     assert_matches_reference(result, spec, data, loop)
     if model_type == "qwen3_vl_moe":
         assert result.metrics["text_expert_load_mean"] >= 1.0

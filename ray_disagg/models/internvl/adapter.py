@@ -24,6 +24,7 @@ class InternVLAdapter(LlavaAdapter):
     tiles_per_image_run = True
     per_head_norms = ("q_norm", "k_norm")  # InternVL3.5's Qwen3 decoders (none in Qwen2)
     tiny_config = staticmethod(tiny_internvl_config)
+    cp_parts = ("text",)  # 1-D rope: the slice of each row, packed or padded
     tower_cls_tokens = 1  # InternViT's CLS, dropped before the pixel shuffle
 
     def projector_flops(self, tiles):

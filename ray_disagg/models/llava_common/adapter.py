@@ -192,7 +192,8 @@ class LlavaAdapter(LlavaTowerCosts, LlavaParallelMixin, PackedTextMixin, ModelAd
     def llm_hidden(self, module, batch, received, context=None):
         emb = received.get("image_embeds")
         mm = None if emb is None else {"image": self.encoder_output(emb)}
-        out = module.model(**self.llm_inputs(module.model, batch), mm_encoder_outputs=mm)
+        extra = {} if context is None else {"context": context}  # cp_parts: the slice
+        out = module.model(**self.llm_inputs(module.model, batch), mm_encoder_outputs=mm, **extra)
         return out.last_hidden_state
 
     def reference_inputs(self, samples: Sequence[dict]):

@@ -39,6 +39,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
     }
     tiles_per_image_run = True
     tiny_config = staticmethod(tiny_llava_onevision_config)
+    cp_parts = ("text",)  # 1-D rope: the slice of each row, packed or padded
 
     def __init__(self, config):
         super().__init__(config)

@@ -47,6 +47,7 @@ class Qwen2_5OmniThinkerAdapter(OmniParallelMixin, QwenVLAdapter):
     llm_extra_fields = ("video_second_per_grid",)
     windowed_tower = True
     gated_tower_mlp = True
+    cp_parts = ("text",)  # mrope over text, images, videos and audio: sliced like Qwen2.5's
     tiny_config = staticmethod(tiny_qwen2_5_omni_thinker_config)
 
     # ---- samples ----------------------------------------------------------------------
@@ -203,8 +204,6 @@ class Qwen2_5OmniThinkerAdapter(OmniParallelMixin, QwenVLAdapter):
         return batch
 
     def llm_hidden(self, module, batch, received, context=None):
-        if context is not None:
-            raise ValueError("ContextParallel is not supported for Qwen2.5-Omni")
         inner = module.model
         ids = batch["input_ids"]
         embeds = inner.get_input_embeddings()(ids)
@@ -216,10 +215,12 @@ class Qwen2_5OmniThinkerAdapter(OmniParallelMixin, QwenVLAdapter):
                     f"{int(audio_mask[..., 0].sum())} audio tokens but {audio.shape[0]} rows."
                 )
             embeds = embeds.masked_scatter(audio_mask, audio.to(embeds.device, embeds.dtype))
+        extra = {} if context is None else {"context": context}  # cp_parts: the slice
         out = inner(
             **self.llm_inputs(inner, batch),
             inputs_embeds=embeds,
             mm_encoder_outputs=self.mm_encoder_outputs(received),
+            **extra,
         )
         return out.last_hidden_state
 
