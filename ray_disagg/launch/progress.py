@@ -220,8 +220,10 @@ class RunProgress:
             self.echo(line)
         path = t.metrics_file()
         if path is not None:
-            self.progress = Progress(path, cfg.max_steps, echo=self.echo)  # (its offset now)
-            self.progress.on_step = self._sinks(os.path.dirname(path))
+            sinks = self._sinks(os.path.dirname(path))
+            self.progress = Progress(  # (its offset now: a resumed run's old steps skipped)
+                path, cfg.max_steps, echo=self.echo, on_step=sinks
+            )
             self.progress.start()
         return self
 

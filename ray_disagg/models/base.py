@@ -23,9 +23,21 @@ from ray_disagg.models.moe import RouterSpec, router_spec
 if TYPE_CHECKING:
     from ray_disagg.parallel.tensor_parallel import BlockTPPlan, LayerTPPlan, LinearSplit
 
-__all__ = ["IGNORE_INDEX", "Crossing", "ModelAdapter", "SampleError", "sample_name"]
+__all__ = [
+    "IGNORE_INDEX",
+    "Crossing",
+    "ModelAdapter",
+    "SampleError",
+    "count_label_tokens",
+    "sample_name",
+]
 
 IGNORE_INDEX = -100
+
+
+def count_label_tokens(labels: np.ndarray) -> int:
+    """Tokens that enter the loss after the causal shift."""
+    return int((np.asarray(labels)[1:] != IGNORE_INDEX).sum())
 
 
 class SampleError(ValueError):
@@ -186,8 +198,8 @@ class ModelAdapter(CostHooks):
         return labels
 
     def label_positions(self, sample: dict) -> int:
-        """Positions whose next token enters the loss (after the causal shift)."""
-        return int((self.labels(sample)[1:] != IGNORE_INDEX).sum())
+        """Positions of ``sample`` whose next token enters the loss (:func:`count_label_tokens`)."""
+        return count_label_tokens(self.labels(sample))
 
     def crossings(self, part: str) -> tuple[Crossing, ...]:
         raise NotImplementedError

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ray_disagg.models.flops import Flops, decoder_flops
+from ray_disagg.models.flops import Flops, decoder_flops, head_dim
 
 __all__ = [
     "ActivationShape",
@@ -52,9 +52,7 @@ def depth(v) -> int:
 def decoder_forward_flops(t, params: float, tokens: float) -> float:
     """A decoder over ``tokens``: ``2 x params`` per token plus causal attention (half of
     ``4 d s^2`` per layer)."""
-    d = t.num_attention_heads * (
-        getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-    )
+    d = t.num_attention_heads * head_dim(t)
     return 2 * params * tokens + 2 * d * tokens**2 * t.num_hidden_layers
 
 
@@ -91,8 +89,8 @@ def decoder_activation_bytes(t, s: ActivationShape) -> float:
     tokens (checkpointed: ``layers x h`` plus one layer); the final norm; the logits of
     one loss chunk, their fp32 copy and the saved log-softmax (``a + 8`` bytes)."""
     h, layers = t.hidden_size, t.num_hidden_layers
-    head_dim = getattr(t, "head_dim", None) or h // t.num_attention_heads
-    q, kv = t.num_attention_heads * head_dim, t.num_key_value_heads * head_dim
+    d = head_dim(t)
+    q, kv = t.num_attention_heads * d, t.num_key_value_heads * d
     layer = 4 * h + (2 * q + 2 * kv) / s.tp + _mlp_width(t, s.tp)
     kept = layers * h + layer if s.checkpointed else layers * layer
     tokens = s.items

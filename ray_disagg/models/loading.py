@@ -274,25 +274,17 @@ class SafetensorsSource:
         return self._file(fname).get_slice(ck_key)[region]
 
 
-def part_tensor(source, name: str, hf_name=hf_param_name, blocks=None) -> torch.Tensor:
+def part_tensor(source, name: str, blocks, hf_name=hf_param_name) -> torch.Tensor:
     """The full tensor of a part's parameter ``name`` from ``source`` (anything with
     ``.get(hf_name)``), sliced out of the fused HF tensor for a row block of a split
-    Linear. ``hf_name``: the family's :meth:`ModelAdapter.hf_param_name` (default: that
-    of every registered family); ``blocks``: the part's
-    :func:`~ray_disagg.parallel.row_blocks.block_rows` (without it, equal blocks)."""
-    fused, index, count = hf_name(name)
+    Linear. ``blocks``: the part's :func:`~ray_disagg.parallel.row_blocks.block_rows`;
+    ``hf_name``: the family's :meth:`ModelAdapter.hf_param_name` (default: that of every
+    registered family)."""
+    fused, index, _ = hf_name(name)
     if index is None:
         return source.get(name)
-    full = source.get(fused)
-    start, rows = _block(blocks, name, full.shape[0], index, count)[:2]
-    return full[start : start + rows]
-
-
-def _block(blocks, name: str, total: int, index: int, count: int) -> tuple[int, int, int]:
-    """``(first row, rows, fused rows)`` of the row block ``name``."""
-    if blocks is not None:
-        return blocks[name]
-    return index * (total // count), total // count, total
+    start, rows, _ = blocks[name]
+    return source.get(fused)[start : start + rows]
 
 
 @torch.no_grad()
@@ -339,10 +331,10 @@ def _check_shape(source, name: str, p: torch.Tensor, hf_name, blocks) -> None:
 
 
 def _read(source, name: str, region, hf_name, blocks) -> torch.Tensor:
-    """``part_tensor(source, name)[region]``, read as such where the source can
+    """``part_tensor(source, name, blocks)[region]``, read as such where the source can
     (``SafetensorsSource.read``: only those bytes)."""
     if region is None or not hasattr(source, "read"):
-        full = part_tensor(source, name, hf_name, blocks)
+        full = part_tensor(source, name, blocks, hf_name)
         return full if region is None else full[region]
     fused, index, _ = hf_name(name)
     if index is not None:  # a row block of a fused tensor: shift the rows
@@ -385,7 +377,7 @@ def materialize(
             _check_shape(params, name, p, hf_name, blocks)
             region = local_region(p)
             if region is None:
-                fill(p, part_tensor(params, name, hf_name, blocks))
+                fill(p, part_tensor(params, name, blocks, hf_name))
             else:  # only this rank's block is read and copied to the device
                 p.to_local().copy_(_read(params, name, region, hf_name, blocks))
         except ValueError as e:

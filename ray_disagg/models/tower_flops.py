@@ -22,13 +22,14 @@ from ray_disagg.models.flops import Flops, attention, linear
 __all__ = [
     "blocks_reaching_loss",
     "forward_only",
+    "pair",
     "tile_patches",
     "vit_block_flops",
     "vit_tower_flops",
 ]
 
 
-def _pair(size) -> tuple[int, int]:
+def pair(size) -> tuple[int, int]:
     """``(h, w)`` of a config's ``image_size`` / ``patch_size`` (an int or a pair)."""
     return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
@@ -41,7 +42,7 @@ def forward_only(flops: float) -> Flops:
 
 def tile_patches(v) -> int:
     """Patches of one ``image_size`` tile of vision config ``v``."""
-    (h, w), (ph, pw) = _pair(v.image_size), _pair(v.patch_size)
+    (h, w), (ph, pw) = pair(v.image_size), pair(v.patch_size)
     return (h // ph) * (w // pw)
 
 
@@ -82,7 +83,7 @@ def vit_tower_flops(v, tiles: int, cls_tokens: int = 0, feature_layer=-1) -> Flo
     CLS), the blocks after ``feature_layer`` (:func:`blocks_reaching_loss`) and SigLIP's
     pooling head (``vision_use_head``) forward only."""
     patches = tile_patches(v)
-    ph, pw = _pair(v.patch_size)
+    ph, pw = pair(v.patch_size)
     embed = linear(tiles * patches, v.num_channels * ph * pw, v.hidden_size)
     block = vit_block_flops(v, tiles, patches + cls_tokens)
     used = blocks_reaching_loss(v, feature_layer)

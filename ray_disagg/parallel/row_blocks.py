@@ -29,6 +29,7 @@ __all__ = [
     "SplitConv1d",
     "SplitLinear",
     "block_rows",
+    "local",
     "read_local",
     "shard_rows",
 ]
@@ -157,7 +158,7 @@ class SplitConv1d(nn.Module):
 
     def _cat(self, leaf: str) -> torch.Tensor | None:
         parts = [getattr(getattr(self, name), leaf) for name in self.pieces]
-        return None if parts[0] is None else torch.cat([_local(p) for p in parts])
+        return None if parts[0] is None else torch.cat([local(p) for p in parts])
 
     @property
     def weight(self) -> torch.Tensor:
@@ -172,7 +173,8 @@ class SplitConv1d(nn.Module):
         return F.conv1d(x, w, self.bias, self.stride, self.padding, self.dilation, w.shape[0])
 
 
-def _local(t):
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (any other tensor as it is)."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -194,7 +196,7 @@ def _local_forward(inner, names: tuple[str, ...]):
     def forward(self, *args, **kwargs):
         held = {n: self._parameters[n] for n in names}
         try:
-            self._parameters.update({n: _local(p) for n, p in held.items()})
+            self._parameters.update({n: local(p) for n, p in held.items()})
             return inner(*args, **kwargs)
         finally:
             self._parameters.update(held)

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ray_disagg.parallel.row_blocks import LinearSplit, SplitConv1d, SplitLinear, shard_rows
+from ray_disagg.parallel.row_blocks import LinearSplit, SplitConv1d, SplitLinear, local, shard_rows
 
 __all__ = [
     "BlockTPPlan",
@@ -64,10 +64,6 @@ def all_reduce_partial_grads(params, tp_group) -> None:
     for p in params:
         if getattr(p, "_tp_partial_grad", False) and p.grad is not None:
             dist.all_reduce(local(p.grad), group=tp_group)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):

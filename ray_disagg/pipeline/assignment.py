@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ray_disagg.models.base import IGNORE_INDEX, SampleError
+from ray_disagg.models.base import SampleError, count_label_tokens
 
 __all__ = [
     "SampleError",
@@ -28,11 +28,6 @@ __all__ = [
     "balanced_split",
     "sample_order",
 ]
-
-
-def count_label_tokens(labels: np.ndarray) -> int:
-    """Tokens that enter the loss after the causal shift."""
-    return int((np.asarray(labels)[1:] != IGNORE_INDEX).sum())
 
 
 def balanced_split(

@@ -72,7 +72,7 @@ class _Microbatch:
         self.samples, self.routes, self.j = samples, routes, j
         # FSDP2: every rank must run the same units; one without inputs runs a stand-in
         self.counts = w.adapter.item_counts(w.part, samples)
-        self.flops = mfu.samples_flops(w.adapter, w.part, samples, backward=grad)
+        self.flops = mfu.samples_flops(w.adapter, w.part, samples, grad) if w.leader else 0.0
         self.real = not w.fsdp or sum(self.counts.values()) > 0
         inputs = samples if self.real else w.adapter.stand_in_samples(w.part)
         with torch.set_grad_enabled(grad):  # forward only: frozen group, validation

@@ -225,7 +225,8 @@ class LLMStep:
         self.loss_sum += reported.detach().to(torch.float64)
         mine = [self.items[p] for p in mb[w.part][w.dp_rank]]
         self.tokens += self.llm.tokens(mine)
-        self.flops += self.llm.flops(mine, backward=loss.requires_grad)
+        if w.leader:  # its stats slot's only writer
+            self.flops += self.llm.flops(mine, backward=loss.requires_grad)
 
     def send_grads(self, j: int) -> None:
         w = self.w

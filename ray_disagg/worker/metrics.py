@@ -39,8 +39,8 @@ class StepStats:
       seconds, peak memory (MB), most microbatches alive at once, backward passes run, of
       each group, from its rank 0;
     - ``<group>_flops``: the model FLOPs of the group's samples (:mod:`ray_disagg.worker.mfu`),
-      its DP leaders; ``<group>_peak_flops`` and ``<group>_no_peak``: the known peak FLOP/s
-      and the count of ranks without one, every rank of the group;
+      its DP leaders; ``<group>_peak_flops``: the sum of its ranks' peak FLOP/s (NaN when
+      one has none), every rank of the group;
     - counters (``images``, ``videos``, ``audios``, ``tiles``): the encoder groups' DP leaders;
     - with a per-sequence objective, ``objective_samples`` and the sums of its
       ``metric_names`` (reported as means over the samples): the LLM's DP leaders;
@@ -56,7 +56,6 @@ class StepStats:
         names = ["loss", "label_tokens", "llm_tokens", "samples", "cycle", "transfer_fallbacks"]
         names += ["checkpoint_writing"]
         per_group = ("sq", "time", "wait", "peak", "inflight", "bwd", "flops", "peak_flops")
-        per_group += ("no_peak",)
         names += [f"{g}_{k}" for g in groups for k in per_group]
         names += list(counters)
         if objective_metrics is not None:
@@ -115,7 +114,7 @@ def _mfu(s: dict, groups: list[str], cycle: float) -> dict:
     if math.isnan(flops):  # an adapter that counts no FLOPs
         return {}
     out = {"tflops_per_s": flops / cycle / 1e12}
-    known = [g for g in groups if not s[f"{g}_no_peak"] and s[f"{g}_peak_flops"] > 0]
+    known = [g for g in groups if s[f"{g}_peak_flops"] > 0]  # (NaN: a rank has none)
     for g in known:
         out[f"{g}_mfu"] = s[f"{g}_flops"] / (cycle * s[f"{g}_peak_flops"])
     if known and len(known) == len(groups):
@@ -334,8 +333,7 @@ def record(w, stats, sq: float, inflight: int) -> None:
         stats[ix[f"{part}_inflight"]] = inflight
         stats[ix[f"{part}_bwd"]] = w.backward_passes
     w.backward_passes = 0
-    stats[ix[f"{part}_peak_flops"]] = w.peak_flops or 0.0
-    stats[ix[f"{part}_no_peak"]] = w.peak_flops is None
+    stats[ix[f"{part}_peak_flops"]] = math.nan if w.peak_flops is None else w.peak_flops
     stats[ix["transfer_fallbacks"]] = w.channel.fallbacks
     stats[ix["checkpoint_writing"]] = checkpoint.writing(w.writer)
     w.channel.fallbacks = 0

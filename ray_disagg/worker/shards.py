@@ -197,7 +197,7 @@ def load_model(part, source: dict[str, torch.Tensor], names=None) -> None:
     blocks = block_rows(part, hf_param_name)
     for name, p in part.named_parameters():
         if names is None or name in names:
-            fill(p, part_tensor(_Dict(source), name, blocks=blocks))
+            fill(p, part_tensor(_Dict(source), name, blocks))
 
 
 def load_optimizer(opt, part, fields: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -210,7 +210,7 @@ def load_optimizer(opt, part, fields: dict[str, dict[str, torch.Tensor]]) -> Non
         if id(p) not in owned:
             continue
         try:
-            state = {f: part_tensor(_Dict(fields[f]), name, blocks=blocks) for f in _STATE_KEYS}
+            state = {f: part_tensor(_Dict(fields[f]), name, blocks) for f in _STATE_KEYS}
             steps = fields["step"]  # one count per tensor: never sliced like qkv rows
             step = steps[name] if name in steps else steps[hf_param_name(name)[0]]
         except KeyError:

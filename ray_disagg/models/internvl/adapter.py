@@ -12,7 +12,6 @@ from transformers import InternVLConfig, InternVLForConditionalGeneration
 from ray_disagg.models.flops import Flops, linear
 from ray_disagg.models.internvl.flavors import tiny_internvl_config
 from ray_disagg.models.llava_common import LlavaAdapter
-from ray_disagg.models.tower_flops import tile_patches
 
 __all__ = ["InternVLAdapter"]
 
@@ -33,7 +32,7 @@ class InternVLAdapter(LlavaAdapter):
         width -> LLM width) and ``linear_2`` (LLM width -> LLM width) on each row."""
         c = self.config
         k = int(1 / c.downsample_ratio) ** 2
-        rows, t = tiles * tile_patches(c.vision_config) // k, c.text_config.hidden_size
+        rows, t = tiles * self._tile_patches() // k, c.text_config.hidden_size
         flops = linear(rows, k * c.vision_config.hidden_size, t) + linear(rows, t, t)
         return Flops(forward=flops)
 

@@ -33,13 +33,9 @@ from ray_disagg.models.base import (
 from ray_disagg.models.llava_common.costs import LlavaTowerCosts
 from ray_disagg.models.llava_common.parallelize import LlavaParallelMixin
 from ray_disagg.models.packing import PackedTextMixin
+from ray_disagg.models.tower_flops import pair, tile_patches
 
 __all__ = ["LlavaAdapter"]
-
-
-def _pair(size) -> tuple[int, int]:
-    """``(h, w)`` of a config's ``image_size`` / ``patch_size`` (an int or a pair)."""
-    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
 
 class LlavaAdapter(LlavaTowerCosts, LlavaParallelMixin, PackedTextMixin, ModelAdapter):
@@ -70,7 +66,7 @@ class LlavaAdapter(LlavaTowerCosts, LlavaParallelMixin, PackedTextMixin, ModelAd
     def tile_shape(self) -> tuple[int, int, int]:
         """``(C, S, S)`` of one tile."""
         v = self.config.vision_config
-        return (v.num_channels, *_pair(v.image_size))
+        return (v.num_channels, *pair(v.image_size))
 
     def run_tokens(self, tiles: int) -> tuple[list[int], list[int]]:
         """The tokens before and after the ``tiles * tokens_per_tile`` image tokens of one
@@ -144,9 +140,7 @@ class LlavaAdapter(LlavaTowerCosts, LlavaParallelMixin, PackedTextMixin, ModelAd
         return ()
 
     def _tile_patches(self) -> int:
-        _, h, w = self.tile_shape
-        ph, pw = _pair(self.config.vision_config.patch_size)
-        return (h // ph) * (w // pw)
+        return tile_patches(self.config.vision_config)
 
     def encoder_cost(self, part, sample):
         """Per tile of ``n`` tower patches: ``n + n**2 / 1024`` (attention is per tile)."""

@@ -24,7 +24,6 @@ from ray_disagg.models.base import SampleError, tensor_or_none
 from ray_disagg.models.flops import Flops, linear
 from ray_disagg.models.llava_common import LlavaAdapter
 from ray_disagg.models.llava_onevision.flavors import tiny_llava_onevision_config
-from ray_disagg.models.tower_flops import tile_patches
 
 __all__ = ["LlavaOnevisionAdapter"]
 
@@ -98,7 +97,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         c = self.config
         layers = c.vision_feature_layer
         width = c.vision_config.hidden_size * (1 if isinstance(layers, int) else len(layers))
-        rows, t = tiles * tile_patches(c.vision_config), c.text_config.hidden_size
+        rows, t = tiles * self._tile_patches(), c.text_config.hidden_size
         return Flops(forward=linear(rows, width, t) + linear(rows, t, t))
 
     def counter_names(self, part):

@@ -23,7 +23,7 @@ from torch import nn
 
 __all__ = ["SEGMENTS", "buckets", "segment_linear_attention"]
 
-SEGMENTS = "packed_segments"
+SEGMENTS = "linear_attention_spans"
 """Keyword of HF's forward carrying a packed batch's ``((row, start, length), ...)``."""
 
 
