@@ -11,7 +11,11 @@ layout on 4 worker processes:
   in (a) and the chunked vocab-parallel loss, a sample per microbatch;
 - (c) this project's best on 4 workers: vision SP2 + LLM CP2 x FSDP2 (the LLM's weights,
   gradients and AdamW state sharded over cp), activation checkpointing, the chunked loss;
-- (d) as (c) without FSDP2 (every cp rank holds the whole LLM state).
+- (d) as (c) without FSDP2 (every cp rank holds the whole LLM state);
+- (e) and (f): (a) and (c) on a Qwen3-VL of the same sizes (its DeepStack features cross
+  to the LLM at two levels besides the merged embeddings, and are sliced with the
+  sequence under CP): the ratio of their largest sizes within the budget is reported
+  (DeepStack adds crossings, so no goal is set for it).
 
 The sweep: vision patches per sample before the merge (512, 1k, 2k, ... up to
 ``--max-patches``); a layout stops at its first size over ``--budget-mb`` or that fails.
@@ -52,6 +56,7 @@ from ray_disagg import (  # noqa: E402
     TensorParallel,
     load_metrics,
     tiny_qwen2_5_vl_config,
+    tiny_qwen3_vl_config,
 )
 from ray_disagg.data.examples import synthetic_samples  # noqa: E402
 
@@ -59,20 +64,19 @@ BATCH, STEPS = 4, 2
 LOOP = {"max_steps": STEPS, "global_batch_size": BATCH, "lr": 1e-4}
 
 
-def make_config():
-    cfg = tiny_qwen2_5_vl_config(
-        vocab_size=8192,
-        text_hidden=384,
-        text_layers=6,
-        text_heads=6,
-        text_kv_heads=2,
-        vision_hidden=128,
-        vision_depth=4,
-        vision_heads=4,
-        patch_size=14,
-        window_size=112,
-        fullatt_block_indexes=(1, 3),
-    )
+SIZES = dict(vocab_size=8192, text_hidden=384, text_layers=6, text_heads=6, text_kv_heads=2,
+             vision_hidden=128, vision_depth=4, vision_heads=4, patch_size=14)  # fmt: skip
+FAMILY = {"a": "qwen2_5_vl", "b": "qwen2_5_vl", "c": "qwen2_5_vl", "d": "qwen2_5_vl",
+          "e": "qwen3_vl", "f": "qwen3_vl"}  # fmt: skip
+
+
+def make_config(family: str = "qwen2_5_vl"):
+    """The benchmark's model: Qwen2.5-VL (windowed tower) or Qwen3-VL (DeepStack after
+    tower blocks 1 and 2) of the same sizes."""
+    if family == "qwen3_vl":
+        cfg = tiny_qwen3_vl_config(**SIZES, deepstack_visual_indexes=(1, 2))
+    else:
+        cfg = tiny_qwen2_5_vl_config(**SIZES, window_size=112, fullatt_block_indexes=(1, 3))
     cfg.text_config.intermediate_size = 1536
     return cfg
 
@@ -123,12 +127,12 @@ def _fsdp_train(config):
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
 
 
-def run_baseline(spec, patches: int, storage: str):
+def run_baseline(spec, patches: int, storage: str, layout: str = "a"):
     trainer = TorchTrainer(
         _fsdp_train,
         train_loop_config={"spec": spec, "patches": patches},
         scaling_config=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 0.5}),
-        run_config=RunConfig(name=f"a_{patches}", storage_path=storage),
+        run_config=RunConfig(name=f"{layout}_{patches}", storage_path=storage),
     )
     result, procs = fit(trainer)
     last = result.metrics
@@ -136,11 +140,11 @@ def run_baseline(spec, patches: int, storage: str):
 
 
 def layout_of(layout: str) -> tuple[dict, dict]:
-    """``(groups, train_loop_config)`` of layout b, c or d."""
+    """``(groups, train_loop_config)`` of layout b, c, d or f."""
     if layout == "b":
         vision, text = SequenceParallel(size=2), TensorParallel(size=2)
-    else:  # c: context parallel with the LLM's state sharded by FSDP2; d: without
-        vision, text = SequenceParallel(size=2), ContextParallel(size=2, fsdp=layout == "c")
+    else:  # c, f: context parallel with the LLM's state sharded by FSDP2; d: without
+        vision, text = SequenceParallel(size=2), ContextParallel(size=2, fsdp=layout != "d")
     loop = {**LOOP, "loss_chunk_tokens": 1024, "micro_batches": BATCH, "schedule": "sequential"}
     groups = {"vision": group(2, vision), "text": group(2, text)}
     for g in groups.values():
@@ -197,23 +201,26 @@ NAMES = {
     "b": "(b) vision SP2 + LLM TP2, AC, chunked",
     "c": "(c) vision SP2 + LLM CP2xFSDP2, AC, ch.",
     "d": "(d) as (c), LLM CP2 without FSDP2",
+    "e": "(e) Qwen3-VL: TorchTrainer + FSDP2, AC",
+    "f": "(f) Qwen3-VL: vision SP2 + LLM CP2xFSDP2",
 }
 
 
-def sweep(spec, sizes, budget: float, storage: str, base: float, layouts) -> dict:
+def sweep(specs, sizes, budget: float, storage: str, base: float, layouts) -> dict:
     out = {k: {} for k in layouts}
     for layout in layouts:
+        spec = specs[FAMILY[layout]]
         for patches in sizes:
             try:
-                if layout == "a":
-                    procs, step, rate = run_baseline(spec, patches, storage)
+                if layout in "ae":
+                    procs, step, rate = run_baseline(spec, patches, storage, layout)
                 else:
                     procs, step, rate = run_ours(spec, patches, storage, layout)
             except Exception as e:  # noqa: BLE001 - a failing size ends the layout
                 print(f"{NAMES[layout]} at {patches} patches failed: {type(e).__name__}: {e}")
                 break
             peak = max(procs) - base
-            planned = planned_mb(spec, patches, layout) if layout != "a" else float("nan")
+            planned = planned_mb(spec, patches, layout) if layout not in "ae" else float("nan")
             out[layout][patches] = (peak, step, rate, planned)
             print(f"{NAMES[layout]:<40} {patches:>6} patches: peak {peak:7.0f} MB "
                   f"(plan {planned:5.0f}), step {step:6.2f} s, {rate:8.0f} tokens/s",
@@ -239,7 +246,7 @@ def report(out: dict, sizes, budget: float) -> dict:
             print(f"  {NAMES[layout]:<40} {step:7.2f} s  {rate:8.0f} tokens/s")
     print("\nray-disagg plan's estimate of the largest worker (MB) / measured peak over idle:")
     for layout, points in out.items():
-        if layout != "a":
+        if layout not in "ae":
             row = "".join(f"{points[s][3] / points[s][0]:>9.2f}" if s in points else f"{'-':>9}"
                           for s in sizes)  # fmt: skip
             print(f"{NAMES[layout]:<40}{row}")
@@ -249,6 +256,8 @@ def report(out: dict, sizes, budget: float) -> dict:
         a, c = out["a"].get(sizes[0]), out.get("c", {}).get(sizes[0])
         if a and c:
             print(f"step time (c) / (a) at {sizes[0]} patches: {c[1] / a[1]:.2f}x (goal <= 1.0)")
+    if best.get("e") and "f" in best:
+        print(f"{NAMES['f']}: {best['f'] / best['e']:.1f}x the patches of (e) within budget")
     return best
 
 
@@ -279,10 +288,11 @@ def main():
     p.add_argument("--budget-mb", type=float, default=450.0)
     p.add_argument("--png", default=None, help="write the memory plot here")
     p.add_argument("--mmap-threshold", type=int, default=1 << 20, help="bytes; 0: defaults")
-    p.add_argument("--layouts", default="abc", help="which of a, b, c, d to run")
+    p.add_argument("--layouts", default="abcef", help="which of a, b, c, d, e, f to run")
     a = p.parse_args()
     sizes = [a.min_patches * 2**k for k in range(64) if a.min_patches * 2**k <= a.max_patches]
-    spec = HFModelSpec(config=make_config(), seed=0)
+    specs = {f: HFModelSpec(config=make_config(f), seed=0) for f in set(FAMILY.values())}
+    spec = specs["qwen2_5_vl"]
     n = {p: sum(t.numel() for t in spec.meta_model(p).parameters()) for p in ("vision", "text")}
     print(f"LLM {n['text'] / 1e6:.1f}M params (8k vocab), tower {n['vision'] / 1e6:.2f}M; "
           f"global batch {BATCH}, {STEPS} steps per point, 4 workers per layout")  # fmt: skip
@@ -296,7 +306,7 @@ def main():
     with tempfile.TemporaryDirectory() as storage:
         base = baseline_mb(storage)
         print(f"idle worker: {base:.0f} MB")
-        out = sweep(spec, sizes, a.budget_mb, storage, base, list(a.layouts))
+        out = sweep(specs, sizes, a.budget_mb, storage, base, list(a.layouts))
     report(out, sizes, a.budget_mb)
     if a.png:
         plot(out, a.budget_mb, a.png)

@@ -119,7 +119,8 @@ class ContextParallel:
 
     The group's ``num_workers`` must be a multiple of ``size x tp`` (mesh axes ``("dp",
     "cp")``, with ``tp > 1`` ``("dp", "cp", "tp")``); ``size x tp`` must divide the
-    attention and KV heads.
+    attention heads (and Qwen3.5's ``linear_num_key_heads``: its Gated DeltaNet layers
+    run the whole sequence split by key heads, and refuse ``tp > 1``).
 
     Example:
         >>> ContextParallel(size=2, tp=2)

@@ -62,6 +62,13 @@ def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
                 f"groups that support it: {list(allowed)}. Use 'none' (data parallel) or "
                 f"another parallelism for {part!r}."
             )
+        if isinstance(p, ContextParallel) and p.tp > 1 and adapter.cp_tp_refusal:
+            raise ValueError(
+                f"ContextParallel(size={p.size}, tp={p.tp}) is not supported for the {part!r} "
+                f"group of {adapter.model_type}: {adapter.cp_tp_refusal}. Use "
+                f"ContextParallel(size={p.size}, fsdp=True) (no tp), or "
+                f"TensorParallel(size={p.tp}) without context parallelism."
+            )
         _check_divides(adapter.head_counts(part), p, part)
 
 
@@ -121,8 +128,9 @@ def validate_loop(adapter, cfg, attn_implementation: str = "sdpa") -> None:
 
 def _degrees(p) -> list[tuple[str, int, str]]:
     """``(setting, degree, sizes)`` of a layout: its degree must divide the sizes named
-    ``"all"``, ``"heads"`` (every head count) or ``"query heads"`` (context parallelism
-    repeats KV heads that do not split, as grouped-query attention does anyway)."""
+    ``"all"``, ``"heads"`` (every head count) or ``"query heads"`` (those context
+    parallelism splits, :data:`CP_SPLIT_HEADS`: it repeats KV heads that do not split, as
+    grouped-query attention does anyway)."""
     if isinstance(p, ExpertParallel):
         return [(f"tp={p.tp}", p.tp, "all")]
     if isinstance(p, ContextParallel):
@@ -131,9 +139,14 @@ def _degrees(p) -> list[tuple[str, int, str]]:
     return [(f"size={p.size}", p.size, "heads" if isinstance(p, SequenceParallel) else "all")]
 
 
+CP_SPLIT_HEADS = ("num_attention_heads", "linear_num_key_heads")
+"""The head counts context parallelism splits: the softmax layers' query heads (Ulysses)
+and the linear-attention layers' key heads (Qwen3.5's Gated DeltaNet, split by heads)."""
+
+
 def _applies(sizes: str, what: str) -> bool:
     if sizes == "query heads":
-        return what == "num_attention_heads"
+        return what in CP_SPLIT_HEADS
     return sizes == "all" or "heads" in what
 
 

@@ -45,6 +45,7 @@ def batch_plan(data, adapter, cfg: TrainLoopConfig, groups, validated: bool) -> 
         shuffle=cfg.shuffle,
         micro_batches=cfg.micro_batches,
         reader=adapter.llm_part,
+        min_tokens=cp_size,
     )
     if isinstance(data, Mixture):  # its draws in order (they are random already)
         if cfg.objective is not None:

@@ -88,16 +88,20 @@ class ModelAdapter(CostHooks):
     part_modules: ClassVar[dict[str, tuple[str, ...]]]
     """Part name -> dotted paths (in ``hf_class``) of the submodules the part holds."""
     sp_parts: ClassVar[tuple[str, ...]] = ()
-    """Parts that support Ulysses ``SequenceParallel``."""
+    """Parts that support ``SequenceParallel`` (Ulysses; tile towers: whole tiles per rank,
+    see :meth:`sp_plan`)."""
     sp_refusals: ClassVar[dict[str, str]] = {}
     """Part -> why it has no Ulysses plan (named in the driver's error)."""
     tp_parts: ClassVar[tuple[str, ...]] = ("text",)
+    """Parts that support ``TensorParallel``."""
     tp_refusals: ClassVar[dict[str, str]] = {}
     """Part -> why it has no ``TensorParallel`` plan (named in the driver's error)."""
     cp_parts: ClassVar[tuple[str, ...]] = ()
     """Parts that support ``ContextParallel`` (the LLM, where its decoder stack takes the
     merged embeddings and positions as keywords; :mod:`ray_disagg.parallel.context_parallel`)."""
-    """Parts that support ``TensorParallel``."""
+    cp_tp_refusal: ClassVar[str | None] = None
+    """Why the LLM's ``ContextParallel`` cannot combine with text TP (``tp > 1``), named
+    in the driver's error (``None``: it can)."""
 
     def __init__(self, config):
         self.config = config
@@ -287,6 +291,13 @@ class ModelAdapter(CostHooks):
         batches, where layers that see whole rows need each sample's span (Qwen3.5's
         linear attention); nothing by default."""
 
+    def prepare_context(self, decoder: nn.Module) -> None:
+        """Prepare the LLM's ``decoder`` (on ``meta``, after its parallel plans, packing's
+        preparation and :func:`~ray_disagg.parallel.context_parallel.enable_context_parallel`)
+        for context-parallel calls, where layers that cannot run on a slice of the
+        sequence take another split (Qwen3.5's linear attention: by heads); nothing by
+        default."""
+
     def collate_llm(self, items: Sequence[dict]) -> dict[str, Any]:
         """The LLM's batch of ``items``: ``input_ids`` padded to the longest (the text
         config's ``pad_token_id``), ``labels`` (``IGNORE_INDEX`` past each sample) and the
@@ -322,7 +333,9 @@ class ModelAdapter(CostHooks):
         raise NotImplementedError
 
     def sp_plan(self, part: str):
-        """The :class:`~ray_disagg.parallel.ulysses.TowerPlan` of an SP-capable part."""
+        """The :class:`~ray_disagg.parallel.ulysses.TowerPlan` of an SP-capable part, or
+        ``None`` where SP splits whole tiles and the tower runs unmodified
+        (:mod:`~ray_disagg.parallel.tile_parallel`)."""
         raise NotImplementedError
 
     param_splits: ClassVar[tuple[LinearSplit, ...]] = ()

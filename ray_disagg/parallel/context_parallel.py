@@ -9,7 +9,9 @@ the slice and hands the layers no mask.
 Every attention call swaps sequence and heads with an all-to-all
 (:class:`~ray_disagg.parallel.ulysses.SeqToHeads`), attends over the whole sequence
 (causal per row; with packed rows, causal within each sample, the samples found where the
-text positions restart at 0) and swaps back. The decoder's output is the slice's hidden
+text positions restart at 0; the layer's sliding window and a family's bidirectional
+blocks honoured, the mask built per query chunk: :mod:`~ray_disagg.parallel.context_mask`)
+and swaps back. The decoder's output is the slice's hidden
 states; the loss takes the slice's next-token targets (:func:`local_targets`), so the
 label shift crosses slice boundaries, and the replica's loss is the sum over its ranks.
 
@@ -31,6 +33,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from ray_disagg.models.base import IGNORE_INDEX
+from ray_disagg.parallel.context_mask import SequenceMask, chunked_attention
 from ray_disagg.parallel.ulysses import HeadsToSeq, SeqToHeads
 
 __all__ = [
@@ -44,6 +47,8 @@ __all__ = [
 ]
 
 ATTN_IMPLEMENTATION = "ray_disagg_context"
+MASK_KINDS = ("full_attention", "sliding_attention", "linear_attention")
+"""The layer kinds of HF's mask mapping (``config.layer_types``)."""
 
 
 def slice_bounds(seq_len: int, size: int) -> list[tuple[int, int]]:
@@ -99,22 +104,27 @@ class ContextSlice:
     """Each rank's ``[lo, hi)`` (:func:`slice_bounds`)."""
     packed: bool = False
     """The rows are packed (several samples each; their text positions restart at 0)."""
-    mask: torch.Tensor | None = None
-    """Packed rows: ``(B, 1, S, S)`` bool, causal within each sample (set by the pre-hook);
-    ``None``: causal per row."""
+    blocks: torch.Tensor | None = None
+    """``(B, S)`` ids of bidirectional blocks (``-1`` outside), set by the adapter of a
+    family whose tokens attend forward within a block (Gemma 3's images)."""
+    lookahead: int = 0
+    """The most positions a block reaches forward (its length - 1)."""
+    segments: torch.Tensor | None = None
+    """Packed rows: ``(B, S)`` sample ids (set by the pre-hook); ``None``: one sample per
+    row."""
+
+    def attention_mask(self, window: int | None) -> SequenceMask:
+        """The whole rows' mask of a layer with sliding ``window`` (``None``: full)."""
+        return SequenceMask(self.segments, self.blocks, self.lookahead, window)
 
     @property
     def seq_lens(self) -> list[int]:
         return [hi - lo for lo, hi in self.bounds]
 
 
-def _packed_mask(text_positions: torch.Tensor) -> torch.Tensor:
-    """Causal within each sample of packed rows ``(B, S)`` (a sample starts at position 0)."""
-    segment = (text_positions == 0).cumsum(-1)
-    same = segment.unsqueeze(-1) == segment.unsqueeze(-2)
-    n = text_positions.shape[-1]
-    causal = torch.ones(n, n, dtype=torch.bool, device=same.device).tril()
-    return (same & causal).unsqueeze(1)
+def _segments(text_positions: torch.Tensor) -> torch.Tensor:
+    """``(B, S)`` sample ids of packed rows (a sample starts at text position 0)."""
+    return (text_positions == 0).cumsum(-1)
 
 
 def _slice_inputs(_module, args, kwargs):
@@ -126,14 +136,14 @@ def _slice_inputs(_module, args, kwargs):
     embeds, positions = kwargs["inputs_embeds"], kwargs.get("position_ids")
     if positions is None:  # 1-D rope over padded rows: 0..S-1
         positions = torch.arange(embeds.shape[1], device=embeds.device).expand(embeds.shape[:2])
-    mask = None
+    segments = None
     if cp.packed:  # the text positions: mrope's first row, or the 1-D rope's
-        mask = _packed_mask(positions[0] if positions.ndim == 3 else positions)
+        segments = _segments(positions[0] if positions.ndim == 3 else positions)
     kwargs["inputs_embeds"] = embeds[:, lo:hi]
     kwargs["position_ids"] = positions[..., lo:hi]
     _slice_deepstack(kwargs, lo, hi)
-    kwargs["attention_mask"] = {"full_attention": None, "sliding_attention": None}
-    kwargs["context"] = dataclasses.replace(cp, mask=mask)
+    kwargs["attention_mask"] = dict.fromkeys(MASK_KINDS)  # no layer gets a mask
+    kwargs["context"] = dataclasses.replace(cp, segments=segments)
     return args, kwargs
 
 
@@ -181,9 +191,8 @@ def context_attention(
         key, value = (repeat_kv(t, n // math.gcd(kv, n)) for t in (key, value))
     q, k, v = (_to_heads(t, cp) for t in (query, key, value))
     heads = SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], is_causal=True)
-    out, _ = sdpa_attention_forward(
-        heads, q, k, v, cp.mask, scaling=scaling, dropout=dropout, is_causal=cp.mask is None
-    )  # (B, S, H / n, d)
+    mask = cp.attention_mask(kwargs.get("sliding_window"))
+    out = chunked_attention(heads, q, k, v, mask, scaling, dropout)  # (B, S, H / n, d)
     x = out.permute(1, 2, 0, 3).reshape(out.shape[1], out.shape[2], b * d).contiguous()
     y = HeadsToSeq.apply(x, cp.seq_lens, cp.rank, cp.group)  # (s, H, B * d)
     return y.view(s, h, b, d).permute(2, 0, 1, 3), None

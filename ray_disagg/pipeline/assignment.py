@@ -88,6 +88,10 @@ class BatchPlan:
     """The group that reads samples (the LLM group); the others follow its microbatches."""
     costs: dict[str, np.ndarray] | None = None
     """Per dataset index, each group's estimated cost (``None``: contiguous slices)."""
+    min_tokens: int = 1
+    """Tokens each LLM sequence needs (the LLM group's context-parallel degree); a
+    streamed record with fewer is skipped as broken (map-style samples are checked on
+    the driver)."""
     streamed_costs: bool = False
     """Costs arrive with each step's samples (a balanced stream): the reader's replicas
     keep contiguous shares, the other groups are balanced by the step's costs

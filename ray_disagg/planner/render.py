@@ -24,6 +24,7 @@ from ray_disagg.config import (
 )
 from ray_disagg.launch.ray_compat import resources_per_worker
 from ray_disagg.lora import part_lora
+from ray_disagg.models.support import family_row
 from ray_disagg.planner.memory import (
     GiB,
     WorkerMemory,
@@ -100,6 +101,7 @@ def _header(r) -> list[str]:
                  f"({coloc.strategy}), worker i of every group in bundle i")  # fmt: skip
     lines = [
         f"recipe {r.name}: {r.model.adapter.model_type}, {r.model_source}",
+        f"  {family_row(r.model.adapter.model_type)}",
         f"  parameters: {total} (total {_count(sum(counts.values()))})",
         f"placement: {where}; transfer: {r.transfer}",
         f"loop: max_steps {loop.max_steps}, global_batch_size {loop.global_batch_size}, "

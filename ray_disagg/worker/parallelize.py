@@ -2,7 +2,8 @@
 (:func:`parallelize_part`, called by ``PartWorker.setup`` before FSDP2 shards the part
 and its weights are materialized): the LLM's tensor-, context- and expert-parallel plans,
 a tower's Ulysses sequence parallelism or tensor-parallel plan, and what packed batches
-need of the LLM (``adapter.prepare_packing``)."""
+and context-parallel calls need of the LLM (``adapter.prepare_packing``,
+``adapter.prepare_context``)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def parallelize_part(w, model: nn.Module) -> ParallelPart:
     adapter = w.adapter
     if not w.is_llm:
         tower = adapter.part_roots(model, w.part)[0]
-        if w.is_sp:
+        if w.is_sp and adapter.sp_plan(w.part) is not None:  # None: tile SP, tower as is
             ulysses.enable_ulysses(tower)
         if w.is_tp:
             tp.parallelize_vision(tower, adapter.tower_tp_plan(w.part), w.mp_mesh)
@@ -50,6 +51,7 @@ def parallelize_part(w, model: nn.Module) -> ParallelPart:
         adapter.prepare_packing(decoder)
     if w.is_cp:
         cp.enable_context_parallel(decoder)
+        adapter.prepare_context(decoder)
     if w.expert_mesh is not None:
         ep.parallelize_experts(decoder, w.expert_mesh["ep"])
     return ParallelPart(lm_head, tp_group, vocab_start)

@@ -7,7 +7,8 @@ small all-reduce over the group's gloo object group, so all ranks agree on:
 
 - the epoch's end: when any leader runs out of records, every leader starts the next
   epoch (records it had read for the unfinished batch are not used this epoch);
-- the broken and too-long records so far (metrics ``records_bad`` /
+- the broken (a sequence shorter than the LLM's context-parallel degree counts as
+  broken) and too-long records so far (metrics ``records_bad`` /
   ``records_too_long``); more than ``max_bad_records`` broken ones fail the run, naming
   the ones seen.
 
@@ -48,6 +49,7 @@ class RecordSource:
         self.dp, self.dp_rank = plan.dp_sizes[group], dp_rank
         self.seed, self.shuffle = plan.seed, plan.shuffle
         self.per_step = plan.global_batch_size // self.dp
+        self.min_tokens = plan.min_tokens
         self.balanced = plan.streamed_costs  # the step's costs go to every LLM rank
         self.budget = plan if isinstance(plan, StreamBudgetPlan) else None
         self.parts = stream.adapter.parts
@@ -115,16 +117,25 @@ class RecordSource:
             if outcome["status"] == OK:
                 sample = pickle.loads(outcome["sample"])
                 got = (outcome["record"], sample, list(outcome["costs"]))
-                too_long = self.budget is not None and self._over_budget(sample)
-                if not too_long:
+                outcome = self._unfit(sample)
+                if outcome is None:
                     return got
-                outcome = {"status": LONG, "message": too_long}
             logger.warning("skipped %s", outcome["message"])
             if outcome["status"] == BAD:
                 self.bad += 1
                 self.bad_names.append(outcome["message"])
             else:
                 self.long += 1
+
+    def _unfit(self, sample) -> dict | None:
+        """The outcome of a converted sample this run cannot train (``None``: it can):
+        shorter than the context-parallel degree (broken), over the budget (too long)."""
+        n = min(sequence_lengths(sample))
+        if n < self.min_tokens:
+            why = f"fewer than the LLM group's ContextParallel(size={self.min_tokens})"
+            return {"status": BAD, "message": f"record {sample.get('id')!r}: {n} tokens, {why}"}
+        too_long = self.budget is not None and self._over_budget(sample)
+        return {"status": LONG, "message": too_long} if too_long else None
 
     def _sizes(self, sample) -> tuple[tuple, dict[str, int]]:
         """The sample's LLM sequence lengths and each encoder's input patches."""

@@ -110,10 +110,8 @@ def test_context_parallel_degrees_and_short_sequences_are_checked():
     heads = adapter.config.text_config.num_attention_heads
     with pytest.raises(ValueError, match=f"size=3.* does not divide num_attention_heads={heads}"):
         validate_layout(adapter, groups(3))
-    with pytest.raises(ValueError, match="ContextParallel is not supported for the 'text'"):
-        validate_layout(get_adapter(tiny_qwen3_5_config()), groups(2))  # Gated DeltaNet
-    with pytest.raises(ValueError, match="ContextParallel is not supported for the 'text'"):
-        validate_layout(get_adapter(tiny_gemma3_config()), groups(2))  # bidirectional images
+    validate_layout(get_adapter(tiny_qwen3_5_config()), groups(2))  # DeltaNet by heads
+    validate_layout(get_adapter(tiny_gemma3_config()), groups(2))  # image blocks masked
     validate_layout(get_adapter(tiny_qwen3_vl_config()), groups(2))  # DeepStack sliced
     with pytest.raises(ValueError, match=r"ContextParallel\(size=0\): must be an int"):
         ContextParallel(size=0)
@@ -158,6 +156,7 @@ def test_cp_layouts_train_like_the_single_process_model(workers, cp, extra, tmp_
         ("internvl", 2, {}),  # 1-D rope, padded rows
         ("internvl", 2, {"pack_sequences": True, "max_seq_len": 200}),  # 1-D packed rows
         ("llava_onevision", 2, {}),
+        ("gemma3", 2, {"pack_sequences": True, "max_seq_len": 200}),  # blocks, window
     ],
     ids=[
         "qwen3_vl-cp2",
@@ -167,6 +166,7 @@ def test_cp_layouts_train_like_the_single_process_model(workers, cp, extra, tmp_
         "internvl-cp2",
         "internvl-cp2-packed",
         "llava_onevision-cp2",
+        "gemma3-cp2-packed",
     ],  # fmt: skip
 )
 def test_cp_for_more_families_trains_like_the_single_process_model(

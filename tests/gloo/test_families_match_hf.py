@@ -2,7 +2,8 @@
 own single-process ``...ForConditionalGeneration(..., labels=...)`` with AdamW (losses of 3
 steps and parameters afterwards, fp32, 1e-5 relative), on samples mixing several images
 of different aspect ratios, videos, text-only samples (and audio for Qwen2.5-Omni), for an
-SP layout of the tower, a TP layout of the LLM and an M:N layout."""
+SP layout of the tower (Ulysses for the Qwen towers, whole tiles per rank for the tile
+towers), a TP layout of the LLM and an M:N layout."""
 
 import os
 
@@ -91,12 +92,24 @@ def fsdp_tp_ac(parts):  # vision 1 + text FSDP2(2) x TP2, activation checkpointi
     }
 
 
-def dp_tp(parts):  # towers without SP (fixed-size tiles): vision 2 + text TP2
+def dp_tp(parts):  # vision 2 + text TP2
     return {p: group(2) if p == "vision" else group(2, TensorParallel(size=2)) for p in parts}
 
 
 def dp_fsdp(parts):  # vision 2 + text FSDP2(2)
     return {p: group(2) if p == "vision" else group(2, DataParallel(fsdp=True)) for p in parts}
+
+
+def tile_sp_fsdp(parts):  # tile towers: vision SP2 x FSDP2, one sample per microbatch
+    return {
+        p: group(2, SequenceParallel(size=2, fsdp=True)) if p == "vision" else group(1)
+        for p in parts
+    }
+
+
+# a text-only sample's microbatch runs FSDP2's stand-in sample: Gemma 3's one image (one
+# tile) on SP rank 0, a stand-in tile cut to 0 rows on rank 1
+tile_sp_fsdp.loop = {"micro_batches": 4}
 
 
 def m_to_n(parts):
@@ -126,11 +139,14 @@ CASES = [
     ("qwen3_5_moe", ep2_tp2),  # Gated DeltaNet TP2 beside the experts' EP2
     # beyond Qwen: tower + projector, 1-D rope, tied embeddings (vocab-parallel under TP)
     ("gemma3", dp_tp),  # image blocks bidirectional in the sliding-window mask
+    ("gemma3", tile_sp_fsdp),  # tile SP: images (one tile each) split; stand-in tiles
     ("gemma3", dp_fsdp),
     ("internvl", dp_tp),  # tiles, pixel shuffle
+    ("internvl", sp_tp),  # tile SP: an image's tiles split, pixel shuffle before the gather
     ("internvl", dp_fsdp),
     ("llava_onevision", dp_tp),  # any-resolution crops, image_newline in the vision part
     ("llava_onevision", dp_fsdp),
+    ("llava_onevision", sp_tp),  # tile SP: crops packed (+ image_newline) after the gather
 ]
 
 
@@ -141,9 +157,9 @@ def test_family_layout_matches_hf(tmp_path, model_type, layout):
     grids = AUDIO if "audio" in spec.adapter.parts else VISION
     data = synthetic_samples(cfg, 12, grids=grids)
     groups = layout(spec.adapter.parts)
-    loop = dict(LOOP, checkpoint_every=1)
+    loop = dict(LOOP, checkpoint_every=1, **getattr(layout, "loop", {}))
     result = run_layout(spec, data, loop, groups, tmp_path, "fam", local=True)
-    assert_matches_reference(result, spec, data, dict(LOOP, checkpoint_every=1))
+    assert_matches_reference(result, spec, data, loop)
     for part in spec.adapter.parts:  # metrics are named by the group
         assert f"{part}_compute_s" in result.metrics and f"{part}_grad_norm" in result.metrics
     if spec.adapter.router is not None:  # MoE: how evenly the experts got the tokens

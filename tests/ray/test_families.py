@@ -4,8 +4,9 @@ worker groups equal the family's single-process HF model (losses and parameters,
 loss over the global batch: Qwen3-VL-MoE under LLM context parallelism, Qwen3.5 with its
 Gated DeltaNet under text TP2 and packed rows. The LLaVA-shaped families (Gemma 3,
 InternVL, LLaVA-OneVision) with text TP2 over tied (or untied) embeddings, a frozen
-tower, packed rows, validation and an export that ``from_pretrained`` loads. The other
-layouts are in the gloo tier (``tests/gloo/test_families_match_hf.py``)."""
+tower (InternVL's under tile SP2), packed rows, validation and an export that
+``from_pretrained`` loads. The other layouts are in the gloo tier
+(``tests/gloo/test_families_match_hf.py``)."""
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from ray_disagg import (
     ContextParallel,
     DataParallel,
     HFModelSpec,
+    SequenceParallel,
     TensorParallel,
     TrainLoopConfig,
     export_hf,
@@ -63,7 +65,9 @@ def test_llava_family_trains_on_ray_like_hf(ray_start_4_cpus, tmp_path, model_ty
     spec = HFModelSpec(config=cfg, seed=11)
     data = synthetic_samples(cfg, 8, grids=LLAVA_GRIDS)
     val = synthetic_samples(cfg, 4, grids=LLAVA_GRIDS, seed=1)
-    groups = vt(group(1), group(2, TensorParallel(size=2)))
+    # InternVL: tile SP (an image's tiles split over 2 ranks, gathered to SP rank 0)
+    vision = group(2, SequenceParallel(size=2)) if model_type == "internvl" else group(1)
+    groups = vt(vision, group(2, TensorParallel(size=2)))
     groups["vision"].freeze = ("model.vision_tower",)  # the projector trains
     result = run_layout(spec, data, LLAVA_LOOP, groups, tmp_path, model_type, validation=val)
     loop = TrainLoopConfig(**LLAVA_LOOP)

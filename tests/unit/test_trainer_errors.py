@@ -282,18 +282,16 @@ def test_expert_parallel_degree_must_divide_the_experts():
 
 
 @pytest.mark.parametrize("model_type", ["gemma3", "internvl", "llava_onevision"])
-def test_tile_towers_refuse_sequence_parallel_and_suggest_data_parallel(model_type):
+def test_tile_towers_take_sequence_parallel_of_whole_tiles(model_type):
+    """Tile SP splits a microbatch's tiles, not heads: any size is accepted (3 does not
+    divide the tiny towers' 4 heads), beside text TP."""
     from ray_disagg import ADAPTERS
 
     cfg = ADAPTERS[model_type].tiny_config()
     data = synthetic_samples(cfg, 8)
-    sp = {"vision": g(2, SequenceParallel(size=2)), "text": g()}
-    with pytest.raises(
-        ValueError,
-        match=rf"SequenceParallel is not supported for the 'vision' group of {model_type}: "
-        r"its tower attends within fixed-size tiles.*parallelism='none'",
-    ):
-        make(sp, data=data, cfg=cfg)
+    for size in (2, 3):
+        sp = {"vision": g(size, SequenceParallel(size=size)), "text": g()}
+        assert make(sp, data=data, cfg=cfg).plan is not None
     tp = {"vision": g(2), "text": g(2, TensorParallel(size=2))}  # tied embeddings too
     assert make(tp, data=data, cfg=cfg).plan is not None
 

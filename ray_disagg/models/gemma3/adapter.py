@@ -5,9 +5,14 @@ elsewhere; the sliding-window layers keep their window). The LLM part of a padde
 gets ``token_type_ids`` (1 on image tokens), from which HF builds that mask. A packed
 batch gets the two masks themselves (:func:`packed_masks`): HF's sliding-window mask looks
 the image blocks up at the packed samples' restarting positions instead of their places
-in the row. Embeddings and ``lm_head`` are tied."""
+in the row. Under context parallelism (:meth:`Gemma3Adapter.context_inputs`) no mask is
+built whole: the slice carries the image blocks and each attention call masks its query
+chunks (:mod:`~ray_disagg.parallel.context_mask`). Embeddings and ``lm_head`` are
+tied."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration
@@ -16,7 +21,8 @@ from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_fo
 from ray_disagg.models.flops import Flops, linear
 from ray_disagg.models.gemma3.flavors import tiny_gemma3_config
 from ray_disagg.models.llava_common import LlavaAdapter
-from ray_disagg.models.packing import PACKED_KEY, host_to_device
+from ray_disagg.models.packing import PACKED_KEY, host_to_device, is_packed
+from ray_disagg.parallel.context_parallel import MASK_KINDS
 
 __all__ = ["Gemma3Adapter", "packed_masks"]
 
@@ -47,6 +53,7 @@ class Gemma3Adapter(LlavaAdapter):
     config_class = Gemma3Config
     hf_class = Gemma3ForConditionalGeneration
     per_head_norms = ("q_norm", "k_norm")
+    cp_parts = ("text",)  # image blocks and sliding windows masked per query chunk
     tiny_config = staticmethod(tiny_gemma3_config)
 
     @property
@@ -71,6 +78,19 @@ class Gemma3Adapter(LlavaAdapter):
 
     def extra_llm_kwargs(self, input_ids):
         return {"token_type_ids": (input_ids == self.image_token_id).long()}
+
+    def context_inputs(self, inner, batch, context):
+        """The batch's arguments without ``token_type_ids`` and with an empty mask mapping
+        (HF would build a dense ``(B, 1, S, S)`` mask from them): the slice ``context``
+        carries the image blocks (each ``mm_tokens_per_image`` tokens between ``boi`` and
+        ``eoi``) and the layers' attention masks query chunks from them."""
+        packed = is_packed(batch)
+        kwargs = super().packed_llm_kwargs(inner, batch) if packed else self.llm_kwargs(batch)
+        types = kwargs.pop("token_type_ids")
+        blocks = get_block_sequence_ids_for_mask(types, types.device)
+        reach = self.config.mm_tokens_per_image - 1
+        context = dataclasses.replace(context, blocks=blocks, lookahead=reach)
+        return {**kwargs, "attention_mask": dict.fromkeys(MASK_KINDS), "context": context}
 
     def packed_llm_kwargs(self, inner, batch):
         kwargs = super().packed_llm_kwargs(inner, batch)

@@ -13,6 +13,13 @@ Images arrive as fixed-size tiles: a sample's ``pixel_values`` is ``(tiles, C, S
 image, thumbnails included) and each tile gives ``tokens_per_tile`` rows. A family package
 subclasses :class:`LlavaAdapter` and sets its classes, the token ids of an image's
 placeholder run and, where it differs, the tower call and the LLM's extra inputs.
+
+Under ``SequenceParallel`` (tile SP, :mod:`~ray_disagg.parallel.tile_parallel`) the tiles
+of a microbatch split across the SP ranks, whole tiles each: an image's tiles (InternVL)
+or the images themselves (Gemma 3) land on several ranks. Every rank copies only its own
+tiles to the device and runs :meth:`LlavaAdapter.image_features` on them (the tower and
+the per-tile pixel shuffle or pooling and projector), and SP rank 0 gathers the rows in
+tile order; a rank with no tile runs a stand-in tile whose rows are dropped.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from ray_disagg.models.llava_common.costs import LlavaTowerCosts
 from ray_disagg.models.llava_common.parallelize import LlavaParallelMixin
 from ray_disagg.models.packing import PackedTextMixin
 from ray_disagg.models.tower_flops import pair, tile_patches
+from ray_disagg.parallel.tile_parallel import tile_sp_forward
+from ray_disagg.parallel.ulysses import HostRows
 
 __all__ = ["LlavaAdapter"]
 
@@ -165,11 +174,19 @@ class LlavaAdapter(LlavaTowerCosts, LlavaParallelMixin, PackedTextMixin, ModelAd
         return inner.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
 
     def encode(self, module, part, samples, device, sp=None):
+        """``image_embeds``: every tile's rows in sample and tile order. Under SP (``sp``:
+        the group) each rank runs :meth:`image_features` on its own tiles only and the
+        rows are gathered to SP rank 0 (``(0, D)`` elsewhere; :func:`tile_sp_forward`)."""
         arrays = [s["pixel_values"] for s in samples if s.get("pixel_values") is not None]
         if not arrays:
             return {}
         inner = module.model
         dtype = next(inner.vision_tower.parameters()).dtype
+        if sp is not None:  # each SP rank copies only its own tiles' pixels
+            rows = tile_sp_forward(
+                lambda px: self.image_features(inner, px.to(dtype)), HostRows(arrays, device), sp
+            )
+            return {"image_embeds": rows}
         pixels = tensor_or_none(arrays, np.float32).to(device, dtype)
         return {"image_embeds": self.image_features(inner, pixels).flatten(0, 1)}
 
@@ -186,9 +203,18 @@ class LlavaAdapter(LlavaTowerCosts, LlavaParallelMixin, PackedTextMixin, ModelAd
     def llm_hidden(self, module, batch, received, context=None):
         emb = received.get("image_embeds")
         mm = None if emb is None else {"image": self.encoder_output(emb)}
-        extra = {} if context is None else {"context": context}  # cp_parts: the slice
-        out = module.model(**self.llm_inputs(module.model, batch), mm_encoder_outputs=mm, **extra)
-        return out.last_hidden_state
+        inner = module.model
+        kwargs = (
+            self.llm_inputs(inner, batch)
+            if context is None
+            else self.context_inputs(inner, batch, context)
+        )
+        return inner(**kwargs, mm_encoder_outputs=mm).last_hidden_state
+
+    def context_inputs(self, inner, batch: dict, context) -> dict[str, Any]:
+        """``...Model.forward`` arguments under context parallelism (``cp_parts``): those
+        of the batch and the slice ``context``."""
+        return {**self.llm_inputs(inner, batch), "context": context}
 
     def reference_inputs(self, samples: Sequence[dict]):
         batch = self.collate_llm(samples)

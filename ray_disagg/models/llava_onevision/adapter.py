@@ -6,7 +6,13 @@ aspect ratio, ``image_newline`` rows appended; ``image_newline`` is a vision-par
 parameter), so an image's rows depend on its ``image_sizes``: they are counted on the host
 with HF's own ``pack_image_features`` on a one-channel stand-in. Samples carry
 ``pixel_values`` ``(tiles, C, S, S)`` (every image's tiles in order) and ``image_sizes``
-``(images, 2)``."""
+``(images, 2)``.
+
+Under ``SequenceParallel`` the tiles of a microbatch split across the SP ranks, whole
+tiles each (:mod:`~ray_disagg.parallel.tile_parallel`; an image's crops may land on
+several ranks): each rank runs the tower and projector on its own tiles, SP rank 0
+gathers the rows in tile order and packs each image's crops there with HF's own
+``pack_image_features``, as HF's ``get_image_features`` does after the projector."""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
 from transformers.models.llava_onevision.modeling_llava_onevision import (
     LlavaOnevisionModel,
@@ -24,6 +31,8 @@ from ray_disagg.models.base import SampleError, tensor_or_none
 from ray_disagg.models.flops import Flops, linear
 from ray_disagg.models.llava_common import LlavaAdapter
 from ray_disagg.models.llava_onevision.flavors import tiny_llava_onevision_config
+from ray_disagg.parallel.tile_parallel import tile_sp_forward
+from ray_disagg.parallel.ulysses import HostRows
 
 __all__ = ["LlavaOnevisionAdapter"]
 
@@ -166,6 +175,11 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         }
 
     def encode(self, module, part, samples, device, sp=None):
+        """``image_embeds`` as HF's ``get_image_features`` packs them. Under SP (``sp``:
+        the group) each rank runs :meth:`tile_features` on its own tiles and SP rank 0
+        packs the gathered tiles per image (:meth:`_encode_sp`)."""
+        if sp is not None:
+            return self._encode_sp(module, samples, device, sp)
         inputs = self._pixel_inputs(samples)
         if inputs is None:
             return {}
@@ -175,6 +189,43 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         inputs["pixel_values"] = inputs["pixel_values"].to(device, dtype)
         out = inner.get_image_features(**inputs, return_dict=True)
         return {"image_embeds": torch.cat(out.pooler_output)}
+
+    def tile_features(self, inner, pixels: torch.Tensor) -> torch.Tensor:
+        """``(tiles, patches, LLM width)``: what HF's ``get_image_features`` computes per
+        tile before ``pack_image_features`` (the ``vision_feature_layer`` hidden states,
+        strategy ``"full"``, through the projector), with HF's own tower call."""
+        layer = self.config.vision_feature_layer
+        out = inner.vision_tower(pixels, output_hidden_states=layer, return_dict=True)
+        hidden = out.hidden_states
+        if isinstance(layer, int):
+            selected = hidden[layer]
+        else:
+            selected = torch.cat([hidden[i] for i in layer], dim=-1)
+        return inner.multi_modal_projector(selected)
+
+    def _encode_sp(self, module, samples, device, sp) -> dict:
+        """Tile SP (:func:`tile_sp_forward`): the rows of every tile on SP rank 0, packed
+        there per image by HF's ``pack_image_features`` (crops unpadded to the image's
+        aspect ratio, ``image_newline`` rows); ``(0, D)`` on the other SP ranks."""
+        with_images = [s for s in samples if s.get("pixel_values") is not None]
+        if not with_images:
+            return {}
+        inner = module.model
+        dtype = next(inner.vision_tower.parameters()).dtype
+        pixels = HostRows([s["pixel_values"] for s in with_images], device)
+        rows = tile_sp_forward(lambda px: self.tile_features(inner, px.to(dtype)), pixels, sp)
+        if dist.get_rank(sp) != 0:
+            return {"image_embeds": rows}
+        sizes = [self._sizes(s) for s in with_images]
+        counts = [self.image_tiles(z, len(zs) == 1) for zs in sizes for z in zs]
+        tiles = rows.view(sum(counts), -1, rows.shape[-1]).split(counts)
+        packed, _ = inner.pack_image_features(
+            list(tiles),
+            tensor_or_none(sizes),  # on the CPU, as HF reads it
+            image_newline=inner.image_newline,
+            vision_aspect_ratio=self.config.vision_aspect_ratio,
+        )
+        return {"image_embeds": torch.cat(packed)}
 
     def encoder_output(self, rows):
         return super().encoder_output((rows,))

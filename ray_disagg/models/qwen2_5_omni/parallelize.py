@@ -14,7 +14,16 @@ class OmniParallelMixin:
     """The thinker's overrides of the Qwen VL plan hooks (put before the Qwen adapter)."""
 
     sp_parts = ("vision",)
+    sp_refusals = {
+        "audio": "its encoder attends within chunks of 2 x n_window mel frames (a few "
+        "seconds of audio each), which need no sequence split"
+    }
     tp_parts = ("text",)
+    tp_refusals = {
+        "vision": "no tensor-parallel plan for the Omni tower's separate q/k/v projections "
+        "(the vision TP plans cover the fused-qkv towers); SequenceParallel scales it",
+        "audio": "no tensor-parallel plan for the audio encoder, which is small next to the LLM",
+    }
 
     def sp_plan(self, part):
         if part != "vision":

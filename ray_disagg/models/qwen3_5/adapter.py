@@ -2,7 +2,10 @@
 that interleaves Gated DeltaNet linear-attention layers (``layer_types``) with gated full
 attention (partial rotary mrope). The LLM takes tensor parallelism by heads (the linear
 layers by key heads: ``parallelize.py``); packed, the linear layers run each sample as
-its own row so that no recurrent state crosses samples (``packing.py``)."""
+its own row so that no recurrent state crosses samples (``packing.py``). Under LLM
+context parallelism the softmax layers run Ulysses on the sequence's slices and the
+linear layers the whole sequence split by heads (``context.py``); with text TP too
+(``ContextParallel(tp > 1)``) it is refused."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
 from ray_disagg.models.flops import Flops, decoder_flops
 from ray_disagg.models.packing import PACKED_KEY
+from ray_disagg.models.qwen3_5.context import split_linear_attention_heads
 from ray_disagg.models.qwen3_5.costs import gated_deltanet_flops
 from ray_disagg.models.qwen3_5.flavors import tiny_qwen3_5_config
 from ray_disagg.models.qwen3_5.packing import SEGMENTS, segment_linear_attention
@@ -41,13 +45,22 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
     param_splits = (QKV_SPLIT, IN_PROJ_QKV_SPLIT, CONV1D_SPLIT)
     tiny_config = staticmethod(tiny_qwen3_5_config)
     deepstack_levels = 0
-    cp_parts = ()  # Gated DeltaNet: its recurrence runs along the whole sequence
+    cp_parts = ("text",)  # Gated DeltaNet: the whole sequence, split by heads (context.py)
+    cp_tp_refusal = (
+        "under text TP the Gated DeltaNet's weights are DTensor shards of split row blocks, "
+        "which its context-parallel head split (qwen3_5/context.py) does not slice"
+    )
     encoder_output = QwenVLAdapter.encoder_output
 
     def prepare_packing(self, decoder):
         """The Gated DeltaNet layers run each packed sample as its own row
         (:func:`~ray_disagg.models.qwen3_5.packing.segment_linear_attention`)."""
         segment_linear_attention(decoder)
+
+    def prepare_context(self, decoder):
+        """The Gated DeltaNet layers run the whole sequence with this rank's share of the
+        heads (:func:`~ray_disagg.models.qwen3_5.context.split_linear_attention_heads`)."""
+        split_linear_attention_heads(decoder)
 
     def packed_llm_kwargs(self, inner, batch):
         """Qwen's packed arguments and the samples' spans for the Gated DeltaNet layers."""
