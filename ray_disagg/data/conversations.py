@@ -22,11 +22,12 @@ each assistant message's content and its ``<|im_end|>``, never the role header
 Videos (``<video>`` with ``"video"`` / ``"videos"``, or ``{"type": "video", "video": path}``)
 are decoded with PyAV and cut into patches as the family's video processor does
 (:mod:`ray_disagg.data.video`), for the families whose template puts one placeholder per
-video (Qwen2-VL, Qwen2.5-VL, Qwen2.5-Omni). Audio (``<audio>`` with ``"audio"`` /
-``"audios"``, or ``{"type": "audio", "audio": path}``; Qwen2.5-Omni) is decoded with PyAV
-and turned into log-mel features by the family's feature extractor, one ``<|AUDIO|>`` per
-audio-tower output (:mod:`ray_disagg.data.audio`). Gemma 3, InternVL and LLaVA-OneVision
-images: :mod:`ray_disagg.data.tiles`.
+video (Qwen2-VL, Qwen2.5-VL, Qwen2.5-Omni; Qwen3-VL with its timestamps). Audio
+(``<audio>`` with ``"audio"`` / ``"audios"``, or ``{"type": "audio", "audio": path}``;
+Qwen2.5-Omni) is decoded with PyAV and turned into log-mel features by the family's
+feature extractor, one ``<|AUDIO|>`` per audio-tower output (:mod:`ray_disagg.data.audio`).
+Gemma 3, InternVL and LLaVA-OneVision images, and InternVL and LLaVA-OneVision videos:
+:mod:`ray_disagg.data.tiles` (Gemma 3 has no video input: its video records are refused).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ray_disagg.data.records import MEDIA, read_records, to_messages
-from ray_disagg.data.tiles import TILE_FAMILIES, tile_sample
+from ray_disagg.data.tiles import TILE_FAMILIES, VIDEO_FAMILIES, tile_sample
 from ray_disagg.models.base import IGNORE_INDEX
 
 __all__ = ["ConversationProcessor", "read_records", "to_messages"]
@@ -86,8 +87,11 @@ class ConversationProcessor:
         feature_extractor: the family's audio feature extractor (Qwen2.5-Omni: its
             ``WhisperFeatureExtractor``), for audio parts (:mod:`ray_disagg.data.audio`).
         video_processor: Qwen3-VL: its ``Qwen3VLVideoProcessor`` (settings only: frame
-            sampling, the clip's pixel budget, normalization); other families cut video
-            frames with ``image_processor``.
+            sampling, the clip's pixel budget, normalization); InternVL, LLaVA-OneVision:
+            the video processor or its settings as a mapping (e.g. its
+            ``video_preprocessor_config.json``; InternVL's class needs torchvision), by
+            default the image processor's; the Qwen2 families cut video frames with
+            ``image_processor``.
 
     Example:
         >>> proc = ConversationProcessor(tokenizer=tok, image_processor=ip,  # doctest: +SKIP
@@ -188,11 +192,19 @@ class ConversationProcessor:
         return full, spans
 
     def _check(self, media: list[tuple[str, str]], rid) -> None:
-        kinds = {kind for kind, _ in media}
-        if "video" in kinds and self.config.model_type not in _VIDEO:
+        from ray_disagg.models import get_adapter
+
+        kinds, model_type = {kind for kind, _ in media}, self.config.model_type
+        if "video" in kinds and "videos" not in get_adapter(self.config).media:
             raise ValueError(
-                f"record {rid!r}: videos are supported for {sorted(_VIDEO)}, not "
-                f"{self.config.model_type!r} yet"
+                f"record {rid!r} has a video but {model_type} has no video input (its model "
+                "and processor take images only): drop the video, or give some of its "
+                "frames as images"
+            )
+        if "video" in kinds and model_type not in (*_VIDEO, *VIDEO_FAMILIES):
+            raise ValueError(
+                f"record {rid!r}: videos are supported for {sorted([*_VIDEO, *VIDEO_FAMILIES])}"
+                f", not {model_type!r} yet"
             )
         timestamped = self.config.model_type in _TIMESTAMPED
         if "video" in kinds and timestamped and self.video_processor is None:

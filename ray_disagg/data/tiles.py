@@ -12,30 +12,57 @@ processor's):
 - LLaVA-OneVision: ``<image>`` is repeated once per row the model makes of the image
   (crops alone in their sample, one base tile when the sample has several images).
 
+Videos (InternVL, LLaVA-OneVision; Gemma 3 has no video input) are decoded with PyAV and
+their frames sampled and made tiles as the family's video processor does
+(:func:`~ray_disagg.data.video.tile_frames`); the video placeholder becomes the text of
+the family's processor (its own ``replace_video_token``):
+
+- InternVL: ``<video>`` becomes one ``Frame{i}: <img>`` + context tokens + ``</img>`` run
+  per frame, and each frame is a tile of ``pixel_values``, images' tiles and videos'
+  frames in the order of their placeholders (the model has no video input).
+- LLaVA-OneVision: ``<video>`` is repeated once per row the model makes of the video
+  (the pooled rows of every frame and one ``image_newline`` row); the frames go to
+  ``pixel_values_videos`` ``(frames, C, S, S)`` with each video's frame count in
+  ``video_frames``.
+
 Label spans (found on the rendered text) move with the replacements; replaced text is
 never labelled.
 """
 
 from __future__ import annotations
 
+import re
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-__all__ = ["TILE_FAMILIES", "tile_sample"]
+__all__ = ["TILE_FAMILIES", "VIDEO_FAMILIES", "tile_sample"]
 
 TILE_FAMILIES = ("gemma3", "internvl", "llava_onevision")
+VIDEO_FAMILIES = ("internvl", "llava_onevision")
+"""The tile families that take videos (Gemma 3 has no video input)."""
 
 
 def _token(tokenizer, token_id: int) -> str:
     return tokenizer.convert_ids_to_tokens(int(token_id))
 
 
-def placeholder(config, tokenizer) -> str:
-    """The text the chat template writes for one image."""
+def placeholder(config, tokenizer, kind: str = "image") -> str:
+    """The text the chat template writes for one image (``kind="video"``: one video)."""
+    if kind == "video":
+        if config.model_type == "internvl":
+            return getattr(tokenizer, "video_token", None) or "<video>"
+        return _token(tokenizer, config.video_token_id)
     if config.model_type == "gemma3":
         return _token(tokenizer, config.boi_token_id)
     return _token(tokenizer, config.image_token_id)
+
+
+def _image_marks(tokenizer) -> tuple[str, str]:
+    """InternVL's begin / end of an image (or a frame)."""
+    start = getattr(tokenizer, "start_image_token", None) or "<img>"
+    return start, getattr(tokenizer, "end_image_token", None) or "</img>"
 
 
 def _encode(path: str, image_processor) -> dict[str, np.ndarray]:
@@ -61,39 +88,117 @@ def _image(adapter, tokenizer, enc: dict, alone: bool) -> tuple[np.ndarray, str,
             )
         return pixels, seq, None
     if c.model_type == "internvl":
-        start = getattr(tokenizer, "start_image_token", None) or "<img>"
-        end = getattr(tokenizer, "end_image_token", None) or "</img>"
+        start, end = _image_marks(tokenizer)
         return pixels, f"{start}{image * (c.image_seq_length * len(pixels))}{end}", None
     size = tuple(int(x) for x in np.ravel(enc["image_sizes"])[:2])
     tiles = pixels.reshape(-1, *pixels.shape[-3:])[: adapter.image_tiles(size, alone)]
     return tiles, image * adapter.image_rows(size, alone), size
 
 
-def _expand(text: str, spans, mark: str, replacements: list[str], rid):
-    """``text`` with the ``mark`` occurrences replaced in order, the label spans moved,
-    and the replaced ranges (never labelled)."""
-    found = text.count(mark)
-    if found != len(replacements):
-        raise ValueError(
-            f"record {rid!r}: the chat template made {found} image placeholders "
-            f"({mark!r}) for {len(replacements)} images"
+def _video(proc, adapter, path: str) -> tuple[np.ndarray, str, None]:
+    """``(frames as tiles, replacement text, None)`` of one video: the frames of
+    :func:`~ray_disagg.data.video.tile_frames` with the video processor's settings (the
+    image processor's where none is given), the text of the family processor's own
+    ``replace_video_token``."""
+    from ray_disagg.data.video import tile_frames, video_setting
+
+    c, tok = adapter.config, proc.tokenizer
+    settings = proc.video_processor if proc.video_processor is not None else proc.image_processor
+    internvl = c.model_type == "internvl"
+    shift = video_setting(settings, "initial_shift", True) if internvl else False
+    frames = tile_frames(
+        path, settings, fps=proc.fps, max_frames=proc.max_frames, initial_shift=shift
+    )
+    inputs = {"pixel_values_videos": [frames]}
+    if internvl:
+        from transformers.models.internvl.processing_internvl import InternVLProcessor
+
+        start, end = _image_marks(tok)
+        me = SimpleNamespace(
+            start_image_token=start,
+            end_image_token=end,
+            image_token=_token(tok, c.image_token_id),
+            image_seq_length=c.image_seq_length,
         )
-    out, moved, ranges, pos, length = [], [], [], 0, 0
-    for rep in replacements:
-        at = text.index(mark, pos)
+        return frames, InternVLProcessor.replace_video_token(me, inputs, 0), None
+    from transformers.models.llava_onevision.processing_llava_onevision import (
+        LlavaOnevisionProcessor,
+    )
+
+    v = c.vision_config
+    me = SimpleNamespace(
+        num_image_tokens=(v.image_size // v.patch_size) ** 2,
+        video_token=_token(tok, c.video_token_id),
+    )
+    return frames, LlavaOnevisionProcessor.replace_video_token(me, inputs, 0), None
+
+
+def _expand(text: str, spans, marks: dict, replacements: dict, rid):
+    """``text`` with each kind's ``marks[kind]`` occurrences replaced in order by
+    ``replacements[kind]``, the label spans moved, the replaced ranges (never labelled)
+    and the kinds in the order of their placeholders in the text."""
+    for kind, mark in marks.items():
+        found, want = text.count(mark), len(replacements[kind])
+        if found != want:
+            raise ValueError(
+                f"record {rid!r}: the chat template made {found} {kind} placeholders "
+                f"({mark!r}) for {want} {kind}s"
+            )
+    kind_of = {mark: kind for kind, mark in marks.items()}
+    todo = {kind: iter(reps) for kind, reps in replacements.items()}
+    out, moved, ranges, order, pos, length = [], [], [], [], 0, 0
+    for match in re.finditer("|".join(map(re.escape, kind_of)), text):
+        at, kind = match.start(), kind_of[match.group()]
+        rep = next(todo[kind])
         out.append(text[pos:at])
         length += at - pos
         ranges.append((length, length + len(rep)))
         out.append(rep)
         length += len(rep)
-        moved.append((at, len(rep) - len(mark)))
-        pos = at + len(mark)
+        moved.append((at, len(rep) - len(match.group())))
+        order.append(kind)
+        pos = match.end()
     out.append(text[pos:])
 
     def shift(x: int) -> int:
         return x + sum(d for at, d in moved if at < x)
 
-    return "".join(out), [(shift(a), shift(b)) for a, b in spans], ranges
+    return "".join(out), [(shift(a), shift(b)) for a, b in spans], ranges, order
+
+
+def _media_items(proc, adapter, media: list, rid) -> dict[str, list]:
+    """Per kind, ``(pixels, replacement text, image size)`` of each item in order."""
+    n_images = sum(kind == "image" for kind, _ in media)
+    items = {"image": [], "video": []}
+    for kind, rel in media:
+        path = proc.media_path(rel)
+        try:
+            if kind == "image":
+                enc = _encode(path, proc.image_processor)
+                items[kind].append(_image(adapter, proc.tokenizer, enc, alone=n_images == 1))
+            else:
+                items[kind].append(_video(proc, adapter, path))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"record {rid!r}: cannot read {kind} {path!r}: {e}") from e
+    return items
+
+
+def _fields(model_type: str, items: dict, order: list[str]) -> dict[str, np.ndarray]:
+    """The sample's media fields (InternVL: frames are tiles, in placeholder order)."""
+    images, videos = items["image"], items["video"]
+    if model_type == "internvl":
+        todo = {kind: iter(v) for kind, v in items.items()}
+        tiles = [next(todo[kind])[0] for kind in order]
+        return {"pixel_values": np.concatenate(tiles)} if tiles else {}
+    out = {}
+    if images:
+        out["pixel_values"] = np.concatenate([i[0] for i in images])
+        if model_type == "llava_onevision":
+            out["image_sizes"] = np.asarray([i[2] for i in images], dtype=np.int64)
+    if videos:
+        out["pixel_values_videos"] = np.concatenate([v[0] for v in videos])
+        out["video_frames"] = np.asarray([len(v[0]) for v in videos], dtype=np.int64)
+    return out
 
 
 def tile_sample(proc, record: dict, messages: list[dict], media: list) -> dict[str, Any]:
@@ -103,20 +208,15 @@ def tile_sample(proc, record: dict, messages: list[dict], media: list) -> dict[s
     from ray_disagg.models.base import IGNORE_INDEX
 
     rid, adapter, tok = record.get("id"), get_adapter(proc.config), proc.tokenizer
-    images = []
-    for _, rel in media:
-        path = proc.media_path(rel)
-        try:
-            enc = _encode(path, proc.image_processor)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"record {rid!r}: cannot read image {path!r}: {e}") from e
-        images.append(_image(adapter, tok, enc, alone=len(media) == 1))
+    items = _media_items(proc, adapter, media, rid)
     try:
         text, spans = proc.render(messages)
     except Exception as e:  # a template error names the record
         raise ValueError(f"record {rid!r}: {e}") from e
-    mark = placeholder(proc.config, tok)
-    text, spans, ranges = _expand(text, spans, mark, [i[1] for i in images], rid)
+    kinds = ("image", "video") if adapter.model_type in VIDEO_FAMILIES else ("image",)
+    marks = {kind: placeholder(proc.config, tok, kind) for kind in kinds}
+    reps = {kind: [i[1] for i in items[kind]] for kind in kinds}
+    text, spans, ranges, order = _expand(text, spans, marks, reps, rid)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int64)
     starts = [s for s, _ in enc["offset_mapping"]]
@@ -128,8 +228,4 @@ def tile_sample(proc, record: dict, messages: list[dict], media: list) -> dict[s
         dtype=bool,
     )
     sample = {"id": rid, "input_ids": ids, "labels": np.where(keep, ids, IGNORE_INDEX)}
-    if images:
-        sample["pixel_values"] = np.concatenate([i[0] for i in images])
-        if adapter.model_type == "llava_onevision":
-            sample["image_sizes"] = np.asarray([i[2] for i in images], dtype=np.int64)
-    return sample
+    return {**sample, **_fields(adapter.model_type, items, order)}

@@ -1,4 +1,4 @@
-"""Videos for Qwen-style vision towers, without torchvision.
+"""Videos for Qwen-style vision towers and tile towers, without torchvision.
 
 Decoded with PyAV (its wheels bundle FFmpeg; extra ``video``), sampled at ``fps`` (at
 most ``max_frames``, a multiple of the tower's ``temporal_patch_size``), each frame resized
@@ -7,15 +7,28 @@ within ``min_pixels`` .. ``max_pixels`` (``smart_resize``: sides multiples of
 frames grouped by ``temporal_patch_size`` (the last frame repeated to fill the last
 group) and cut into the tower's patches, in the order the family's processors use: a
 group of identical frames gives exactly the image processor's patches of that frame.
+
+Tile towers (InternVL, LLaVA-OneVision, :func:`tile_frames`): frames sampled as the
+family's video processor samples them, each resized to one tile, rescaled and normalized
+with the video processor's settings.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["decode_video", "group_timestamps", "qwen3_video", "video_patches"]
+__all__ = [
+    "decode_video",
+    "group_timestamps",
+    "qwen3_video",
+    "tile_frame_indices",
+    "tile_frames",
+    "video_patches",
+    "video_setting",
+]
 
 
 def _sample(total: int, rate: float, fps: float, max_frames, multiple: int) -> np.ndarray:
@@ -146,3 +159,75 @@ def qwen3_video(
         out.append(normalize(x, vp.image_mean, vp.image_std, input_data_format=first))
     pixels, grid = _patchify(np.stack(out).astype(np.float32), p, m, t)
     return pixels, grid, group_timestamps(keep, rate, t)
+
+
+def tile_frame_indices(
+    total: int, rate: float, fps: float, max_frames: int | None, initial_shift
+) -> np.ndarray:
+    """Indices of the frames kept of ``total`` at ``rate`` fps: ``int(seconds * fps)`` of
+    them (at least 1, at most ``max_frames`` and ``total``) spread evenly, as the tile
+    families' video processors sample a given frame count: from frame 0 (``initial_shift``
+    falsy; LLaVA-OneVision's, HF's ``default_sample_indices_fn``) or from a shift
+    (InternVL's ``sample_frames``; ``True``: half a step, each frame mid-interval).
+
+    Example:
+        >>> tile_frame_indices(8, 4.0, 2.0, None, True).tolist()
+        [1, 3, 5, 7]
+    """
+    n = min(max(1, int(total / rate * fps)), total, max_frames or total)
+    if not initial_shift:
+        from transformers.video_utils import VideoMetadata, default_sample_indices_fn
+
+        meta = VideoMetadata(total_num_frames=total, fps=rate)
+        return np.asarray(default_sample_indices_fn(meta, num_frames=n))
+    import torch
+
+    shift = total / n / 2 if initial_shift is True else float(initial_shift)
+    # InternVLVideoProcessor.sample_frames' arange (its module needs torchvision to import)
+    return torch.arange(shift, total, total / n).int().numpy()
+
+
+def video_setting(settings, name: str, default=None):
+    """``settings[name]`` of a mapping, else ``settings.name`` (``default`` if missing)."""
+    if isinstance(settings, Mapping):
+        return settings.get(name, default)
+    return getattr(settings, name, default)
+
+
+def tile_frames(
+    path: str | os.PathLike,
+    settings,
+    *,
+    fps: float,
+    max_frames: int | None = None,
+    initial_shift=False,
+) -> np.ndarray:
+    """``[frames, C, H, W]`` float32 tiles of the video at ``path``: decoded with PyAV,
+    frames picked by :func:`tile_frame_indices`, each resized to ``size`` (height, width)
+    and rescaled and normalized as ``settings`` say (the family's video processor, its
+    ``video_preprocessor_config.json`` as a mapping, or the image processor; only read),
+    with transformers' own transforms, as the family's video processor does."""
+    from transformers.image_transforms import normalize, rescale, resize
+    from transformers.image_utils import ChannelDimension, PILImageResampling
+
+    def pick(total: int, rate: float) -> np.ndarray:
+        return tile_frame_indices(total, rate, fps, max_frames, initial_shift)
+
+    frames, _, _, _ = _decode(path, pick)
+
+    def get(name, default=None):
+        return video_setting(settings, name, default)
+
+    size, first = get("size"), ChannelDimension.FIRST
+    resample = PILImageResampling(get("resample", PILImageResampling.BICUBIC))
+    out = []
+    for frame in frames:
+        x = resize(frame.transpose(2, 0, 1), (size["height"], size["width"]),
+                   resample=resample, input_data_format=first)  # fmt: skip
+        x = x.astype(np.float32)
+        if get("do_rescale", True):
+            x = rescale(x, get("rescale_factor", 1 / 255), input_data_format=first)
+        if get("do_normalize", True):
+            x = normalize(x, get("image_mean"), get("image_std"), input_data_format=first)
+        out.append(x)
+    return np.stack(out).astype(np.float32)

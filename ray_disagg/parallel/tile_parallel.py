@@ -2,15 +2,18 @@
 Gemma 3), whose attention runs within fixed-size tiles.
 
 The tiles of one call (one microbatch: every sample's tiles in sample order, an image's
-tiles in its order) split into ``sp`` contiguous runs of whole tiles, as even as tile
-counts allow, lower ranks never emptier (:func:`split_tiles`). Each SP rank copies only
-its own tiles' pixels to the device (:class:`~ray_disagg.parallel.ulysses.HostRows`) and
-runs the family's per-tile features on them through the unmodified HF modules: the tower
-(a tile attends within itself, so this is exact with no collective inside the tower) and
-whatever else is per tile (InternVL's pixel shuffle and projector, Gemma 3's pooling and
-projection, LLaVA-OneVision's projector). The rows are then gathered to SP rank 0 in tile
+tiles in its order; video frames are tiles too: InternVL's among the images' in media
+order, LLaVA-OneVision's after every image tile) split into ``sp`` contiguous runs of
+whole tiles, as even as tile counts allow, lower ranks never emptier
+(:func:`split_tiles`). Each SP rank copies only its own tiles' pixels to the device
+(:class:`~ray_disagg.parallel.ulysses.HostRows`) and runs the family's per-tile features
+on them through the unmodified HF modules: the tower (a tile attends within itself, so
+this is exact with no collective inside the tower) and whatever else is per tile
+(InternVL's pixel shuffle and projector, Gemma 3's pooling and projection,
+LLaVA-OneVision's projector). The rows are then gathered to SP rank 0 in tile
 order (:class:`~ray_disagg.parallel.ulysses.GatherToLeader`), where what spans an image's
-tiles runs (LLaVA-OneVision's unpadding and ``image_newline`` rows).
+tiles runs (LLaVA-OneVision's unpadding and ``image_newline`` rows; its video frames'
+pooling and one ``image_newline`` row per video).
 
 A rank with no tile (fewer tiles than ranks) runs the features on a stand-in tile (the
 call's first) and cuts its rows to 0 before the gather, so it joins every FSDP2

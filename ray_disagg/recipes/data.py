@@ -4,8 +4,9 @@ loading anything (for ``plan``), loaded for ``train``.
 - ``{type: digits, num_samples: N, start: 0, image_size: 16}``: scikit-learn's digits
   (:func:`ray_disagg.data.examples.digits_samples`), samples ``start .. start + N``;
 - ``{type: conversations, records: F, media_root: D, tokenizer, image_processor,
-  feature_extractor (audio families), video_processor (Qwen3-VL), min_pixels, max_pixels,
-  labels, system_prompt, fps, max_frames, concurrency, max_seq_len, max_bad_records}``:
+  feature_extractor (audio families), video_processor (Qwen3-VL, InternVL,
+  LLaVA-OneVision), min_pixels, max_pixels, labels, system_prompt, fps, max_frames,
+  concurrency, max_seq_len, max_bad_records}``:
   LLaVA or messages records through the tokenizer's chat template and the family's
   image / video / audio processing
   (:class:`ray_disagg.data.conversations.ConversationProcessor`; ``labels``: ``assistant``,
@@ -228,8 +229,20 @@ def _feature_extractor(d: dict, key: str, config, tok_dir: str):
 
 
 def _video_processor(d: dict, key: str, config, tok_dir: str):
-    """Qwen3-VL's video processor settings (``None`` for families that cut video frames
-    with the image processor), from ``video_processor`` or the tokenizer's directory."""
+    """Qwen3-VL's video processor settings; InternVL's and LLaVA-OneVision's as the
+    mapping of their ``video_preprocessor_config.json`` where the directory has one
+    (InternVL's class needs torchvision; else their frames take the image processor's);
+    ``None`` for families that cut video frames with the image processor. From
+    ``video_processor`` or the tokenizer's directory."""
+    if config.model_type in ("internvl", "llava_onevision"):
+        import json
+
+        path = _local(d["video_processor"] or tok_dir, f"{key}.video_processor")
+        path = os.path.join(path, "video_preprocessor_config.json")
+        if not os.path.isfile(path):
+            return None
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
     if config.model_type != "qwen3_vl":
         return None
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor

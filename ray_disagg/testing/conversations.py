@@ -185,10 +185,11 @@ TILE_FAMILIES = {
         ("gemma3", {}),
     ),
     "internvl": (
-        {"<IMG_CONTEXT>": 100, "<img>": 101, "</img>": 102, "<|im_start|>": 104}
-        | {"<|im_end|>": 105},
+        {"<IMG_CONTEXT>": 100, "<img>": 101, "</img>": 102, "<video>": 103}
+        | {"<|im_start|>": 104, "<|im_end|>": 105},
         INTERNVL_TEMPLATE,
-        {"start_image_token": "<img>", "end_image_token": "</img>"},
+        {"start_image_token": "<img>", "end_image_token": "</img>"}
+        | {"context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
         ("got_ocr2", {"crop_to_patches": True, "max_patches": 4}),
     ),
     "llava_onevision": (

@@ -31,6 +31,16 @@ VISION = [
     {"videos": [(2, 8, 4)]},
     {"images": [(1, 4, 12), (1, 8, 8), (1, 4, 4)]},
 ]
+# InternVL and LLaVA-OneVision: videos of 3 frames (InternVL: a tile and a run each;
+# LLaVA-OneVision: pooled, one newline row each; HF's reference takes a batch's videos as
+# one tensor, so one frame count), beside images, alone and two in a sample
+TILE_VIDEOS = [
+    *VISION[:2],
+    {"videos": [(3, 4, 8)], "images": [(1, 4, 8)]},
+    VISION[3],
+    {"videos": [(3, 8, 4), (3, 4, 4)]},
+    VISION[5],
+]
 AUDIO = [
     {"images": [(1, 4, 8)], "audios": [40]},
     {"audios": [24, 17]},
@@ -142,11 +152,12 @@ CASES = [
     ("gemma3", tile_sp_fsdp),  # tile SP: images (one tile each) split; stand-in tiles
     ("gemma3", dp_fsdp),
     ("internvl", dp_tp),  # tiles, pixel shuffle
-    ("internvl", sp_tp),  # tile SP: an image's tiles split, pixel shuffle before the gather
+    ("internvl", sp_tp),  # tile SP: an image's tiles and a video's frames split
     ("internvl", dp_fsdp),
     ("llava_onevision", dp_tp),  # any-resolution crops, image_newline in the vision part
     ("llava_onevision", dp_fsdp),
-    ("llava_onevision", sp_tp),  # tile SP: crops packed (+ image_newline) after the gather
+    ("llava_onevision", sp_tp),  # tile SP: crops packed, frames pooled after the gather
+    ("llava_onevision", tile_sp_fsdp),  # SP2 x FSDP2, a microbatch per sample: videos alone
 ]
 
 
@@ -155,6 +166,8 @@ def test_family_layout_matches_hf(tmp_path, model_type, layout):
     cfg = ADAPTERS[model_type].tiny_config()
     spec = HFModelSpec(config=cfg, seed=7)
     grids = AUDIO if "audio" in spec.adapter.parts else VISION
+    if model_type in ("internvl", "llava_onevision"):
+        grids = TILE_VIDEOS
     data = synthetic_samples(cfg, 12, grids=grids)
     groups = layout(spec.adapter.parts)
     loop = dict(LOOP, checkpoint_every=1, **getattr(layout, "loop", {}))

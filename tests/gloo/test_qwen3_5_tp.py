@@ -7,7 +7,7 @@ stored as unequal q/k/v row blocks) with what else touches those blocks:
   ``q_proj``, trained with text TP2 from a pretrained directory (each rank reads its
   rows of the fused tensors), equals Hugging Face + PEFT (``PeftModel.from_pretrained(...,
   is_trainable=True)``, AdamW, fp32, 3 steps): the losses and the trained adapter under
-  PEFT's file keys;
+  PEFT's file keys; the same under text CP2 (the layers' head slices of the factors);
 - resuming across layouts: a TP2 checkpoint (row blocks) resumed under FSDP2 and an FSDP2
   checkpoint (fused tensors) resumed under TP2 continue the uninterrupted run.
 """
@@ -19,6 +19,7 @@ import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
 from ray_disagg import (
+    ContextParallel,
     DataParallel,
     HFModelSpec,
     TensorParallel,
@@ -39,7 +40,10 @@ LORA = LoraConfig(
 )
 
 
-def test_lora_on_gated_deltanet_under_text_tp_equals_hf_peft(tmp_path):
+@pytest.mark.parametrize("text", ["tp2", "cp2"])
+def test_lora_on_gated_deltanet_under_text_tp_or_cp_equals_hf_peft(tmp_path, text):
+    """Under CP the Gated DeltaNet's head slices take the factors on the sliced side
+    (``lora_B`` of the input projections, ``lora_A`` of ``out_proj``)."""
     cfg = tiny_qwen3_5_config()
     base, adapter = tmp_path / "base", tmp_path / "adapter"
     model = HFModelSpec(config=cfg, seed=11).build_full()
@@ -51,8 +55,9 @@ def test_lora_on_gated_deltanet_under_text_tp_equals_hf_peft(tmp_path):
     ref_losses, ref = reference_train_peft(spec, adapter, data, TrainLoopConfig(**LOOP))
 
     frozen = dataclasses.replace(group(1), trainable=False)  # the adapter is the LLM's
-    groups = vt(frozen, group(2, TensorParallel(size=2)))
-    result = run_layout(spec, data, LOOP, groups, tmp_path, "tp", local=True)
+    layout = TensorParallel(size=2) if text == "tp2" else ContextParallel(size=2)
+    groups = vt(frozen, group(2, layout))
+    result = run_layout(spec, data, LOOP, groups, tmp_path, text, local=True)
     torch.testing.assert_close(
         torch.tensor(losses(result)), torch.tensor(ref_losses), rtol=1e-5, atol=0.0
     )

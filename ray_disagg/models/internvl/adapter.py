@@ -3,7 +3,12 @@ tiles (an image is split into up to ``max_patches`` tiles plus a thumbnail; all 
 image's tiles share one placeholder run), the CLS row dropped and a pixel shuffle that
 folds 2x2 patches into one row before the MLP projector (both in HF's own
 ``get_image_features``, run by the vision part), and a Qwen2/Qwen3 decoder with 1-D rope.
-Embeddings and ``lm_head`` are tied by default."""
+Embeddings and ``lm_head`` are tied by default.
+
+The model has no video input: as ``InternVLProcessor`` does, each video frame is one tile
+of ``pixel_values`` (images' tiles and videos' frames in media order) with its own
+``Frame{i}: <img>...</img>`` placeholder run, so frames cross as ``image_embeds`` and
+split across SP ranks like any tile."""
 
 from __future__ import annotations
 
@@ -21,6 +26,12 @@ class InternVLAdapter(LlavaAdapter):
     config_class = InternVLConfig
     hf_class = InternVLForConditionalGeneration
     tiles_per_image_run = True
+    media = ("images", "videos")  # a video's frames are tiles (one run each)
+    video_field_refusal = (
+        "has no separate video input: put each frame in pixel_values as one tile (images' "
+        "tiles and videos' frames in media order) with its own placeholder run, as "
+        "InternVLProcessor does"
+    )
     per_head_norms = ("q_norm", "k_norm")  # InternVL3.5's Qwen3 decoders (none in Qwen2)
     tiny_config = staticmethod(tiny_internvl_config)
     cp_parts = ("text",)  # 1-D rope: the slice of each row, packed or padded

@@ -10,9 +10,12 @@ crosses is the smallest tensor of the forward.
 
 Images arrive as fixed-size tiles: a sample's ``pixel_values`` is ``(tiles, C, S, S)``
 (Gemma 3: one tile per image or pan-and-scan crop; InternVL: the processor's tiles of every
-image, thumbnails included) and each tile gives ``tokens_per_tile`` rows. A family package
-subclasses :class:`LlavaAdapter` and sets its classes, the token ids of an image's
-placeholder run and, where it differs, the tower call and the LLM's extra inputs.
+image, thumbnails included, and every video frame, one tile each with its own placeholder
+run, in media order as ``InternVLProcessor`` merges them) and each tile gives
+``tokens_per_tile`` rows. A family package subclasses :class:`LlavaAdapter` and sets its
+classes, the token ids of an image's placeholder run and, where it differs, the tower
+call, a video path of its own (LLaVA-OneVision) and the LLM's extra inputs. Gemma 3 has
+no video input.
 
 Under ``SequenceParallel`` (tile SP, :mod:`~ray_disagg.parallel.tile_parallel`) the tiles
 of a microbatch split across the SP ranks, whole tiles each: an image's tiles (InternVL)
@@ -56,6 +59,12 @@ class LlavaAdapter(LlavaTowerCosts, LlavaParallelMixin, PackedTextMixin, ModelAd
         "text": ("model.language_model", "lm_head"),
     }
     media: ClassVar[tuple[str, ...]] = ("images",)
+    video_field_refusal: ClassVar[str] = (
+        "has no video input (its model and processor take images only): drop the video, "
+        "or give some of its frames as images"
+    )
+    """Why a sample's ``pixel_values_videos`` is refused (a family with a video input of
+    its own reads it instead)."""
     tiles_per_image_run: ClassVar[bool] = False
     """Whether one placeholder run holds all of an image's tiles (InternVL) rather than
     one run per tile (Gemma 3's crops are separate images)."""
@@ -95,28 +104,47 @@ class LlavaAdapter(LlavaTowerCosts, LlavaParallelMixin, PackedTextMixin, ModelAd
         pixels = sample.get("pixel_values")
         return 0 if pixels is None else int(np.shape(pixels)[0])
 
-    def synthetic_inputs(self, spec: dict, rng) -> tuple[dict, list[int]]:
-        """Random tiles for ``spec`` (``{"images": [grid...]}``; an image of grid
-        ``(t, h, w)`` becomes ``max(1, h * w // 16)`` tiles, so specs written for the Qwen
-        families give images of different tile counts) and their placeholder tokens."""
+    def check_spec(self, spec: dict) -> None:
+        """``ValueError`` naming the media of a ``synthetic_inputs`` spec the family lacks."""
         unknown = set(spec) - set(self.media)
         if unknown:
-            raise ValueError(f"{self.model_type} samples have no {sorted(unknown)}.")
+            raise ValueError(
+                f"{self.model_type} samples have no {sorted(unknown)} (it takes "
+                f"{', '.join(self.media)})."
+            )
+
+    def synthetic_inputs(self, spec: dict, rng) -> tuple[dict, list[int]]:
+        """Random tiles for ``spec`` (``{"images": [grid...], "videos": [grid...]}``; an
+        image of grid ``(t, h, w)`` becomes ``max(1, h * w // 16)`` tiles, so specs written
+        for the Qwen families give images of different tile counts; a video ``t`` frames,
+        one tile and one placeholder run each, after the images) and their placeholder
+        tokens."""
+        self.check_spec(spec)
         counts = [max(1, int(np.prod(g[1:])) // 16) for g in spec.get("images") or []]
-        if not counts:
+        runs = [[n] if self.tiles_per_image_run else [1] * n for n in counts]
+        runs += [[1] * int(g[0]) for g in spec.get("videos") or []]
+        n_tiles = sum(map(sum, runs))
+        if not n_tiles:
             return {}, []
-        pixels = rng.standard_normal((sum(counts), *self.tile_shape)).astype(np.float32)
+        pixels = rng.standard_normal((n_tiles, *self.tile_shape)).astype(np.float32)
         tokens = []
-        for n in counts:
-            runs = [n] if self.tiles_per_image_run else [1] * n
-            for tiles in runs:
-                tokens += self.placeholder_tokens(tiles)
+        for tiles in (t for item in runs for t in item):
+            tokens += self.placeholder_tokens(tiles)
         return {"pixel_values": pixels}, tokens
 
     def stand_in_spec(self, part):
         return {"images": [(1, 4, 4)]}
 
+    def refuse_videos(self, sample: dict, name: str) -> None:
+        """:class:`SampleError` for a ``pixel_values_videos`` the family does not read."""
+        if sample.get("pixel_values_videos") is not None:
+            raise SampleError(
+                f"{name} has 'pixel_values_videos' but {self.model_type} "
+                f"{self.video_field_refusal}."
+            )
+
     def validate_modalities(self, sample, ids, name):
+        self.refuse_videos(sample, name)
         pixels = sample.get("pixel_values")
         if pixels is not None:
             shape = tuple(np.shape(pixels))
@@ -151,20 +179,25 @@ class LlavaAdapter(LlavaTowerCosts, LlavaParallelMixin, PackedTextMixin, ModelAd
     def _tile_patches(self) -> int:
         return tile_patches(self.config.vision_config)
 
+    def tower_tiles(self, sample: dict) -> int:
+        """Tiles the tower runs for ``sample`` (images' tiles and video frames)."""
+        return self.tiles(sample)
+
     def encoder_cost(self, part, sample):
         """Per tile of ``n`` tower patches: ``n + n**2 / 1024`` (attention is per tile)."""
         n = float(self._tile_patches())
-        return self.tiles(sample) * (n + n * n / 1024.0)
+        return self.tower_tiles(sample) * (n + n * n / 1024.0)
 
     def encoder_patches(self, part, sample):
         """Tiles x the tower's patches per tile."""
-        return self.tiles(sample) * self._tile_patches()
+        return self.tower_tiles(sample) * self._tile_patches()
 
     def counter_names(self, part):
         return ("tiles",)
 
     def item_counts(self, part, samples):
-        """Counted from the encoder's own fields (it never sees ``input_ids``)."""
+        """Counted from the encoder's own fields (it never sees ``input_ids``; InternVL's
+        video frames are tiles)."""
         return {"tiles": sum(self.tiles(s) for s in samples)}
 
     # ---- compute ----------------------------------------------------------------------
@@ -200,9 +233,13 @@ class LlavaAdapter(LlavaTowerCosts, LlavaParallelMixin, PackedTextMixin, ModelAd
         """HF's ``mm_encoder_outputs["image"]`` for the received rows."""
         return BaseModelOutputWithPooling(pooler_output=rows)
 
-    def llm_hidden(self, module, batch, received, context=None):
+    def mm_encoder_outputs(self, received: dict) -> dict | None:
+        """HF's ``mm_encoder_outputs`` argument for the received crossings."""
         emb = received.get("image_embeds")
-        mm = None if emb is None else {"image": self.encoder_output(emb)}
+        return None if emb is None else {"image": self.encoder_output(emb)}
+
+    def llm_hidden(self, module, batch, received, context=None):
+        mm = self.mm_encoder_outputs(received)
         inner = module.model
         kwargs = (
             self.llm_inputs(inner, batch)

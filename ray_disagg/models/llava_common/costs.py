@@ -14,19 +14,19 @@ __all__ = ["LlavaTowerCosts"]
 
 class LlavaTowerCosts:
     """Cost hooks of a LLaVA-shaped adapter's ``vision`` part (mixed in before
-    ``ModelAdapter``; needs the adapter's ``tiles``)."""
+    ``ModelAdapter``; needs the adapter's ``tower_tiles``)."""
 
     tower_cls_tokens: ClassVar[int] = 0
     """Tokens the tower prepends to each tile's patches (InternViT's CLS)."""
 
     def tower_flops(self, part, sample) -> Flops:
-        """The tower over the sample's tiles (``pixel_values``' first dimension, as the
-        adapter counts them), its blocks after the config's ``vision_feature_layer``
-        forward only, and the projector."""
+        """The tower over the sample's tiles and video frames (the adapter's
+        ``tower_tiles``), its blocks after the config's ``vision_feature_layer`` forward
+        only, and the projector (LLaVA-OneVision's video pooling has no FLOPs)."""
         v = self.tower_config(part)
         if v is None:
             return super().tower_flops(part, sample)
-        tiles = self.tiles(sample)
+        tiles = self.tower_tiles(sample)
         if not tiles:
             return Flops()
         layer = getattr(self.config, "vision_feature_layer", -1)

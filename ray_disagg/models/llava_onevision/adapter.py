@@ -6,13 +6,18 @@ aspect ratio, ``image_newline`` rows appended; ``image_newline`` is a vision-par
 parameter), so an image's rows depend on its ``image_sizes``: they are counted on the host
 with HF's own ``pack_image_features`` on a one-channel stand-in. Samples carry
 ``pixel_values`` ``(tiles, C, S, S)`` (every image's tiles in order) and ``image_sizes``
-``(images, 2)``.
+``(images, 2)``. Videos have a path of their own (pooled frames, ``video_embeds``:
+:mod:`~ray_disagg.models.llava_onevision.videos`).
 
-Under ``SequenceParallel`` the tiles of a microbatch split across the SP ranks, whole
-tiles each (:mod:`~ray_disagg.parallel.tile_parallel`; an image's crops may land on
-several ranks): each rank runs the tower and projector on its own tiles, SP rank 0
-gathers the rows in tile order and packs each image's crops there with HF's own
-``pack_image_features``, as HF's ``get_image_features`` does after the projector."""
+The vision part makes one tower call per microbatch, on every image tile and video frame
+(so the ranks of an FSDP2 group call the tower alike whatever their samples hold): the
+tower and projector per tile, as HF's ``get_image_features`` and ``get_video_features``
+run them, then HF's own ``pack_image_features`` per image and ``apply_pooling`` per frame
+(and ``image_newline`` per video). Under ``SequenceParallel`` the tiles and frames of a
+microbatch split across the SP ranks, whole tiles each
+(:mod:`~ray_disagg.parallel.tile_parallel`; an image's crops and a video's frames may land
+on several ranks): each rank runs the tower and projector on its own, SP rank 0 gathers
+the rows in tile order and packs the images and pools the frames there."""
 
 from __future__ import annotations
 
@@ -27,17 +32,18 @@ from transformers.models.llava_onevision.modeling_llava_onevision import (
     image_size_to_num_patches,
 )
 
-from ray_disagg.models.base import SampleError, tensor_or_none
+from ray_disagg.models.base import Crossing, SampleError, tensor_or_none
 from ray_disagg.models.flops import Flops, linear
 from ray_disagg.models.llava_common import LlavaAdapter
 from ray_disagg.models.llava_onevision.flavors import tiny_llava_onevision_config
+from ray_disagg.models.llava_onevision.videos import OnevisionVideos
 from ray_disagg.parallel.tile_parallel import tile_sp_forward
 from ray_disagg.parallel.ulysses import HostRows
 
 __all__ = ["LlavaOnevisionAdapter"]
 
 
-class LlavaOnevisionAdapter(LlavaAdapter):
+class LlavaOnevisionAdapter(OnevisionVideos, LlavaAdapter):
     model_type = "llava_onevision"
     config_class = LlavaOnevisionConfig
     hf_class = LlavaOnevisionForConditionalGeneration
@@ -46,6 +52,7 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         "text": ("model.language_model", "lm_head"),
     }
     tiles_per_image_run = True
+    media = ("images", "videos")
     tiny_config = staticmethod(tiny_llava_onevision_config)
     cp_parts = ("text",)  # 1-D rope: the slice of each row, packed or padded
 
@@ -93,10 +100,14 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         return int(lens[0])
 
     def tiles(self, sample):
+        """The tiles of the sample's images (``pixel_values``)."""
         sizes = self._sizes(sample)
         if sizes is None:
             return 0
         return sum(self.image_tiles(s, len(sizes) == 1) for s in sizes)
+
+    def tower_tiles(self, sample):
+        return self.tiles(sample) + sum(self.video_frames(sample) or [])
 
     def projector_flops(self, tiles):
         """The projector on every patch of every tile (strategy ``"full"``), before
@@ -110,33 +121,47 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         return Flops(forward=linear(rows, width, t) + linear(rows, t, t))
 
     def counter_names(self, part):
-        return ("images", "tiles")
+        return ("images", "videos", "tiles")
 
     def item_counts(self, part, samples):
+        """Images, videos, and tiles the tower runs (images' tiles and video frames)."""
         sizes = [self._sizes(s) for s in samples]
-        images = sum(0 if z is None else len(z) for z in sizes)
-        return {"images": images, "tiles": sum(self.tiles(s) for s in samples)}
+        videos = [self.video_frames(s) or [] for s in samples]
+        return {
+            "images": sum(0 if z is None else len(z) for z in sizes),
+            "videos": sum(map(len, videos)),
+            "tiles": sum(self.tower_tiles(s) for s in samples),
+        }
+
+    def placeholder_ids(self):
+        return (self.image_token_id, self.video_token_id)
+
+    def crossings(self, part):
+        width = self.config.text_config.hidden_size
+        return (Crossing("image_embeds", width), Crossing("video_embeds", width))
 
     def crossing_rows(self, part, sample):
         sizes = self._sizes(sample)
         rows = 0 if sizes is None else sum(self.image_rows(s, len(sizes) == 1) for s in sizes)
-        return {"image_embeds": rows}
+        return {"image_embeds": rows, "video_embeds": self.video_rows(sample)}
 
     def synthetic_inputs(self, spec, rng):
-        """An image of grid ``(t, h, w)`` in ``spec`` is ``4h x 4w`` pixels."""
-        unknown = set(spec) - set(self.media)
-        if unknown:
-            raise ValueError(f"{self.model_type} samples have no {sorted(unknown)}.")
+        """An image of grid ``(t, h, w)`` in ``spec`` is ``4h x 4w`` pixels; a video ``t``
+        frames (its tokens after the images', as the family's chat template puts them)."""
+        self.check_spec(spec)
+        fields, tokens = {}, []
         grids = spec.get("images") or []
-        if not grids:
-            return {}, []
-        sizes = np.asarray([(4 * g[1], 4 * g[2]) for g in grids], dtype=np.int64)
-        fields = {"image_sizes": sizes}
-        n_tiles = self.tiles(fields)
-        fields["pixel_values"] = rng.standard_normal((n_tiles, *self.tile_shape)).astype(np.float32)
-        tokens = []
-        for s in sizes:
-            tokens += [self.image_token_id] * self.image_rows(s, len(sizes) == 1)
+        if grids:
+            sizes = np.asarray([(4 * g[1], 4 * g[2]) for g in grids], dtype=np.int64)
+            fields["image_sizes"] = sizes
+            shape = (self.tiles(fields), *self.tile_shape)
+            fields["pixel_values"] = rng.standard_normal(shape).astype(np.float32)
+            for s in sizes:
+                tokens += [self.image_token_id] * self.image_rows(s, len(sizes) == 1)
+        if spec.get("videos"):
+            video_fields, video_tokens = self.synthetic_videos(spec["videos"], rng)
+            fields.update(video_fields)
+            tokens += video_tokens
         return fields, tokens
 
     def validate_modalities(self, sample, ids, name):
@@ -160,9 +185,10 @@ class LlavaOnevisionAdapter(LlavaAdapter):
                 f"its images give {n_rows} embeddings; expand each image placeholder as the "
                 "LLaVA-OneVision processor does."
             )
+        self.validate_videos(sample, ids, name)
 
     def encoder_fields(self, part):
-        return ("pixel_values", "image_sizes")
+        return ("pixel_values", "image_sizes", "pixel_values_videos", "video_frames")
 
     def _pixel_inputs(self, samples) -> dict | None:
         with_images = [s for s in samples if s.get("pixel_values") is not None]
@@ -175,25 +201,42 @@ class LlavaOnevisionAdapter(LlavaAdapter):
         }
 
     def encode(self, module, part, samples, device, sp=None):
-        """``image_embeds`` as HF's ``get_image_features`` packs them. Under SP (``sp``:
-        the group) each rank runs :meth:`tile_features` on its own tiles and SP rank 0
-        packs the gathered tiles per image (:meth:`_encode_sp`)."""
-        if sp is not None:
-            return self._encode_sp(module, samples, device, sp)
-        inputs = self._pixel_inputs(samples)
-        if inputs is None:
+        """``image_embeds`` and ``video_embeds`` from one tower call on every image tile and
+        video frame (:meth:`tile_features`), then HF's own ``pack_image_features`` per
+        image and :meth:`video_embeds` per video. Under SP (``sp``: the group) each rank
+        runs :meth:`tile_features` on its own tiles and SP rank 0 packs and pools the
+        gathered rows (:func:`tile_sp_forward`; ``(0, D)`` on the other ranks)."""
+        images = [s for s in samples if s.get("pixel_values") is not None]
+        videos = [s for s in samples if s.get("pixel_values_videos") is not None]
+        if not images and not videos:
             return {}
         inner = module.model
         dtype = next(inner.vision_tower.parameters()).dtype
-        # image_sizes / batch_num_images stay on the CPU: HF reads them on the host
-        inputs["pixel_values"] = inputs["pixel_values"].to(device, dtype)
-        out = inner.get_image_features(**inputs, return_dict=True)
-        return {"image_embeds": torch.cat(out.pooler_output)}
+        arrays = [s["pixel_values"] for s in images] + [self.video_pixels(s) for s in videos]
+
+        def features(pixels):
+            return self.tile_features(inner, pixels.to(dtype))
+
+        if sp is None:
+            rows = features(tensor_or_none(arrays, np.float32).to(device))
+        else:  # each SP rank copies only its own tiles' pixels
+            flat = tile_sp_forward(features, HostRows(arrays, device), sp)
+            if dist.get_rank(sp) != 0:
+                kinds = {"image_embeds": images, "video_embeds": videos}
+                return {name: flat for name, kind in kinds.items() if kind}
+            rows = flat.reshape(-1, self._side**2, flat.shape[-1])
+        n, out = sum(self.tiles(s) for s in images), {}
+        if images:
+            out["image_embeds"] = self._pack_images(inner, rows[:n], images)
+        if videos:
+            out["video_embeds"] = self.video_embeds(inner, rows[n:], videos)
+        return out
 
     def tile_features(self, inner, pixels: torch.Tensor) -> torch.Tensor:
-        """``(tiles, patches, LLM width)``: what HF's ``get_image_features`` computes per
-        tile before ``pack_image_features`` (the ``vision_feature_layer`` hidden states,
-        strategy ``"full"``, through the projector), with HF's own tower call."""
+        """``(tiles, patches, LLM width)``: what HF's ``get_image_features`` and
+        ``get_video_features`` compute per tile or frame before packing or pooling (the
+        ``vision_feature_layer`` hidden states, strategy ``"full"``, through the
+        projector), with HF's own tower call."""
         layer = self.config.vision_feature_layer
         out = inner.vision_tower(pixels, output_hidden_states=layer, return_dict=True)
         hidden = out.hidden_states
@@ -203,33 +246,30 @@ class LlavaOnevisionAdapter(LlavaAdapter):
             selected = torch.cat([hidden[i] for i in layer], dim=-1)
         return inner.multi_modal_projector(selected)
 
-    def _encode_sp(self, module, samples, device, sp) -> dict:
-        """Tile SP (:func:`tile_sp_forward`): the rows of every tile on SP rank 0, packed
-        there per image by HF's ``pack_image_features`` (crops unpadded to the image's
-        aspect ratio, ``image_newline`` rows); ``(0, D)`` on the other SP ranks."""
-        with_images = [s for s in samples if s.get("pixel_values") is not None]
-        if not with_images:
-            return {}
-        inner = module.model
-        dtype = next(inner.vision_tower.parameters()).dtype
-        pixels = HostRows([s["pixel_values"] for s in with_images], device)
-        rows = tile_sp_forward(lambda px: self.tile_features(inner, px.to(dtype)), pixels, sp)
-        if dist.get_rank(sp) != 0:
-            return {"image_embeds": rows}
-        sizes = [self._sizes(s) for s in with_images]
+    def _pack_images(self, inner, tiles: torch.Tensor, images: list[dict]) -> torch.Tensor:
+        """The images' rows from their tiles' projector rows, packed per image by HF's
+        ``pack_image_features`` (crops unpadded to the image's aspect ratio,
+        ``image_newline`` rows), as HF's ``get_image_features`` does."""
+        sizes = [self._sizes(s) for s in images]
         counts = [self.image_tiles(z, len(zs) == 1) for zs in sizes for z in zs]
-        tiles = rows.view(sum(counts), -1, rows.shape[-1]).split(counts)
         packed, _ = inner.pack_image_features(
-            list(tiles),
+            list(tiles.split(counts)),
             tensor_or_none(sizes),  # on the CPU, as HF reads it
             image_newline=inner.image_newline,
             vision_aspect_ratio=self.config.vision_aspect_ratio,
         )
-        return {"image_embeds": torch.cat(packed)}
+        return torch.cat(packed)
 
     def encoder_output(self, rows):
         return super().encoder_output((rows,))
 
+    def mm_encoder_outputs(self, received):
+        mm = super().mm_encoder_outputs(received) or {}
+        if received.get("video_embeds") is not None:
+            mm["video"] = self.video_output(received["video_embeds"])
+        return mm or None
+
     def reference_inputs(self, samples):
         batch = self.collate_llm(samples)
-        return {**batch, **(self._pixel_inputs(samples) or {})}
+        videos = self.reference_videos(samples)
+        return {**batch, **(self._pixel_inputs(samples) or {}), **videos}
