@@ -8,17 +8,21 @@ sliding window do. A dense ``(B, 1, S, S)`` mask is ``B S^2`` bytes (4 GiB per r
 each chunk's mask from per-position ids (:class:`SequenceMask`) over only the keys the
 chunk can reach: from the window's start (or 0) to the chunk's end plus the longest
 reach of a bidirectional block. A chunk's mask holds at most :data:`MASK_ELEMENTS`
-entries; the result equals one call with the dense mask.
+entries and is rebuilt in the backward rather than kept; the result equals one call with
+the dense mask.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from torch.utils.checkpoint import checkpoint
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-__all__ = ["MASK_ELEMENTS", "SequenceMask", "chunked_attention"]
+__all__ = ["MASK_ELEMENTS", "SequenceMask", "chunk_rows", "chunked_attention"]
 
 MASK_ELEMENTS = 1 << 26
 """The most entries of one query chunk's mask (64 MiB of bools)."""
@@ -57,10 +61,11 @@ class SequenceMask:
         reach = self.lookahead if self.blocks is not None else 0
         return lo, min(seq_len, q_hi + reach)
 
-    def rows(self, q_lo: int, q_hi: int, k_lo: int, k_hi: int) -> torch.Tensor:
-        """``(B or 1, 1, q_hi - q_lo, k_hi - k_lo)`` bool (True: attend)."""
+    def rows(self, q_lo: int, q_hi: int, k_lo: int, k_hi: int, device=None) -> torch.Tensor:
+        """``(B or 1, 1, q_hi - q_lo, k_hi - k_lo)`` bool (True: attend), on ``device``
+        (default: the ids')."""
         ids = self.segments if self.segments is not None else self.blocks
-        device = None if ids is None else ids.device
+        device = device if device is not None or ids is None else ids.device
         q = torch.arange(q_lo, q_hi, device=device)[:, None]
         k = torch.arange(k_lo, k_hi, device=device)[None, :]
         allow = (k <= q)[None]
@@ -74,32 +79,55 @@ class SequenceMask:
         return allow[:, None]
 
 
+def chunk_rows(mask: SequenceMask, batch: int, seq_len: int, elements: int) -> int:
+    """Query rows per chunk so that a chunk's mask ``(batch, rows, keys)`` holds at most
+    ``elements`` entries, ``keys`` the most a chunk reaches (all ``seq_len``, or with a
+    sliding window about ``rows + window + lookahead``)."""
+    if mask.window is None:
+        return max(1, elements // (batch * seq_len))
+    span = mask.window + mask.lookahead  # rows * (rows + span) <= elements / batch
+    rows = (math.sqrt(span * span + 4 * elements / batch) - span) / 2
+    return max(1, min(seq_len, int(rows)))
+
+
 def chunked_attention(
     module, query, key, value, mask: SequenceMask, scaling=None, dropout=0.0, elements=None
 ):
     """SDPA of ``query/key/value`` ``(B, H, S, d)`` (the key heads may be fewer:
     ``module.num_key_value_groups``) under ``mask``, in query chunks whose masks hold at
-    most ``elements`` (default :data:`MASK_ELEMENTS`) entries -> ``(B, S, H, d)``."""
+    most ``elements`` (default :data:`MASK_ELEMENTS`) entries -> ``(B, S, H, d)``.
+
+    The key heads are repeated once for all chunks (SDPA with a mask takes no grouped
+    heads). With several chunks each one is recomputed in the backward
+    (``torch.utils.checkpoint``): its mask and SDPA's copy of it are never kept, so the
+    masks of a layer never add up to a dense one. Each chunk's keys are a slice of the
+    whole, so their gradient adds into the whole once per chunk (``flex_attention`` with
+    a block mask would avoid that traffic)."""
     b, _, s, _ = query.shape
     if mask.causal:
         out, _ = sdpa_attention_forward(
             module, query, key, value, None, scaling=scaling, dropout=dropout, is_causal=True
         )
         return out
-    rows = max(1, (elements or MASK_ELEMENTS) // (b * s))
-    outs = []
-    for lo in range(0, s, rows):
-        hi = min(s, lo + rows)
-        k_lo, k_hi = mask.key_range(lo, hi, s)
+    groups = module.num_key_value_groups
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    heads = SimpleNamespace(num_key_value_groups=1, is_causal=False)
+    rows = chunk_rows(mask, b, s, elements or MASK_ELEMENTS)
+
+    def attend(q, k, v, lo: int):
+        k_lo, k_hi = mask.key_range(lo, lo + q.shape[2], s)
+        rows_mask = mask.rows(lo, lo + q.shape[2], k_lo, k_hi, q.device)
         out, _ = sdpa_attention_forward(
-            module,
-            query[:, :, lo:hi],
-            key[:, :, k_lo:k_hi],
-            value[:, :, k_lo:k_hi],
-            mask.rows(lo, hi, k_lo, k_hi),
-            scaling=scaling,
-            dropout=dropout,
-            is_causal=False,
-        )
-        outs.append(out)
+            heads, q, k[:, :, k_lo:k_hi], v[:, :, k_lo:k_hi], rows_mask,
+            scaling=scaling, dropout=dropout, is_causal=False,
+        )  # fmt: skip
+        return out
+
+    chunks = query.split(rows, dim=2)
+    if len(chunks) == 1:
+        return attend(query, key, value, 0)
+    outs = [
+        checkpoint(attend, q, key, value, i * rows, use_reentrant=False)
+        for i, q in enumerate(chunks)
+    ]
     return torch.cat(outs, 1)

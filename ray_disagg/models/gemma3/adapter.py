@@ -79,17 +79,19 @@ class Gemma3Adapter(LlavaAdapter):
     def extra_llm_kwargs(self, input_ids):
         return {"token_type_ids": (input_ids == self.image_token_id).long()}
 
-    def context_inputs(self, inner, batch, context):
+    def context_inputs(self, inner, batch, context, mm=None):
         """The batch's arguments without ``token_type_ids`` and with an empty mask mapping
         (HF would build a dense ``(B, 1, S, S)`` mask from them): the slice ``context``
         carries the image blocks (each ``mm_tokens_per_image`` tokens between ``boi`` and
-        ``eoi``) and the layers' attention masks query chunks from them."""
+        ``eoi``) and the layers' attention masks query chunks from them; a text-only
+        batch (``mm`` ``None``) has no block, so its rows stay plainly causal."""
         packed = is_packed(batch)
         kwargs = super().packed_llm_kwargs(inner, batch) if packed else self.llm_kwargs(batch)
         types = kwargs.pop("token_type_ids")
-        blocks = get_block_sequence_ids_for_mask(types, types.device)
-        reach = self.config.mm_tokens_per_image - 1
-        context = dataclasses.replace(context, blocks=blocks, lookahead=reach)
+        if mm is not None:
+            blocks = get_block_sequence_ids_for_mask(types, types.device)
+            reach = self.config.mm_tokens_per_image - 1
+            context = dataclasses.replace(context, blocks=blocks, lookahead=reach)
         return {**kwargs, "attention_mask": dict.fromkeys(MASK_KINDS), "context": context}
 
     def packed_llm_kwargs(self, inner, batch):

@@ -244,13 +244,14 @@ class LlavaAdapter(LlavaTowerCosts, LlavaParallelMixin, PackedTextMixin, ModelAd
         kwargs = (
             self.llm_inputs(inner, batch)
             if context is None
-            else self.context_inputs(inner, batch, context)
+            else self.context_inputs(inner, batch, context, mm)
         )
         return inner(**kwargs, mm_encoder_outputs=mm).last_hidden_state
 
-    def context_inputs(self, inner, batch: dict, context) -> dict[str, Any]:
+    def context_inputs(self, inner, batch: dict, context, mm=None) -> dict[str, Any]:
         """``...Model.forward`` arguments under context parallelism (``cp_parts``): those
-        of the batch and the slice ``context``."""
+        of the batch and the slice ``context`` (``mm``: the encoders' outputs, ``None``
+        for a text-only batch)."""
         return {**self.llm_inputs(inner, batch), "context": context}
 
     def reference_inputs(self, samples: Sequence[dict]):
