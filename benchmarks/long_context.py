@@ -292,10 +292,12 @@ def main():
     a = p.parse_args()
     sizes = [a.min_patches * 2**k for k in range(64) if a.min_patches * 2**k <= a.max_patches]
     specs = {f: HFModelSpec(config=make_config(f), seed=0) for f in set(FAMILY.values())}
-    spec = specs["qwen2_5_vl"]
-    n = {p: sum(t.numel() for t in spec.meta_model(p).parameters()) for p in ("vision", "text")}
-    print(f"LLM {n['text'] / 1e6:.1f}M params (8k vocab), tower {n['vision'] / 1e6:.2f}M; "
-          f"global batch {BATCH}, {STEPS} steps per point, 4 workers per layout")  # fmt: skip
+    for family in sorted({FAMILY[k] for k in a.layouts}):
+        spec = specs[family]
+        n = {p: sum(t.numel() for t in spec.meta_model(p).parameters()) for p in ("vision", "text")}
+        print(f"{family}: LLM {n['text'] / 1e6:.1f}M params (8k vocab), tower "
+              f"{n['vision'] / 1e6:.2f}M")  # fmt: skip
+    print(f"global batch {BATCH}, {STEPS} steps per point, 4 workers per layout")
     # every layout's workers alike: glibc serves allocations above 1 MiB with mmap, so the
     # tiny model's 1-16 MB activations do not fragment the heap (a large model's are
     # far above glibc's default threshold); 0 keeps glibc's and the package's defaults

@@ -64,7 +64,11 @@ class DataParallel:
 
 @dataclass(kw_only=True, frozen=True)
 class SequenceParallel:
-    """Ulysses sequence parallelism for the vision encoder, composed with data parallel.
+    """Sequence parallelism for an encoder group, composed with data parallel: Ulysses
+    for the Qwen towers (each worker holds a slice of one call's patch sequence; the
+    full-attention blocks swap sequence and heads with an all-to-all), whole tiles per
+    worker for the tile towers of InternVL, LLaVA-OneVision and Gemma 3 (a tile attends
+    within itself: no all-to-all, no head split).
 
     The group's ``num_workers`` must be a multiple of ``size``; the remaining factor is the
     data-parallel degree (mesh axes ``("dp", "sp")``).
@@ -75,7 +79,7 @@ class SequenceParallel:
     """
 
     size: int = setting(ge=1)
-    """Number of workers that split one image's patch sequence."""
+    """Number of workers that split one call's patches (Qwen) or tiles (tile towers)."""
 
     zero1: bool = setting(False)
     """Shard the AdamW state across all ``dp x sp`` workers of the group (ZeRO stage 1)."""

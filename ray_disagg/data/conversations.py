@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ray_disagg.data.records import MEDIA, read_records, to_messages
-from ray_disagg.data.tiles import TILE_FAMILIES, VIDEO_FAMILIES, tile_sample
+from ray_disagg.data.tiles import TILE_FAMILIES, tile_sample
 from ray_disagg.models.base import IGNORE_INDEX
 
 __all__ = ["ConversationProcessor", "read_records", "to_messages"]
@@ -117,7 +117,10 @@ class ConversationProcessor:
             raise ValueError(f"labels={labels!r}: must be one of {LABEL_MODES}.")
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("tokenizer: a fast tokenizer is needed (character offsets).")
+        from ray_disagg.models import get_adapter
+
         self.tokenizer, self.image_processor, self.config = tokenizer, image_processor, config
+        self.family = type(get_adapter(config))  # its media (a ValueError if unsupported)
         self.media_root = None if media_root is None else os.fspath(media_root)
         self.labels, self.system_prompt = labels, system_prompt
         self.fps, self.max_frames = fps, max_frames
@@ -192,19 +195,10 @@ class ConversationProcessor:
         return full, spans
 
     def _check(self, media: list[tuple[str, str]], rid) -> None:
-        from ray_disagg.models import get_adapter
-
         kinds, model_type = {kind for kind, _ in media}, self.config.model_type
-        if "video" in kinds and "videos" not in get_adapter(self.config).media:
+        if "video" in kinds and "videos" not in self.family.media:
             raise ValueError(
-                f"record {rid!r} has a video but {model_type} has no video input (its model "
-                "and processor take images only): drop the video, or give some of its "
-                "frames as images"
-            )
-        if "video" in kinds and model_type not in (*_VIDEO, *VIDEO_FAMILIES):
-            raise ValueError(
-                f"record {rid!r}: videos are supported for {sorted([*_VIDEO, *VIDEO_FAMILIES])}"
-                f", not {model_type!r} yet"
+                f"record {rid!r} has a video but {model_type} {self.family.video_field_refusal}"
             )
         timestamped = self.config.model_type in _TIMESTAMPED
         if "video" in kinds and timestamped and self.video_processor is None:

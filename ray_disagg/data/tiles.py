@@ -37,11 +37,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["TILE_FAMILIES", "VIDEO_FAMILIES", "tile_sample"]
+__all__ = ["TILE_FAMILIES", "tile_sample"]
 
 TILE_FAMILIES = ("gemma3", "internvl", "llava_onevision")
-VIDEO_FAMILIES = ("internvl", "llava_onevision")
-"""The tile families that take videos (Gemma 3 has no video input)."""
 
 
 def _token(tokenizer, token_id: int) -> str:
@@ -213,7 +211,7 @@ def tile_sample(proc, record: dict, messages: list[dict], media: list) -> dict[s
         text, spans = proc.render(messages)
     except Exception as e:  # a template error names the record
         raise ValueError(f"record {rid!r}: {e}") from e
-    kinds = ("image", "video") if adapter.model_type in VIDEO_FAMILIES else ("image",)
+    kinds = ("image", "video") if "videos" in adapter.media else ("image",)
     marks = {kind: placeholder(proc.config, tok, kind) for kind in kinds}
     reps = {kind: [i[1] for i in items[kind]] for kind in kinds}
     text, spans, ranges, order = _expand(text, spans, marks, reps, rid)

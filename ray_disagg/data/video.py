@@ -206,23 +206,34 @@ def tile_frames(
     frames picked by :func:`tile_frame_indices`, each resized to ``size`` (height, width)
     and rescaled and normalized as ``settings`` say (the family's video processor, its
     ``video_preprocessor_config.json`` as a mapping, or the image processor; only read),
-    with transformers' own transforms, as the family's video processor does."""
+    with transformers' own transforms (PIL resampling: the torchvision video processors'
+    pixels differ within resampling error; the token ids do not). ``ValueError`` naming a
+    setting it cannot apply."""
     from transformers.image_transforms import normalize, rescale, resize
     from transformers.image_utils import ChannelDimension, PILImageResampling
-
-    def pick(total: int, rate: float) -> np.ndarray:
-        return tile_frame_indices(total, rate, fps, max_frames, initial_shift)
-
-    frames, _, _, _ = _decode(path, pick)
 
     def get(name, default=None):
         return video_setting(settings, name, default)
 
     size, first = get("size"), ChannelDimension.FIRST
-    resample = PILImageResampling(get("resample", PILImageResampling.BICUBIC))
+    try:  # a dict, or transformers' SizeDict
+        height, width = int(size["height"]), int(size["width"])
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"video_processor size={size!r}: tile videos are resized to one tile, "
+            "{'height': H, 'width': W} (the family's video_preprocessor_config.json)"
+        ) from None
+    if get("do_center_crop", False):
+        raise ValueError("video_processor do_center_crop=True is not applied to tile videos")
+    resample = PILImageResampling(get("resample", None) or PILImageResampling.BICUBIC)
+
+    def pick(total: int, rate: float) -> np.ndarray:
+        return tile_frame_indices(total, rate, fps, max_frames, initial_shift)
+
+    frames, _, _, _ = _decode(path, pick)
     out = []
     for frame in frames:
-        x = resize(frame.transpose(2, 0, 1), (size["height"], size["width"]),
+        x = resize(frame.transpose(2, 0, 1), (height, width),
                    resample=resample, input_data_format=first)  # fmt: skip
         x = x.astype(np.float32)
         if get("do_rescale", True):

@@ -35,8 +35,7 @@ def batch_plan(data, adapter, cfg: TrainLoopConfig, groups, validated: bool) -> 
     here): fixed global batches, or under a token budget a
     :class:`~ray_disagg.pipeline.budget.BudgetPlan` (map-style) or
     :class:`~ray_disagg.pipeline.budget.StreamBudgetPlan` (a conversation stream)."""
-    llm = groups[adapter.llm_part]
-    cp_size = llm.parallelism.size if isinstance(llm.parallelism, ContextParallel) else 1
+    llm, cp_size = groups[adapter.llm_part], _cp_size(adapter, groups)
     common = dict(
         num_samples=num_samples(data, llm.dp_size),
         global_batch_size=cfg.global_batch_size,
@@ -73,6 +72,12 @@ def batch_plan(data, adapter, cfg: TrainLoopConfig, groups, validated: bool) -> 
         return StreamBudgetPlan(**common, **_budget(cfg), streamed_costs=True)
     streamed = cfg.assignment == "balanced" and is_stream(data)
     return BatchPlan(**common, costs=costs, streamed_costs=streamed)
+
+
+def _cp_size(adapter, groups) -> int:
+    """The LLM group's context-parallel degree (tokens every sequence needs)."""
+    p = groups[adapter.llm_part].parallelism
+    return p.size if isinstance(p, ContextParallel) else 1
 
 
 @contextlib.contextmanager
@@ -118,7 +123,8 @@ def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups, validate: bo
     dp_sizes = {name: g.dp_size for name, g in groups.items()}
     common = dict(num_samples=len(data), dp_sizes=dp_sizes, micro_batches=cfg.micro_batches,
                   reader=adapter.llm_part, global_batch_size=cfg.global_batch_size)  # fmt: skip
-    _, sizes = scan(data, adapter, dataclasses.replace(cfg, assignment="contiguous"), validate)
+    contiguous = dataclasses.replace(cfg, assignment="contiguous")
+    _, sizes = scan(data, adapter, contiguous, validate, _cp_size(adapter, groups))
     if sizes is not None:
         lengths = sizes.pop("lengths")
         plan = BudgetPlan(**common, **_budget(cfg), lengths=lengths, patches=sizes,

@@ -284,7 +284,8 @@ class ModelAdapter(CostHooks):
         return router_spec(getattr(self.config, "text_config", self.config))
 
     packing_refusal: ClassVar[str | None] = None
-    """Why ``pack_sequences`` cannot be exact for this family (``None``: it can)."""
+    """Why ``pack_sequences`` cannot be exact for this family (``None``: it can; every
+    family packs today, the hook names the reason of a future one that cannot)."""
 
     def prepare_packing(self, decoder: nn.Module) -> None:
         """Prepare the LLM's ``decoder`` (on ``meta``, after its parallel plans) for packed

@@ -67,7 +67,10 @@ class TileSplit:
 
     def __post_init__(self):
         if self.bounds[-1] < 1:
-            raise ValueError("tile sequence parallelism needs at least one tile per call.")
+            raise ValueError(
+                "tile sequence parallelism needs at least one tile per call; call it only "
+                "for a microbatch with images (the adapters return no rows without)."
+            )
 
 
 def split_tiles(tiles: int, sp_size: int, rank: int) -> TileSplit:

@@ -132,7 +132,10 @@ class RecordSource:
         shorter than the context-parallel degree (broken), over the budget (too long)."""
         n = min(sequence_lengths(sample))
         if n < self.min_tokens:
-            why = f"fewer than the LLM group's ContextParallel(size={self.min_tokens})"
+            why = (
+                f"fewer than the LLM group's ContextParallel(size={self.min_tokens}) (every "
+                "rank needs a token of each sequence; lower the size to train such records)"
+            )
             return {"status": BAD, "message": f"record {sample.get('id')!r}: {n} tokens, {why}"}
         too_long = self.budget is not None and self._over_budget(sample)
         return {"status": LONG, "message": too_long} if too_long else None

@@ -165,3 +165,7 @@ def test_videos_are_refused_where_the_family_has_no_video_input(tmp_path, media)
         onevision.validate_sample(sample)
     with pytest.raises(SampleError, match=r"0 video tokens \(id 101\) in input_ids but its"):
         onevision.validate_sample(dict(sample, video_frames=[1, 1]))
+    crop = _processor(tmp_path, "llava_onevision", media)
+    crop.video_processor = {"size": {"shortest_edge": 16}}  # not one tile's size
+    with pytest.raises(ValueError, match=r"record 'clip': .*video_processor size=\{'shortest"):
+        crop(RECORD)

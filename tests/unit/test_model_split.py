@@ -168,3 +168,23 @@ def test_llava_onevision_refuses_a_feature_strategy_that_breaks_its_grid():
     config.vision_feature_select_strategy = "default"
     with pytest.raises(ValueError, match="vision_feature_select_strategy='default'"):
         LlavaOnevisionAdapter(config)
+
+
+def test_gemma3_refuses_image_runs_that_would_merge_into_one_block():
+    """Two images' token runs without ``eoi``/``boi`` between them would be one
+    bidirectional block to HF: refused, naming the sample."""
+    import numpy as np
+
+    from ray_disagg import ADAPTERS
+    from ray_disagg.data.examples import synthetic_samples
+    from ray_disagg.models.base import SampleError
+
+    cfg = ADAPTERS["gemma3"].tiny_config()
+    adapter = ADAPTERS["gemma3"](cfg)
+    sample = synthetic_samples(cfg, 1, grids=[{"images": [(1, 4, 4), (1, 8, 4)]}])[0]
+    adapter.validate_sample(sample)
+    ids = np.asarray(sample["input_ids"])
+    keep = ~np.isin(ids, [cfg.boi_token_id, cfg.eoi_token_id])  # runs now adjacent
+    merged = {**sample, "input_ids": ids[keep], "labels": np.asarray(sample["labels"])[keep]}
+    with pytest.raises(SampleError, match=r"sample 0: image-token runs of \[12\] tokens"):
+        adapter.validate_sample(merged)

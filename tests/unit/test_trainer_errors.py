@@ -306,3 +306,21 @@ def test_flash_attention_with_packing_is_refused():
             train_loop_config=packed,
             datasets={"train": DATA},
         )
+
+
+def test_samples_shorter_than_the_cp_degree_are_refused_on_the_driver():
+    """Training and validation samples alike, naming the sample."""
+    from ray_disagg import ContextParallel
+
+    groups = {"vision": g(), "text": g(4, ContextParallel(size=4))}
+    text = synthetic_samples(CFG, 1, grids=[None])[0]
+    short = {"id": "tiny", "input_ids": text["input_ids"][:3], "labels": text["labels"][:3]}
+    with pytest.raises(ValueError, match="sample 'tiny' has 3 tokens, fewer than the LLM"):
+        make(groups, data=[short, *DATA[1:]])
+    with pytest.raises(ValueError, match="sample 'tiny' has 3 tokens, fewer than the LLM"):
+        DisaggregatedTrainer(
+            model=HFModelSpec(config=CFG),
+            groups=groups,
+            train_loop_config={**LOOP, "eval_every": 1},
+            datasets={"train": DATA, "validation": [short, *DATA[1:4]]},
+        )

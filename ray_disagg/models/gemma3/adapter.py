@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
 
+from ray_disagg.models.base import SampleError
 from ray_disagg.models.flops import Flops, linear
 from ray_disagg.models.gemma3.flavors import tiny_gemma3_config
 from ray_disagg.models.llava_common import LlavaAdapter
@@ -75,6 +77,23 @@ class Gemma3Adapter(LlavaAdapter):
 
     def run_tokens(self, tiles):
         return [self.config.boi_token_id], [self.config.eoi_token_id]
+
+    def validate_modalities(self, sample, ids, name):
+        """Also: every run of image tokens is one image's ``mm_tokens_per_image`` (HF's
+        bidirectional block is a run of image tokens, so two images' runs must be kept
+        apart, by ``eoi``/``boi`` as the processor writes them)."""
+        super().validate_modalities(sample, ids, name)
+        image = np.asarray(ids) == self.image_token_id
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], image.astype(np.int8), [0]])))
+        runs = (edges[1::2] - edges[::2]).tolist()
+        n = self.config.mm_tokens_per_image
+        if any(r != n for r in runs):
+            raise SampleError(
+                f"{name}: image-token runs of {runs} tokens, but each Gemma 3 image is one "
+                f"run of mm_tokens_per_image={n} tokens between boi and eoi (id "
+                f"{self.config.boi_token_id}, {self.config.eoi_token_id}); expand each "
+                "image placeholder as Gemma3Processor does."
+            )
 
     def extra_llm_kwargs(self, input_ids):
         return {"token_type_ids": (input_ids == self.image_token_id).long()}

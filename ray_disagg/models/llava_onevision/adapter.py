@@ -236,7 +236,8 @@ class LlavaOnevisionAdapter(OnevisionVideos, LlavaAdapter):
         """``(tiles, patches, LLM width)``: what HF's ``get_image_features`` and
         ``get_video_features`` compute per tile or frame before packing or pooling (the
         ``vision_feature_layer`` hidden states, strategy ``"full"``, through the
-        projector), with HF's own tower call."""
+        projector), with HF's own tower call. HF has no function that stops before the
+        packing or pooling, which tile SP needs per rank (rank 0 packs after the gather)."""
         layer = self.config.vision_feature_layer
         out = inner.vision_tower(pixels, output_hidden_states=layer, return_dict=True)
         hidden = out.hidden_states

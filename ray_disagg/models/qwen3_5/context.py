@@ -25,7 +25,9 @@ the heads:
    over the ranks and cut to the slice
    (:class:`~ray_disagg.parallel.context_gather.ScatterSequence`).
 
-That is exactly the layer's computation. Each rank's parameter gradients land on its
+That is exactly the layer's computation (with LoRA dropout, each rank draws its own
+dropout mask for its heads' input factors, where one process draws one for all heads:
+an equally distributed draw, not the same one). Each rank's parameter gradients land on its
 heads' rows of the full tensors (the shared norm weight gets a partial sum), and the
 gradients' existing sum over the ``cp`` ranks completes them. A call without a
 ``context`` runs the layer as before, with all heads.
@@ -91,7 +93,10 @@ def _check(module: nn.Module, name: str) -> None:
             "whole weights: use ContextParallel(size=n, tp=1)"
         )
     if getattr(base, "bias", None) is not None:
-        raise ValueError(f"linear_attn.{name} has a bias, which HF's Gated DeltaNet has not")
+        raise ValueError(
+            f"linear_attn.{name} has a bias, which HF's Gated DeltaNet has not (its head "
+            "split slices weights only): train this model without ContextParallel"
+        )
 
 
 def _by_heads(inner):
@@ -131,7 +136,8 @@ class LocalHeads:
         if attn.num_k_heads % n:
             raise ValueError(
                 f"context-parallel degree {n} does not divide the Gated DeltaNet's "
-                f"{attn.num_k_heads} key heads (linear_num_key_heads)"
+                f"{attn.num_k_heads} key heads (linear_num_key_heads); use a "
+                "ContextParallel size that divides them"
             )
         kd, vd, vh = attn.key_dim // n, attn.value_dim // n, attn.num_v_heads // n
         sizes = dict(
