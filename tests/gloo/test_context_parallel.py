@@ -156,7 +156,8 @@ def test_cp_layouts_train_like_the_single_process_model(workers, cp, extra, tmp_
         ("internvl", 2, {}),  # 1-D rope, padded rows
         ("internvl", 2, {"pack_sequences": True, "max_seq_len": 200}),  # 1-D packed rows
         ("llava_onevision", 2, {}),
-        ("gemma3", 2, {"pack_sequences": True, "max_seq_len": 200}),  # blocks, window
+        ("gemma3", 2, {}),  # image blocks and sliding window across the split, padded
+        ("gemma3", 2, {"pack_sequences": True, "max_seq_len": 200}),  # ... and packed
     ],
     ids=[
         "qwen3_vl-cp2",
@@ -166,6 +167,7 @@ def test_cp_layouts_train_like_the_single_process_model(workers, cp, extra, tmp_
         "internvl-cp2",
         "internvl-cp2-packed",
         "llava_onevision-cp2",
+        "gemma3-cp2",
         "gemma3-cp2-packed",
     ],  # fmt: skip
 )
