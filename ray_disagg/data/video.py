@@ -98,6 +98,25 @@ def video_patches(frames: np.ndarray, image_processor) -> tuple[np.ndarray, np.n
     return _patchify(np.stack(out), p, m, t)
 
 
+def _transform(frames, size, resample, factor, stats) -> np.ndarray:
+    """Frames ``[T, H0, W0, C]`` uint8 -> ``[T, C, *size]`` float32 with transformers'
+    transforms: resized (``resample``), rescaled by ``factor`` and normalized with
+    ``stats = (mean, std)`` (each skipped when ``None``), as the video processors do."""
+    from transformers.image_transforms import normalize, rescale, resize
+    from transformers.image_utils import ChannelDimension
+
+    out, first = [], ChannelDimension.FIRST
+    for frame in frames:
+        x = resize(frame.transpose(2, 0, 1), size, resample=resample, input_data_format=first)
+        x = x.astype(np.float32)
+        if factor is not None:
+            x = rescale(x, factor, input_data_format=first)
+        if stats is not None:
+            x = normalize(x, *stats, input_data_format=first)
+        out.append(x)
+    return np.stack(out).astype(np.float32)
+
+
 def _patchify(x: np.ndarray, p: int, m: int, t: int) -> tuple[np.ndarray, np.ndarray]:
     """Frames ``[T, C, H, W]`` (the last repeated to a multiple of ``t``) as the tower's
     patches ``[groups * h * w, C * t * p * p]`` in merge-window order, and their grid."""
@@ -128,8 +147,7 @@ def qwen3_video(
     ``fps`` (default its own) between its ``min_frames`` and ``max_frames``, every frame
     resized to one size chosen for the whole clip (its ``smart_resize`` over frames x
     pixels), rescaled and normalized, grouped by ``temporal_patch_size``."""
-    from transformers.image_transforms import normalize, rescale, resize
-    from transformers.image_utils import ChannelDimension, PILImageResampling
+    from transformers.image_utils import PILImageResampling
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
 
     vp = video_processor
@@ -151,13 +169,11 @@ def qwen3_video(
     h, w = smart_resize(
         n, frames.shape[1], frames.shape[2], t, p * m, size["shortest_edge"], max_pixels
     )
-    out, first = [], ChannelDimension.FIRST
-    for frame in frames:
-        x = resize(frame.transpose(2, 0, 1), (h, w), resample=PILImageResampling(vp.resample),
-                   input_data_format=first)  # fmt: skip
-        x = rescale(x.astype(np.float32), vp.rescale_factor, input_data_format=first)
-        out.append(normalize(x, vp.image_mean, vp.image_std, input_data_format=first))
-    pixels, grid = _patchify(np.stack(out).astype(np.float32), p, m, t)
+    scaled = _transform(
+        frames, (h, w), PILImageResampling(vp.resample), vp.rescale_factor,
+        (vp.image_mean, vp.image_std),
+    )  # fmt: skip
+    pixels, grid = _patchify(scaled, p, m, t)
     return pixels, grid, group_timestamps(keep, rate, t)
 
 
@@ -209,13 +225,12 @@ def tile_frames(
     with transformers' own transforms (PIL resampling: the torchvision video processors'
     pixels differ within resampling error; the token ids do not). ``ValueError`` naming a
     setting it cannot apply."""
-    from transformers.image_transforms import normalize, rescale, resize
-    from transformers.image_utils import ChannelDimension, PILImageResampling
+    from transformers.image_utils import PILImageResampling
 
     def get(name, default=None):
         return video_setting(settings, name, default)
 
-    size, first = get("size"), ChannelDimension.FIRST
+    size = get("size")
     try:  # a dict, or transformers' SizeDict
         height, width = int(size["height"]), int(size["width"])
     except (KeyError, TypeError):
@@ -231,14 +246,6 @@ def tile_frames(
         return tile_frame_indices(total, rate, fps, max_frames, initial_shift)
 
     frames, _, _, _ = _decode(path, pick)
-    out = []
-    for frame in frames:
-        x = resize(frame.transpose(2, 0, 1), (height, width),
-                   resample=resample, input_data_format=first)  # fmt: skip
-        x = x.astype(np.float32)
-        if get("do_rescale", True):
-            x = rescale(x, get("rescale_factor", 1 / 255), input_data_format=first)
-        if get("do_normalize", True):
-            x = normalize(x, get("image_mean"), get("image_std"), input_data_format=first)
-        out.append(x)
-    return np.stack(out).astype(np.float32)
+    factor = get("rescale_factor", 1 / 255) if get("do_rescale", True) else None
+    stats = (get("image_mean"), get("image_std")) if get("do_normalize", True) else None
+    return _transform(frames, (height, width), resample, factor, stats)
