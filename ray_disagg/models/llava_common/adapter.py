@@ -207,21 +207,27 @@ class LlavaAdapter(LlavaTowerCosts, LlavaParallelMixin, PackedTextMixin, ModelAd
         return inner.get_image_features(pixel_values=pixels, return_dict=True).pooler_output
 
     def encode(self, module, part, samples, device, sp=None):
-        """``image_embeds``: every tile's rows in sample and tile order. Under SP (``sp``:
-        the group) each rank runs :meth:`image_features` on its own tiles only and the
-        rows are gathered to SP rank 0 (``(0, D)`` elsewhere; :func:`tile_sp_forward`)."""
+        """``image_embeds``: every tile's rows in sample and tile order (:meth:`tile_rows`;
+        under SP on SP rank 0, ``(0, D)`` elsewhere)."""
         arrays = [s["pixel_values"] for s in samples if s.get("pixel_values") is not None]
         if not arrays:
             return {}
         inner = module.model
+        return {"image_embeds": self.tile_rows(inner, self.image_features, arrays, device, sp)}
+
+    def tile_rows(self, inner, features, arrays, device, sp=None) -> torch.Tensor:
+        """``(T * R, D)``: ``features(inner, pixels)`` (``(t, R, D)`` of ``(t, C, S, S)``
+        tiles in the tower's dtype) of every tile of ``arrays`` in order. Under SP (``sp``:
+        the group) each rank copies and runs only its own tiles and the rows are gathered
+        to SP rank 0 (``(0, D)`` elsewhere; :func:`tile_sp_forward`)."""
         dtype = next(inner.vision_tower.parameters()).dtype
+
+        def run(pixels):
+            return features(inner, pixels.to(dtype))
+
         if sp is not None:  # each SP rank copies only its own tiles' pixels
-            rows = tile_sp_forward(
-                lambda px: self.image_features(inner, px.to(dtype)), HostRows(arrays, device), sp
-            )
-            return {"image_embeds": rows}
-        pixels = tensor_or_none(arrays, np.float32).to(device, dtype)
-        return {"image_embeds": self.image_features(inner, pixels).flatten(0, 1)}
+            return tile_sp_forward(run, HostRows(arrays, device), sp)
+        return run(tensor_or_none(arrays, np.float32).to(device)).flatten(0, 1)
 
     def llm_kwargs(self, batch: dict) -> dict[str, Any]:
         ids = batch["input_ids"]

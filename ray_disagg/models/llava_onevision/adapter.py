@@ -37,8 +37,6 @@ from ray_disagg.models.flops import Flops, linear
 from ray_disagg.models.llava_common import LlavaAdapter
 from ray_disagg.models.llava_onevision.flavors import tiny_llava_onevision_config
 from ray_disagg.models.llava_onevision.videos import OnevisionVideos
-from ray_disagg.parallel.tile_parallel import tile_sp_forward
-from ray_disagg.parallel.ulysses import HostRows
 
 __all__ = ["LlavaOnevisionAdapter"]
 
@@ -205,26 +203,18 @@ class LlavaOnevisionAdapter(OnevisionVideos, LlavaAdapter):
         video frame (:meth:`tile_features`), then HF's own ``pack_image_features`` per
         image and :meth:`video_embeds` per video. Under SP (``sp``: the group) each rank
         runs :meth:`tile_features` on its own tiles and SP rank 0 packs and pools the
-        gathered rows (:func:`tile_sp_forward`; ``(0, D)`` on the other ranks)."""
+        gathered rows (:meth:`tile_rows`; ``(0, D)`` on the other ranks)."""
         images = [s for s in samples if s.get("pixel_values") is not None]
         videos = [s for s in samples if s.get("pixel_values_videos") is not None]
         if not images and not videos:
             return {}
         inner = module.model
-        dtype = next(inner.vision_tower.parameters()).dtype
         arrays = [s["pixel_values"] for s in images] + [self.video_pixels(s) for s in videos]
-
-        def features(pixels):
-            return self.tile_features(inner, pixels.to(dtype))
-
-        if sp is None:
-            rows = features(tensor_or_none(arrays, np.float32).to(device))
-        else:  # each SP rank copies only its own tiles' pixels
-            flat = tile_sp_forward(features, HostRows(arrays, device), sp)
-            if dist.get_rank(sp) != 0:
-                kinds = {"image_embeds": images, "video_embeds": videos}
-                return {name: flat for name, kind in kinds.items() if kind}
-            rows = flat.reshape(-1, self._side**2, flat.shape[-1])
+        flat = self.tile_rows(inner, self.tile_features, arrays, device, sp)
+        if sp is not None and dist.get_rank(sp) != 0:
+            kinds = {"image_embeds": images, "video_embeds": videos}
+            return {name: flat for name, kind in kinds.items() if kind}
+        rows = flat.reshape(-1, self._side**2, flat.shape[-1])
         n, out = sum(self.tiles(s) for s in images), {}
         if images:
             out["image_embeds"] = self._pack_images(inner, rows[:n], images)
