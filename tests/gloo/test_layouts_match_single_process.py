@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ray_disagg import (
+    ContextParallel,
     HFModelSpec,
     SequenceParallel,
     TensorParallel,
@@ -37,7 +38,7 @@ def setup():
     return HFModelSpec(config=cfg, seed=7), synthetic_samples(cfg, 12, grids=GRIDS)
 
 
-# 1 + 1 runs in ray/test_colocated, ray/test_pipeline (on Ray) and the FSDP chain
+# 1 + 1 runs in gloo/test_pipeline, gloo/test_fsdp_layouts and on Ray (ray/test_colocated)
 @pytest.mark.parametrize("nv,nt", [(2, 2), (2, 1), (1, 2)])
 def test_data_parallel_layouts_match_single_process(setup, tmp_path, nv, nt):
     spec, data = setup
@@ -74,8 +75,9 @@ def test_data_parallel_layouts_match_single_process(setup, tmp_path, nv, nt):
             lambda: group(2, TensorParallel(size=2), ac=True),
         ),
         (lambda: group(2, TensorParallel(size=2)), lambda: group(2, TensorParallel(size=2))),
+        (lambda: group(2), lambda: group(2, ContextParallel(size=2))),
     ],
-    ids=["vision-sp2+text-tp2", "vision-dp2xsp2-zero1+text-tp2", "uniform-tp2"],
+    ids=["vision-sp2+text-tp2", "vision-dp2xsp2-zero1+text-tp2", "uniform-tp2", "2+text-cp2"],
 )
 def test_hybrid_layouts_match_single_process(setup, tmp_path, vision, text):
     spec, data = setup

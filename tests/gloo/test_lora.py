@@ -48,6 +48,11 @@ LAYOUTS = {
         lambda: vt(group(2, SequenceParallel(size=2)), group(2, TensorParallel(size=2))),
         {},
     ),
+    # packed rows and validation every step (the Ray tier's run is 1 + 1)
+    "vision-sp2-text-tp2-packed": (
+        lambda: vt(group(2, SequenceParallel(size=2)), group(2, TensorParallel(size=2))),
+        {"pack_sequences": True, "max_seq_len": 128, "eval_every": 1},
+    ),
     "vision-tp2-split-qkv-text-fsdp2xtp2": (
         lambda: vt(
             group(2, TensorParallel(size=2)),
@@ -69,9 +74,14 @@ def test_lora_layouts_equal_hf_peft(saved, reference, tmp_path, layout):
     ref_losses, ref = reference
     groups, loop = LAYOUTS[layout]
     spec = HFModelSpec(pretrained_path=base, peft_path=adapter)
-    result = run_layout(spec, data, LOOP | loop, groups(), tmp_path, layout, local=True)
+    validation = data[:4] if "eval_every" in loop else None
+    result = run_layout(
+        spec, data, LOOP | loop, groups(), tmp_path, layout, local=True, validation=validation
+    )
 
     assert_matches_peft(result, ref_losses, ref, base, adapter)
+    if validation is not None:
+        assert result.metrics_dataframe["val_loss"].notna().all()
 
 
 @pytest.mark.parametrize(("mode", "dtype"), [("bf16", torch.float32), ("pure", torch.bfloat16)])

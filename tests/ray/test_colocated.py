@@ -1,16 +1,14 @@
 """Tier 3: colocated placement (one placement group, bundle i holds worker i of every
-group) and the transfer tiers, on a real Ray cluster, against the single-process model."""
+group), the transfer tiers, the 1F1B schedule and a group restarted alone, on a real Ray
+cluster: one uninterrupted run against the single-process model, and the same run with
+a vision worker killed mid-pipelined-step. The other layouts' numerics, colocated or not,
+are in the gloo tier (``tests/gloo/test_layouts_match_single_process.py``,
+``tests/gloo/test_pipeline.py``)."""
 
 import pytest
 import torch
 
-from ray_disagg import (
-    ContextParallel,
-    HFModelSpec,
-    SequenceParallel,
-    TensorParallel,
-    tiny_qwen2_5_vl_config,
-)
+from ray_disagg import HFModelSpec, TensorParallel, tiny_qwen2_5_vl_config
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.testing.faults import fault_drill
 from tests.helpers import (
@@ -22,31 +20,38 @@ from tests.helpers import (
     vt,
 )
 
+# k = 4 microbatches of a global batch of 8 (1F1B across the groups); varied images, one
+# text-only sample
 LOOP = {
-    "max_steps": 4,
-    "global_batch_size": 4,
+    "max_steps": 3,
+    "global_batch_size": 8,
+    "micro_batches": 4,
     "checkpoint_every": 1,
     "lr": 1e-3,
     "eps": 1e-6,
     "seed": 5,
     "report_placement": True,
 }
-GRIDS = [(1, 4, 4), (1, 8, 4), None, (1, 4, 8), (1, 8, 8)]
+GRIDS = [(1, 4, 4), (1, 8, 8), None, (1, 4, 8), (1, 8, 4), (1, 12, 8), (1, 4, 4)]
+
+
+def _groups():
+    """Vision 2 + text TP2: both text ranks leave a step together when a vision rank dies."""
+    return vt(group(2), group(2, TensorParallel(size=2)))
 
 
 @pytest.fixture(scope="module")
 def setup():
     cfg = tiny_qwen2_5_vl_config()
-    return HFModelSpec(config=cfg, seed=11), synthetic_samples(cfg, 8, grids=GRIDS)
+    return HFModelSpec(config=cfg, seed=11), synthetic_samples(cfg, 16, grids=GRIDS)
 
 
 @pytest.fixture(scope="module")
-def colocated_1_1(ray_start_4_cpus, setup, tmp_path_factory):
-    """The uninterrupted colocated 1 + 1 run over the (automatic) shared-memory tier."""
+def colocated(ray_start_4_cpus, setup, tmp_path_factory):
+    """The uninterrupted colocated run over the (automatic) shared-memory tier."""
     spec, data = setup
     root = tmp_path_factory.mktemp("colocated")
-    groups = vt(group(1), group(1))
-    return run_layout(spec, data, LOOP, groups, root, "shm", placement="colocated")
+    return run_layout(spec, data, LOOP, _groups(), root, "shm", placement="colocated")
 
 
 def assert_paired_in_one_placement_group(metrics, n: int) -> None:
@@ -59,56 +64,39 @@ def assert_paired_in_one_placement_group(metrics, n: int) -> None:
         assert placement[f"vision rank {i}"][1] == placement[f"text rank {i}"][1] == i
 
 
-@pytest.mark.parametrize(
-    "vision,text",
-    [
-        (lambda: group(2), lambda: group(2, ContextParallel(size=2))),
-        (lambda: group(2, SequenceParallel(size=2)), lambda: group(2, TensorParallel(size=2))),
-    ],
-    ids=["2+text-cp2", "vision-dp1xsp2+text-tp2"],
-)
-def test_colocated_layouts_match_single_process(ray_start_4_cpus, setup, tmp_path, vision, text):
+def test_colocated_1f1b_matches_single_process(colocated, setup):
     spec, data = setup
-    result = run_layout(
-        spec, data, LOOP, vt(vision(), text()), tmp_path, "co", placement="colocated"
-    )
-    assert_matches_reference(result, spec, data, LOOP)
-    assert_paired_in_one_placement_group(result.metrics, 2)
-    assert result.metrics["transfer_tier"] == "shm"
+    assert_matches_reference(colocated, spec, data, LOOP)
+    assert_paired_in_one_placement_group(colocated.metrics, 2)
+    assert colocated.metrics["transfer_tier"] == "shm"
 
 
-def test_colocated_1_1_matches_single_process(colocated_1_1, setup):
-    spec, data = setup
-    assert_matches_reference(colocated_1_1, spec, data, LOOP)
-    assert_paired_in_one_placement_group(colocated_1_1.metrics, 1)
-    assert colocated_1_1.metrics["transfer_tier"] == "shm"
-
-
-def test_killed_colocated_worker_restarts_its_group_alone_over_the_gloo_tier(
-    colocated_1_1, setup, tmp_path
+def test_killed_mid_pipelined_step_restarts_its_group_alone_over_the_gloo_tier(
+    colocated, setup, tmp_path
 ):
-    """The vision group restarts alone into the shared bundles; the text group keeps its
-    worker. Also the gloo tier (forced): it trains bit-identically to shared memory."""
+    """Vision rank 1 dies at microbatch 2 of step 3: only the vision group restarts (into
+    the shared bundles); both text ranks leave the step together, keep their workers and
+    reload checkpoint 2 in place. Also the gloo tier (forced): the result equals the
+    shared-memory run bit for bit."""
     spec, data = setup
     marker = tmp_path / "killed"
-    groups = vt(group(1), group(1))
-    with fault_drill(group="vision", step=2, marker=marker):
+    with fault_drill(group="vision", step=2, rank=1, micro_batch=2, marker=marker):
         result = run_layout(
             spec,
             data,
             LOOP,
-            groups,
+            _groups(),
             tmp_path,
             "kill",
             failures=1,
             placement="colocated",
             transfer="gloo",
         )
+    assert marker.exists()  # vision rank 1 really died at microbatch 2 of step 3
     assert result.metrics["transfer_tier"] == "gloo"
-    assert marker.exists()  # the vision worker really died in step 3, after checkpoint 2
-    assert [int(s) for s in result.metrics_dataframe.sort_values("step")["step"]] == [1, 2, 3, 4]
-    assert losses(result) == losses(colocated_1_1)  # bit-identical on CPU
-    got, ref = checkpoint_state(result.checkpoint), checkpoint_state(colocated_1_1.checkpoint)
-    assert all(torch.equal(got[k], ref[k]) for k in ref)
-    assert_paired_in_one_placement_group(result.metrics, 1)  # in the shared bundles
     assert result.metrics["vision_restarts"] == 1 and result.metrics["text_restarts"] == 0
+    assert [int(s) for s in result.metrics_dataframe.sort_values("step")["step"]] == [1, 2, 3]
+    assert losses(result) == losses(colocated)  # bit-identical on CPU
+    got, ref = checkpoint_state(result.checkpoint), checkpoint_state(colocated.checkpoint)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    assert_paired_in_one_placement_group(result.metrics, 2)  # in the shared bundles

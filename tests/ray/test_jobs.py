@@ -241,10 +241,10 @@ def test_example_as_ray_job(head_node):
 
     terminal = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    status = client.get_job_status(job_id)
+    status = _job_status(head_node, job_id)
     while status not in terminal and time.monotonic() < deadline:
         time.sleep(2)
-        status = client.get_job_status(job_id)
+        status = _job_status(head_node, job_id)
     if status not in terminal:
         client.stop_job(job_id)
     logs = client.get_job_logs(job_id)
@@ -273,3 +273,21 @@ def test_example_as_ray_job(head_node):
     for step in range(1, STEPS + 1):
         assert logs.count(f"[ray_disagg] step {step}/{STEPS} ") == 1, logs[-4000:]
     assert "[ray_disagg] text: loading weights from random init" in logs
+
+
+def _job_status(node: HeadNode, job_id: str, patience_s: float = 60.0) -> JobStatus:
+    """The job's status; a refused connection (the dashboard's HTTP server restarting
+    under a loaded machine) is retried for ``patience_s``, then fails with the dashboard's
+    log."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return node.client().get_job_status(job_id)
+        except (requests.exceptions.ConnectionError, ConnectionError) as e:
+            if time.monotonic() > deadline:
+                logs = node.root / "ray" / "session_latest" / "logs"
+                pytest.fail(
+                    f"the dashboard stopped answering ({e}):\n{_tail(logs / 'dashboard.log')}"
+                    f"\n--- ray start log:\n{_tail(node.log, 3000)}"
+                )
+            time.sleep(2)

@@ -74,7 +74,7 @@ def test_dead_coordinator_leaks_no_placement_group(ray_start_4_cpus, setup, tmp_
     data = data[:4] * 3  # finite data
     drill = fault_drill(group="text", step=1, marker=tmp_path / "m", kill="coordinator")
     with drill, pytest.raises(Exception):  # noqa: B017 - whatever the driver sees of the dead actor
-        run_layout(spec, data, LOOP, vt(group(2), group(2)), tmp_path, "dead")
+        run_layout(spec, data, LOOP, vt(group(1), group(1)), tmp_path, "dead")
     assert os.path.exists(tmp_path / "m")
     states = [pg["state"] for pg in ray.util.placement_group_table().values()]
     assert "CREATED" not in states and "PENDING" not in states, states

@@ -1,6 +1,6 @@
-"""Microbatches (gradient accumulation), the 1F1B schedule across groups and cost-balanced
-assignment against the single-process model: 1 + 1 and a kill mid-step on a real Ray
-cluster, the other layouts' numerics without Ray (``testing.local``)."""
+"""Tier 2: microbatches (gradient accumulation), the 1F1B schedule across groups and
+cost-balanced assignment against the single-process model, without Ray
+(``testing.local``). A kill mid-pipelined-step on Ray is in ``tests/ray/test_colocated.py``."""
 
 import pytest
 import torch
@@ -13,8 +13,7 @@ from ray_disagg import (
     tiny_qwen2_5_vl_config,
 )
 from ray_disagg.data.examples import synthetic_samples
-from ray_disagg.testing.faults import fault_drill
-from tests.helpers import assert_matches_reference, checkpoint_state, group, run_layout, vt
+from tests.helpers import assert_matches_reference, group, run_layout, vt
 
 # k = 4 microbatches of a global batch of 8; varied images, one text-only sample
 LOOP = {
@@ -35,28 +34,14 @@ def setup():
     return HFModelSpec(config=cfg, seed=5), synthetic_samples(cfg, 16, grids=GRIDS)
 
 
-@pytest.fixture(scope="module")
-def pipelined_1_1(ray_start_4_cpus, setup, tmp_path_factory):
-    spec, data = setup
-    root = tmp_path_factory.mktemp("pipelined")
-    return run_layout(spec, data, LOOP, vt(group(1), group(1)), root, "1f1b")
-
-
 def losses(result) -> list[float]:
     return result.metrics_dataframe.sort_values("step")["loss"].tolist()
-
-
-def test_1f1b_1_1_matches_single_process_with_bounded_activations(pipelined_1_1, setup):
-    spec, data = setup
-    assert_matches_reference(pipelined_1_1, spec, data, LOOP)
-    m = pipelined_1_1.metrics
-    # the encoder ran microbatch i+1 before i's backward, never more than 2 alive
-    assert m["vision_max_in_flight"] == 2 and m["text_max_in_flight"] == 1
 
 
 @pytest.mark.parametrize(
     "vision,text,loop",
     [
+        (lambda: group(1), lambda: group(1), {}),
         (lambda: group(2, DataParallel(fsdp=True)), lambda: group(1), {}),
         (
             lambda: group(2, SequenceParallel(size=2), ac=True),
@@ -64,14 +49,16 @@ def test_1f1b_1_1_matches_single_process_with_bounded_activations(pipelined_1_1,
             {"max_in_flight": 3},
         ),
     ],
-    ids=["vision-fsdp2+1", "vision-sp2-ac+text-tp2"],
+    ids=["1+1", "vision-fsdp2+1", "vision-sp2-ac+text-tp2"],
 )
 def test_1f1b_layouts_match_single_process(setup, tmp_path, vision, text, loop):
     spec, data = setup
     loop = dict(LOOP, **loop)
     result = run_layout(spec, data, loop, vt(vision(), text()), tmp_path, "1f1b", local=True)
     assert_matches_reference(result, spec, data, loop)
+    # the encoder ran microbatch i+1 before i's backward, never more than 2 alive (default)
     assert result.metrics["vision_max_in_flight"] == loop.get("max_in_flight", 2)
+    assert result.metrics["text_max_in_flight"] == 1
 
 
 def test_sequential_accumulation_balanced_equals_contiguous(setup, tmp_path):
@@ -92,17 +79,3 @@ def test_sequential_accumulation_balanced_equals_contiguous(setup, tmp_path):
         torch.tensor(losses(runs["balanced"])), torch.tensor(losses(runs["contiguous"])),
         rtol=1e-5, atol=0,
     )  # fmt: skip
-
-
-def test_killed_mid_pipelined_step_restarts_with_identical_losses(pipelined_1_1, setup, tmp_path):
-    spec, data = setup
-    marker = tmp_path / "killed"
-    with fault_drill(group="vision", step=2, micro_batch=2, marker=marker):
-        result = run_layout(spec, data, LOOP, vt(group(1), group(1)), tmp_path, "kill", failures=1)
-    assert marker.exists()  # the vision worker died at microbatch 2 of step 3
-    # only the vision group restarted: the text group kept its workers and reloaded a checkpoint
-    assert result.metrics["vision_restarts"] == 1 and result.metrics["text_restarts"] == 0
-    assert [int(s) for s in result.metrics_dataframe.sort_values("step")["step"]] == [1, 2, 3]
-    assert losses(result) == losses(pipelined_1_1)  # bit-identical on CPU
-    got, ref = checkpoint_state(result.checkpoint), checkpoint_state(pipelined_1_1.checkpoint)
-    assert all(torch.equal(got[k], ref[k]) for k in ref)
