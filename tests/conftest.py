@@ -34,3 +34,45 @@ def _no_ray_below_tier_3(request, monkeypatch):
     of actor start-up per test)."""
     if request.node.path.parent.name in ("unit", "gloo"):
         monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+
+def pytest_collection_modifyitems(items):
+    """Files in an order that overlaps the tiers: Ray files (waiting on process start-up,
+    polls and restarts) alternate with gloo files (computing), and the short unit files
+    come last to fill the end of the run; tests keep their order within a file. Every
+    pytest-xdist worker collects the same order (``--dist loadfile`` hands out files in
+    it)."""
+    by_file: dict = {}
+    for item in items:
+        by_file.setdefault(item.path, []).append(item)
+    tiers = {"ray": [], "gloo": [], "unit": []}
+    rest = []
+    for path in by_file:
+        tiers.get(path.parent.name, rest).append(path)
+    ray_files, gloo_files = tiers["ray"], tiers["gloo"]
+    mixed = []
+    for i in range(max(len(ray_files), len(gloo_files))):
+        mixed += ray_files[i : i + 1] + gloo_files[i : i + 1]
+    items[:] = [item for path in mixed + tiers["unit"] + rest for item in by_file[path]]
+
+
+TIER_BUDGETS_S = {"unit": 120, "gloo": 480, "ray": 600}
+"""Each tier's budget: the sum of its tests' durations (setup, call and teardown) in one
+``make test`` on the 2-core CI machine, both pytest-xdist workers together; 1,200 s over
+two workers is the 10 minutes that keep ``.ci/run`` (install and lint included) under
+12 (``tests/README.md``). Printed at the end of a run against what the run took; never
+asserted (tests do not assert wall time)."""
+
+
+def pytest_terminal_summary(terminalreporter):
+    spent = dict.fromkeys(TIER_BUDGETS_S, 0.0)
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            tier = getattr(report, "nodeid", "").split("/")[1:2]
+            if tier and tier[0] in spent and hasattr(report, "duration"):
+                spent[tier[0]] += report.duration
+    if any(spent.values()):
+        terminalreporter.section("time per tier (summed over workers)")
+        for tier, budget in TIER_BUDGETS_S.items():
+            flag = "" if spent[tier] <= budget else "  OVER BUDGET"
+            terminalreporter.write_line(f"{tier:5s} {spent[tier]:7.1f} s of {budget} s{flag}")

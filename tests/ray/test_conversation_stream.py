@@ -42,6 +42,8 @@ def test_ray_fit_from_records_and_media_sees_each_record_once_across_a_restart(
     ]
     loop = dict(LOOP, max_steps=4, shuffle=False)  # file order: r0 r1 r2 broken r3 ...
     marker = tmp_path / "killed"
+    # one converting actor per attempt: the order over two is checked above
+    stream = ConversationStream(paths=path, processor=proc, num_cpus=0.5, concurrency=1)
     with fault_drill(group="text", step=2, marker=marker):
         result = fit(spec, stream, loop, vt(group(1), group(1)), tmp_path, "ray", failures=1)
     assert marker.exists()
