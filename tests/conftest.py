@@ -21,6 +21,8 @@ def ray_start_4_cpus():
         include_dashboard=False,
         log_to_driver=False,
         logging_level="WARNING",
+        # Ray metrics reach the node's export port every 2 s, not 10 (a test reads them)
+        _system_config={"metrics_report_interval_ms": 2000},
     )
     yield
     ray.shutdown()
