@@ -76,6 +76,21 @@ RESTART_LOOP = {"max_steps": 4, "global_batch_size": 4, "checkpoint_every": 1, "
 """The restart tests' loop: a checkpoint every step."""
 
 
+PIPELINE_LOOP = {
+    "max_steps": 3,
+    "global_batch_size": 8,
+    "micro_batches": 4,
+    "checkpoint_every": 1,
+    "lr": 1e-3,
+    "eps": 1e-6,
+    "seed": 3,
+}
+"""The 1F1B tests' loop: k = 4 microbatches of a global batch of 8."""
+
+PIPELINE_GRIDS = [(1, 4, 4), (1, 8, 8), None, (1, 4, 8), (1, 8, 4), (1, 12, 8), (1, 4, 4)]
+"""The 1F1B tests' images: varied sizes, one text-only sample."""
+
+
 def restart_setup():
     """The restart tests' model and data: ``(config, spec, 12 samples)``."""
     from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config

@@ -13,19 +13,16 @@ from ray_disagg import (
     tiny_qwen2_5_vl_config,
 )
 from ray_disagg.data.examples import synthetic_samples
-from tests.helpers import assert_matches_reference, group, run_layout, vt
+from tests.helpers import (
+    PIPELINE_GRIDS,
+    PIPELINE_LOOP,
+    assert_matches_reference,
+    group,
+    run_layout,
+    vt,
+)
 
-# k = 4 microbatches of a global batch of 8; varied images, one text-only sample
-LOOP = {
-    "max_steps": 3,
-    "global_batch_size": 8,
-    "micro_batches": 4,
-    "checkpoint_every": 1,
-    "lr": 1e-3,
-    "eps": 1e-6,
-    "seed": 3,
-}
-GRIDS = [(1, 4, 4), (1, 8, 8), None, (1, 4, 8), (1, 8, 4), (1, 12, 8), (1, 4, 4)]
+LOOP, GRIDS = PIPELINE_LOOP, PIPELINE_GRIDS
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,8 @@ from ray_disagg import HFModelSpec, TensorParallel, tiny_qwen2_5_vl_config
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.testing.faults import fault_drill
 from tests.helpers import (
+    PIPELINE_GRIDS,
+    PIPELINE_LOOP,
     assert_matches_reference,
     checkpoint_state,
     group,
@@ -20,19 +22,8 @@ from tests.helpers import (
     vt,
 )
 
-# k = 4 microbatches of a global batch of 8 (1F1B across the groups); varied images, one
-# text-only sample
-LOOP = {
-    "max_steps": 3,
-    "global_batch_size": 8,
-    "micro_batches": 4,
-    "checkpoint_every": 1,
-    "lr": 1e-3,
-    "eps": 1e-6,
-    "seed": 5,
-    "report_placement": True,
-}
-GRIDS = [(1, 4, 4), (1, 8, 8), None, (1, 4, 8), (1, 8, 4), (1, 12, 8), (1, 4, 4)]
+LOOP = dict(PIPELINE_LOOP, seed=5, report_placement=True)  # 1F1B across the groups
+GRIDS = PIPELINE_GRIDS
 
 
 def _groups():
