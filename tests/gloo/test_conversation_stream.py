@@ -26,9 +26,6 @@ def data(tmp_path_factory):
     return stream_data(tmp_path_factory.mktemp("stream"))
 
 
-_ids = step_ids
-
-
 def test_records_are_indexed_and_converted_in_order(data, tmp_path):
     proc, path, _ = data
     pq.write_table(pa.Table.from_pylist([record(20), record(21)]), tmp_path / "b.parquet")
@@ -75,10 +72,10 @@ def test_a_resumed_run_reads_the_records_the_uninterrupted_one_reads(data, tmp_p
     first = fit(spec, stream, dict(LOOP, max_steps=3), groups, tmp_path, "a", local=True)
     rest = dict(LOOP, max_steps=6)
     resumed = fit(spec, stream, rest, groups, tmp_path, "b", resume=first.checkpoint, local=True)
-    ids = _ids(full)
+    ids = step_ids(full)
     epoch0 = [i for step in ids[:4] for i in step]
     assert len(epoch0) == 8 and len(set(epoch0)) == 8 and "broken" not in epoch0
-    assert _ids(first) == ids[:3] and _ids(resumed) == ids[3:]
+    assert step_ids(first) == ids[:3] and step_ids(resumed) == ids[3:]
     rows = full.metrics_dataframe.sort_values("step")
     assert rows["epoch"].tolist() == [0, 0, 0, 0, 1, 1]
     assert rows["records_bad"].tolist()[4] >= 1  # read by step 5 at the latest
@@ -98,7 +95,7 @@ def test_a_balanced_stream_reads_the_same_samples_and_losses_as_a_contiguous_one
         loop = dict(LOOP, max_steps=3, global_batch_size=4, assignment=assignment)
         groups = vt(group(2), group(2))
         runs[assignment] = fit(spec, stream, loop, groups, tmp_path, assignment, local=True)
-    assert _ids(runs["balanced"]) == _ids(runs["contiguous"])
+    assert step_ids(runs["balanced"]) == step_ids(runs["contiguous"])
     losses = {a: r.metrics_dataframe.sort_values("step")["loss"].tolist() for a, r in runs.items()}
     np.testing.assert_allclose(losses["balanced"], losses["contiguous"], rtol=1e-5)
 
@@ -127,8 +124,8 @@ def test_a_budget_stream_fills_steps_resumes_before_a_waiting_sample_and_equals_
     full = fit(spec, stream, loop, groups(), tmp_path, "full", local=True)
     first = fit(spec, stream, dict(loop, max_steps=2), groups(), tmp_path, "a", local=True)
     resumed = fit(spec, stream, loop, groups(), tmp_path, "b", resume=first.checkpoint, local=True)
-    ids = _ids(full)
-    assert _ids(first) == ids[:2] and _ids(resumed) == ids[2:]
+    ids = step_ids(full)
+    assert step_ids(first) == ids[:2] and step_ids(resumed) == ids[2:]
     assert len({len(step) for step in ids}) > 1  # the lengths, not a count, end a step
     samples = list(stream.samples())
     ref_losses, _, ref_model = reference_train(

@@ -18,6 +18,7 @@ from tests.helpers import (
     PIPELINE_LOOP,
     assert_matches_reference,
     group,
+    losses,
     run_layout,
     vt,
 )
@@ -29,10 +30,6 @@ LOOP, GRIDS = PIPELINE_LOOP, PIPELINE_GRIDS
 def setup():
     cfg = tiny_qwen2_5_vl_config()
     return HFModelSpec(config=cfg, seed=5), synthetic_samples(cfg, 16, grids=GRIDS)
-
-
-def losses(result) -> list[float]:
-    return result.metrics_dataframe.sort_values("step")["loss"].tolist()
 
 
 @pytest.mark.parametrize(

@@ -21,9 +21,6 @@ def data(tmp_path_factory):
     return stream_data(tmp_path_factory.mktemp("stream"))
 
 
-_ids = step_ids
-
-
 def test_ray_fit_from_records_and_media_sees_each_record_once_across_a_restart(
     ray_start_4_cpus, data, tmp_path
 ):
@@ -49,7 +46,7 @@ def test_ray_fit_from_records_and_media_sees_each_record_once_across_a_restart(
     assert marker.exists()
     rows = result.metrics_dataframe.sort_values("step")
     assert rows["step"].tolist() == [1, 2, 3, 4]
-    assert _ids(result) == [["r0", "r1"], ["r2", "r3"], ["r4", "r5"], ["r6", "r7"]]
+    assert step_ids(result) == [["r0", "r1"], ["r2", "r3"], ["r4", "r5"], ["r6", "r7"]]
     assert rows["records_bad"].tolist() == [0, 1, 1, 1]
     assert all(v == v for v in rows["loss"])
 
