@@ -41,6 +41,18 @@ class _Placeholder:
         return True
 
 
+def _settled_free_cpus(timeout_s: float = 60.0) -> float:
+    """The cluster's free CPUs once every CPU is free again: an earlier test's workers and
+    actors in this pytest process release theirs asynchronously, and a placeholder sized
+    from a reading taken meanwhile would leave room it must not leave."""
+    total, deadline = ray.cluster_resources()["CPU"], time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
+        time.sleep(0.2)
+    free = ray.available_resources().get("CPU", 0)
+    assert free == total, f"{total - free} of {total} CPUs still held: {ray.available_resources()}"
+    return free
+
+
 def _history(path, timeout_s: float, until) -> list[dict]:
     """The run's reported steps (``metrics.jsonl``) once ``until(lines)`` holds."""
     deadline = time.monotonic() + timeout_s
@@ -68,7 +80,7 @@ def test_elastic_vision_group_grows_and_shrinks_without_restarting_the_llm(
             elastic_resize_monitor_interval_s=0.5,
         )
     )
-    free = ray.available_resources()["CPU"]
+    free = _settled_free_cpus()
     first = _Placeholder.options(num_cpus=free - 1.0).remote()  # room for 1 + 1 workers
     ray.get(first.ready.remote())
     marker, history = tmp_path / "killed", tmp_path / "elastic" / "metrics.jsonl"
@@ -108,7 +120,7 @@ def test_failure_while_the_group_restarts_falls_back_to_the_full_restart(
     _, spec, data = setup
     loop = dict(LOOP, report_placement=True)
     marker, history = tmp_path / "killed", tmp_path / "fallback" / "metrics.jsonl"
-    free = ray.available_resources()["CPU"]
+    free = _settled_free_cpus()
     with fault_drill(group="vision", step=2, marker=marker), ThreadPoolExecutor(1) as ex:
         run = ex.submit(fit, spec, data, loop, vt(group(1), group(1)), tmp_path, "fallback",
                         failures=3)  # fmt: skip
