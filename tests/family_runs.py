@@ -36,7 +36,6 @@ from tests.helpers import (
 )
 
 LOOP = {"max_steps": 2, "global_batch_size": 4, "lr": 1e-3, "eps": 1e-6, "seed": 3}
-LOOP["checkpoint_every"] = 1  # the metrics history comes from the checkpoints
 GRIDS = [{"images": [(1, 4, 4), (1, 8, 4)]}, None, {"videos": [(2, 4, 8)]}, (1, 8, 8)]
 LAYOUTS = {
     # DeepStack and the router's aux loss over the 2 context-parallel ranks' tokens

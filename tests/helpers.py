@@ -7,7 +7,7 @@ import os
 import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
-from ray_disagg import DisaggregatedTrainer, ModuleGroup, TrainLoopConfig
+from ray_disagg import DisaggregatedTrainer, ModuleGroup, TrainLoopConfig, load_metrics
 from ray_disagg.testing.local import fit_local
 from ray_disagg.testing.reference import reference_train
 from ray_disagg.worker.shards import read_full
@@ -102,8 +102,9 @@ def restart_setup():
 
 
 def losses(result) -> list[float]:
-    """The loss of every reported step that is in ``Result.metrics_dataframe``."""
-    return result.metrics_dataframe.sort_values("step")["loss"].tolist()
+    """The loss of every reported step (``metrics.jsonl``: with or without a checkpoint;
+    after a restart, each step's last attempt)."""
+    return load_metrics(result)["loss"].tolist()
 
 
 def checkpoint_state(checkpoint) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.models.lora import base_name, file_key, is_factor
-from tests.helpers import checkpoint_state
+from tests.helpers import checkpoint_state, losses
 
 GRIDS = [(1, 4, 4), None, (1, 4, 8), (1, 8, 4)]
 LORA = LoraConfig(
@@ -55,7 +55,7 @@ def assert_matches_peft(result, ref_losses, ref, base, adapter, atol: float = 1e
     """Losses (relative 1e-5), the trained adapter under PEFT's file keys and the merged
     weights (``atol``) equal the reference ``ref`` (a trained ``PeftModel``); every factor
     and merger tensor moved; the checkpoint holds no base weight."""
-    got = result.metrics_dataframe.sort_values("step")["loss"].tolist()
+    got = losses(result)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref_losses), rtol=1e-5, atol=0.0)
     state = checkpoint_state(result.checkpoint)
     trained = get_peft_model_state_dict(ref)  # PEFT's file keys

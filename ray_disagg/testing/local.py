@@ -36,6 +36,7 @@ PRELOAD = [
     "torch.distributed.tensor",
     "torch.distributed.checkpoint",
     "transformers.modeling_utils",
+    "ray_disagg.launch.backend",  # each child unpickles its group's backend config
     "ray_disagg.worker.llm",
     "ray_disagg.worker.encoder",
 ]

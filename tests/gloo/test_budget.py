@@ -11,8 +11,7 @@ from tests.helpers import assert_matches_reference, built_trainer, group, run_la
 
 # mostly short text, some images, one video (39 LLM tokens, 128 patches) in eight
 GRIDS = [None, (1, 4, 4), None, None, {"videos": [(2, 8, 8)]}, (1, 4, 8), None, (1, 8, 8)]
-LOOP = {"max_steps": 3, "global_batch_size": 16, "checkpoint_every": 1, "lr": 1e-3,
-        "eps": 1e-6, "seed": 3}  # fmt: skip
+LOOP = {"max_steps": 3, "global_batch_size": 16, "lr": 1e-3, "eps": 1e-6, "seed": 3}
 CASES = {
     "dp2-dp2-1f1b-capped": (
         lambda: vt(group(2), group(2)),

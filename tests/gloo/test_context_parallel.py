@@ -138,7 +138,7 @@ def test_cp_layouts_train_like_the_single_process_model(workers, cp, extra, tmp_
     cfg = tiny_qwen2_5_vl_config()
     spec = HFModelSpec(config=cfg, seed=5)
     data = synthetic_samples(cfg, 8, grids=[(1, 4, 4), None, (1, 8, 4), (1, 4, 8)])
-    loop = {"max_steps": 2, "global_batch_size": 4, "checkpoint_every": 1, "eps": 1e-6}
+    loop = {"max_steps": 2, "global_batch_size": 4, "eps": 1e-6}
     loop = {**loop, "seed": 5, **extra}
     text = group(workers, ContextParallel(size=2, **cp))
     result = run_layout(spec, data, loop, vt(group(1), text), tmp_path, "cp", local=True)
@@ -189,7 +189,7 @@ def test_cp_for_more_families_trains_like_the_single_process_model(
     if model_type == "qwen2_5_omni_thinker":
         grids = [{"images": [(1, 4, 8)], "audios": [40]}, None, {"audios": [24, 17]}, (1, 8, 8)]
     data = synthetic_samples(cfg, 8, grids=grids)
-    loop = {"max_steps": 2, "global_batch_size": 4, "checkpoint_every": 1, "eps": 1e-6,
+    loop = {"max_steps": 2, "global_batch_size": 4, "eps": 1e-6,
             "seed": 5, **extra}  # fmt: skip
     groups = {p: group(1) for p in spec.adapter.parts}  # (Omni: vision, audio, text)
     groups["text"] = group(workers, ContextParallel(size=2))

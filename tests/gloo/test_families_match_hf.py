@@ -170,7 +170,7 @@ def test_family_layout_matches_hf(tmp_path, model_type, layout):
         grids = TILE_VIDEOS
     data = synthetic_samples(cfg, 12, grids=grids)
     groups = layout(spec.adapter.parts)
-    loop = dict(LOOP, checkpoint_every=1, **getattr(layout, "loop", {}))
+    loop = dict(LOOP, **getattr(layout, "loop", {}))
     result = run_layout(spec, data, loop, groups, tmp_path, "fam", local=True)
     assert_matches_reference(result, spec, data, loop)
     for part in spec.adapter.parts:  # metrics are named by the group

@@ -13,6 +13,7 @@ from ray_disagg import (
     SequenceParallel,
     TensorParallel,
     TrainLoopConfig,
+    load_metrics,
     tiny_qwen2_5_vl_config,
 )
 from ray_disagg.data.examples import synthetic_samples
@@ -23,7 +24,6 @@ from tests.helpers import assert_matches_reference, checkpoint_state, group, run
 LOOP = {
     "max_steps": 3,
     "global_batch_size": 4,
-    "checkpoint_every": 1,
     "lr": 1e-3,
     "eps": 1e-6,
     "seed": 3,
@@ -47,16 +47,17 @@ def test_data_parallel_layouts_match_single_process(setup, tmp_path, nv, nt):
         spec.build_full().save_pretrained(tmp_path / "hf")
         spec = HFModelSpec(pretrained_path=tmp_path / "hf")
     ac = (nv, nt) == (2, 2)  # activation checkpointing must not change the numbers
+    loop = dict(LOOP, checkpoint_every=1)
     result = run_layout(
         spec,
         data,
-        LOOP,
+        loop,
         vt(group(nv, ac=ac), group(nt, ac=ac)),
         tmp_path,
         f"dp-{nv}-{nt}",
         local=True,
     )
-    assert_matches_reference(result, spec, data, LOOP)
+    assert_matches_reference(result, spec, data, loop)
     assert sorted(p.name for p in (tmp_path / f"dp-{nv}-{nt}").glob("checkpoint_0*")) == [
         "checkpoint_000001",
         "checkpoint_000002",
@@ -91,7 +92,7 @@ def test_bf16_autocast_trains_close_to_fp32(setup, tmp_path):
     vision, text = group(2, SequenceParallel(size=2)), group(2, TensorParallel(size=2))
     result = run_layout(spec, data, loop, vt(vision, text), tmp_path, "bf16", local=True)
     ref_losses, _, _ = reference_train(spec, data, TrainLoopConfig(**LOOP))
-    losses = result.metrics_dataframe.sort_values("step")["loss"].tolist()
+    losses = load_metrics(result)["loss"].tolist()
     # bf16 matmuls, fp32 master weights (checkpointed weights stay fp32)
     assert all(math.isfinite(v) for v in losses)
     for got, ref in zip(losses, ref_losses):

@@ -20,13 +20,14 @@ from ray_disagg import (
     SequenceParallel,
     TensorParallel,
     TrainLoopConfig,
+    load_metrics,
 )
 from ray_disagg.models.lora import is_factor
 from ray_disagg.testing.reference import reference_train_peft
 from tests.helpers import checkpoint_state, group, run_layout, vt
 from tests.lora_data import assert_matches_peft, save_base_and_adapter
 
-LOOP = {"global_batch_size": 4, "max_steps": 3, "checkpoint_every": 1, "eps": 1e-6, "seed": 3}
+LOOP = {"global_batch_size": 4, "max_steps": 3, "eps": 1e-6, "seed": 3}
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def test_lora_layouts_equal_hf_peft(saved, reference, tmp_path, layout):
 
     assert_matches_peft(result, ref_losses, ref, base, adapter)
     if validation is not None:
-        assert result.metrics_dataframe["val_loss"].notna().all()
+        assert load_metrics(result)["val_loss"].notna().all()
 
 
 @pytest.mark.parametrize(("mode", "dtype"), [("bf16", torch.float32), ("pure", torch.bfloat16)])
@@ -99,7 +100,7 @@ def test_lora_factor_dtypes_under_fsdp2_bf16(saved, reference, tmp_path, mode, d
     state = checkpoint_state(result.checkpoint)
     assert {v.dtype for k, v in state.items() if is_factor(k)} == {torch.float32}
     assert {v.dtype for k, v in state.items() if ".merger." in k} == {dtype}
-    losses = result.metrics_dataframe.sort_values("step")["loss"].tolist()
+    losses = load_metrics(result)["loss"].tolist()
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(reference[0][:2]), rtol=0.02, atol=0.0
     )
@@ -117,7 +118,7 @@ def test_a_fresh_adapter_starts_the_same_in_every_layout(saved, tmp_path):
         text = dataclasses.replace(text, peft_config=config)
         vision = dataclasses.replace(group(1), trainable=False)
         result = run_layout(spec, data, LOOP, vt(vision, text), tmp_path, name, local=True)
-        losses.append(result.metrics_dataframe.sort_values("step")["loss"].tolist())
+        losses.append(load_metrics(result)["loss"].tolist())
         states.append(checkpoint_state(result.checkpoint))
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=1e-5, atol=0)
     factors = [k for k in states[0] if is_factor(k)]

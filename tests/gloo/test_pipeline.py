@@ -10,6 +10,7 @@ from ray_disagg import (
     HFModelSpec,
     SequenceParallel,
     TensorParallel,
+    load_metrics,
     tiny_qwen2_5_vl_config,
 )
 from ray_disagg.data.examples import synthetic_samples
@@ -66,7 +67,7 @@ def test_sequential_accumulation_balanced_equals_contiguous(setup, tmp_path):
         )
         assert_matches_reference(runs[assignment], spec, data, loop)
         assert runs[assignment].metrics["vision_max_in_flight"] == 1
-    ids = {a: r.metrics_dataframe.sort_values("step")["sample_ids"] for a, r in runs.items()}
+    ids = {a: load_metrics(r)["sample_ids"] for a, r in runs.items()}
     for got, ref in zip(ids["balanced"], ids["contiguous"]):
         assert sorted(got) == sorted(ref) and len(set(got)) == 8  # each sample once per step
     torch.testing.assert_close(

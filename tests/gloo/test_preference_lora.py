@@ -17,6 +17,7 @@ from ray_disagg import (
     SequenceParallel,
     TensorParallel,
     TrainLoopConfig,
+    load_metrics,
     tiny_qwen2_5_vl_config,
 )
 from ray_disagg.data.examples import synthetic_pairs
@@ -26,7 +27,7 @@ from tests.helpers import assert_params_close, checkpoint_state, group, losses, 
 from tests.lora_data import GRIDS, save_base_and_adapter
 from tests.preference_data import trl_pair_loss
 
-LOOP = {"global_batch_size": 4, "max_steps": 3, "checkpoint_every": 1, "eps": 1e-6, "seed": 3}
+LOOP = {"global_batch_size": 4, "max_steps": 3, "eps": 1e-6, "seed": 3}
 FRESH = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])  # the LLM
 PEFT_PREFIX = "base_model.model."
 
@@ -61,7 +62,7 @@ def test_fresh_lora_with_adapters_disabled_equals_peft(tmp_path):
 
     torch.testing.assert_close(losses(result), ref_losses, rtol=1e-5, atol=0.0)
     assert_params_close(trained_adapter(result), peft_factors(ref), 1e-5)
-    frame = result.metrics_dataframe.sort_values("step")
+    frame = load_metrics(result)
     chosen = [float(0.1 * (p[:, 0] - r[:, 0]).mean()) for p, r in ref_logps]
     torch.testing.assert_close(frame["rewards/chosen"].tolist(), chosen, atol=1e-6, rtol=0.0)
 

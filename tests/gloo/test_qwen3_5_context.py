@@ -21,8 +21,7 @@ from ray_disagg.launch.checks import validate_layout
 from ray_disagg.models import get_adapter
 from tests.helpers import assert_matches_reference, group, run_layout, vt
 
-LOOP = {"max_steps": 2, "global_batch_size": 6, "lr": 1e-3, "eps": 1e-6, "seed": 3,
-        "checkpoint_every": 1}  # fmt: skip
+LOOP = {"max_steps": 2, "global_batch_size": 6, "lr": 1e-3, "eps": 1e-6, "seed": 3}  # fmt: skip
 PACKED = {**LOOP, "pack_sequences": True, "max_seq_len": 160}
 GRIDS = [(1, 8, 8), None, {"videos": [(2, 4, 4)]}, None, (1, 4, 8), {"images": [(1, 8, 4)] * 2}]
 

@@ -12,7 +12,7 @@ from ray_disagg.data.examples import synthetic_samples
 from tests.helpers import assert_matches_reference, group, run_layout, vt
 
 LOOP = {"max_steps": 3, "global_batch_size": 6, "lr": 1e-3, "eps": 1e-6, "seed": 3,
-        "pack_sequences": True, "max_seq_len": 160, "checkpoint_every": 1}  # fmt: skip
+        "pack_sequences": True, "max_seq_len": 160}  # fmt: skip
 GRIDS = [(1, 8, 8), None, {"videos": [(2, 4, 4)]}, None, (1, 4, 8), {"images": [(1, 8, 4)] * 2}]
 
 

@@ -31,7 +31,7 @@ from ray_disagg.models.lora import file_key, is_factor
 from ray_disagg.testing.reference import reference_train_peft
 from tests.helpers import checkpoint_state, group, losses, run_layout, vt
 
-LOOP = {"global_batch_size": 4, "max_steps": 3, "checkpoint_every": 1, "eps": 1e-6, "seed": 3}
+LOOP = {"global_batch_size": 4, "max_steps": 3, "eps": 1e-6, "seed": 3}
 LORA = LoraConfig(
     r=4,
     lora_alpha=8,

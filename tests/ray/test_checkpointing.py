@@ -1,7 +1,9 @@
-"""Restarts after a worker dies and Ray Data ingest (tier 3, a real Ray cluster); resume
-into another layout and Hugging Face export (numerics: the workers without Ray). A
-vision worker killed mid-step, restarting its group alone, is in
-``tests/ray/test_colocated.py``."""
+"""An asynchronous checkpoint lost with its worker, a failure without retries and Ray Data
+ingest (tier 3, a real Ray cluster); resume into another layout and Hugging Face export
+(numerics: the workers without Ray). A vision worker killed mid-step, restarting its
+group alone, is in ``tests/ray/test_colocated.py``; a text worker's death restarting
+every group (the learning-rate schedule continued, bit-identical to the uninterrupted
+run) in ``tests/ray/test_conversation_stream.py``."""
 
 import json
 
@@ -17,7 +19,6 @@ from ray_disagg import (
     export_hf,
 )
 from ray_disagg.data.examples import synthetic_samples
-from ray_disagg.lr_schedule import lr_at
 from ray_disagg.testing.faults import fault_drill
 from ray_disagg.testing.reference import reference_batch, reference_train
 from ray_disagg.worker.shards import read_full
@@ -38,27 +39,6 @@ LOOP = RESTART_LOOP
 @pytest.fixture(scope="module")
 def setup():
     return restart_setup()
-
-
-def test_text_worker_death_restarts_all_groups_and_matches_uninterrupted(
-    ray_start_4_cpus, setup, tmp_path
-):
-    _, spec, data = setup
-    marker = tmp_path / "killed"
-    # a learning-rate schedule that changes every step: the restart must continue it
-    scheduled = dict(LOOP, lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
-    with fault_drill(group="text", step=2, marker=marker):
-        result = fit(spec, data, scheduled, vt(group(1), group(1)), tmp_path, "ft", failures=1)
-    assert marker.exists()  # the text worker really died at step 2
-    # the uninterrupted run of the same workers, without Ray (testing.local)
-    clean = fit(spec, data, scheduled, vt(group(1), group(1)), tmp_path, "clean", local=True)
-    lrs = result.metrics_dataframe.sort_values("step")["lr"].tolist()
-    assert lrs == [lr_at(TrainLoopConfig(**scheduled), s) for s in range(4)]
-    assert len(set(lrs)) == 4
-    assert [int(s) for s in result.metrics_dataframe.sort_values("step")["step"]] == [1, 2, 3, 4]
-    assert losses(result) == losses(clean)  # bit-identical on CPU
-    got, ref = checkpoint_state(result.checkpoint), checkpoint_state(clean.checkpoint)
-    assert all(torch.equal(got[k], ref[k]) for k in ref)
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

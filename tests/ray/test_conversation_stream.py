@@ -1,16 +1,19 @@
 """Conversation streams on Ray (tier 3): Ray Data actors convert the records in the order
 this process would, and one end-to-end fit on Ray from a JSON Lines file and a media
-folder whose text worker is killed mid-epoch; a cluster without room for the converting
-actors is refused. The stream's numerics without Ray are in
+folder whose text worker is killed mid-epoch, restarting every group (the run that
+checks a whole-run restart); a cluster without room for the converting actors is
+refused. The stream's numerics without Ray are in
 ``tests/gloo/test_conversation_stream.py``."""
 
 import numpy as np
 import pytest
+import torch
 
-from ray_disagg import HFModelSpec
+from ray_disagg import HFModelSpec, TrainLoopConfig
 from ray_disagg.data.stream import ConversationStream, RecordReader
+from ray_disagg.lr_schedule import lr_at
 from ray_disagg.testing.faults import fault_drill
-from tests.helpers import group, vt
+from tests.helpers import checkpoint_state, group, losses, vt
 from tests.helpers import run_layout as fit
 from tests.stream_records import STREAM_LOOP as LOOP
 from tests.stream_records import step_ids, stream_data
@@ -25,8 +28,10 @@ def test_ray_fit_from_records_and_media_sees_each_record_once_across_a_restart(
     ray_start_4_cpus, data, tmp_path
 ):
     """On Ray, Ray Data actors convert the records; the text worker dies at the start of
-    step 3 of 4 and the restart continues from step 2's checkpoint, mid-epoch: over the
-    last attempts of the steps each good record is read exactly once, in file order."""
+    step 3 of 4 and every group restarts from step 2's checkpoint, mid-epoch: over the
+    last attempts of the steps each good record is read exactly once, in file order, the
+    learning-rate schedule continues, and the result equals the uninterrupted run without
+    Ray (records converted in process) bit for bit."""
     proc, path, cfg = data
     spec = HFModelSpec(config=cfg, seed=2)
     stream = ConversationStream(paths=path, processor=proc, num_cpus=0.5, concurrency=2)
@@ -37,7 +42,10 @@ def test_ray_fit_from_records_and_media_sees_each_record_once_across_a_restart(
     assert [(o["record"], o["status"], o["sample"]) for o in on_ray] == [
         (o["record"], o["status"], o["sample"]) for o in here
     ]
-    loop = dict(LOOP, max_steps=4, shuffle=False)  # file order: r0 r1 r2 broken r3 ...
+    # file order: r0 r1 r2 broken r3 ...; a schedule that changes every step: the restart
+    # must continue it
+    loop = dict(LOOP, max_steps=4, shuffle=False, lr_schedule="cosine", warmup_steps=2,
+                min_lr_ratio=0.1)  # fmt: skip
     marker = tmp_path / "killed"
     # one converting actor per attempt: the order over two is checked above
     stream = ConversationStream(paths=path, processor=proc, num_cpus=0.5, concurrency=1)
@@ -49,6 +57,13 @@ def test_ray_fit_from_records_and_media_sees_each_record_once_across_a_restart(
     assert step_ids(result) == [["r0", "r1"], ["r2", "r3"], ["r4", "r5"], ["r6", "r7"]]
     assert rows["records_bad"].tolist() == [0, 1, 1, 1]
     assert all(v == v for v in rows["loss"])
+    lrs = rows["lr"].tolist()
+    assert lrs == [lr_at(TrainLoopConfig(**loop), s) for s in range(4)] and len(set(lrs)) == 4
+    clean = fit(spec, stream, loop, vt(group(1), group(1)), tmp_path, "clean", local=True)
+    assert step_ids(clean) == step_ids(result)
+    assert losses(result) == losses(clean)  # bit-identical on CPU
+    got, ref = checkpoint_state(result.checkpoint), checkpoint_state(clean.checkpoint)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
 
 
 def test_no_room_for_the_converting_actors_fails_naming_the_cpus(ray_start_4_cpus, data, tmp_path):

@@ -190,35 +190,35 @@ def test_no_module_reaches_into_another_modules_private_names():
     assert offenders == []
 
 
-_ONE_FAMILY = """
-import json, sys
-from ray_disagg import HFModelSpec
-from ray_disagg.models import ADAPTERS
-import ray_disagg.trainer, ray_disagg.worker.llm, ray_disagg.worker.encoder  # the loops
-cls = ADAPTERS[sys.argv[1]]
-spec = HFModelSpec(config=cls.tiny_config())
-for part in spec.adapter.parts:
-    spec.build_part(part)
-print(json.dumps(sorted(sys.modules)))
-"""
+def _modules_after_building(model_type: str) -> list[str]:
+    """In a child of the numerics tier's fork server (which imported torch, transformers'
+    modeling utilities and the worker loops, nothing else): the modules loaded once the
+    trainer and the worker loops are imported and ``model_type``'s parts are built."""
+    import sys
+
+    import ray_disagg.trainer
+    import ray_disagg.worker.encoder
+    import ray_disagg.worker.llm  # noqa: F401 - the loops
+    from ray_disagg import HFModelSpec
+    from ray_disagg.models import ADAPTERS
+
+    spec = HFModelSpec(config=ADAPTERS[model_type].tiny_config())
+    for part in spec.adapter.parts:
+        spec.build_part(part)
+    return sorted(sys.modules)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "gemma3"])
 def test_building_one_family_imports_no_other_family(model_type):
-    """In a fresh process, the worker loops and one family's parts import that family's
-    adapter and transformers modeling code only (and those of the adapters it derives
-    from): families are registered lazily."""
-    import json
-    import subprocess
-    import sys
-
+    """In a process that loaded no family, the worker loops and one family's parts import
+    that family's adapter and transformers modeling code only (and those of the adapters
+    it derives from): families are registered lazily. (A child of the preloaded fork
+    server, not a fresh interpreter: the same modules, without importing torch again.)"""
     from ray_disagg.models import ADAPTERS
+    from ray_disagg.testing.local import process_context
 
-    run = subprocess.run(
-        [sys.executable, "-c", _ONE_FAMILY, model_type], capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    loaded = set(json.loads(run.stdout.splitlines()[-1]))
+    with process_context().Pool(1) as pool:
+        loaded = set(pool.apply(_modules_after_building, (model_type,)))
     own = {c.__module__ for c in ADAPTERS[model_type].__mro__}
     own |= {getattr(c, "hf_class", type).__module__ for c in ADAPTERS[model_type].__mro__}
     for cls in ADAPTERS.values():
