@@ -17,6 +17,7 @@ restart or resume continues with the next unread record: no repeat, no skip.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import math
 import os
@@ -306,15 +307,22 @@ class ConversationStream:
 
         try:
             yield from ds.iter_rows()
+            return
         except GetTimeoutError as e:
-            total = ray.cluster_resources().get("CPU", 0)
-            free = ray.available_resources().get("CPU", 0)
-            raise RuntimeError(
-                f"The conversation stream's {self.concurrency} converting actor(s) "
-                f"(num_cpus={self.num_cpus:g} each) did not start within "
-                f"actor_start_timeout_s={self.actor_start_timeout_s:g}s: the cluster has "
-                f"{total:g} CPUs, {free:g} free. {STREAM_FIXES}"
-            ) from e
+            reason = str(e)
+        # The failed start's actor pool lives in reference cycles (Ray Data's executor and
+        # operators, the timeout's traceback): collected now, its actors are cancelled;
+        # left to a later collection, they start once CPUs free up and keep them.
+        del ds
+        gc.collect()
+        total = ray.cluster_resources().get("CPU", 0)
+        free = ray.available_resources().get("CPU", 0)
+        raise RuntimeError(
+            f"The conversation stream's {self.concurrency} converting actor(s) "
+            f"(num_cpus={self.num_cpus:g} each) did not start within "
+            f"actor_start_timeout_s={self.actor_start_timeout_s:g}s: the cluster has "
+            f"{total:g} CPUs, {free:g} free. {STREAM_FIXES} (Ray Data: {reason})"
+        )
 
     def samples(self):
         """Every record's sample in file order (failures logged and skipped): for small

@@ -41,16 +41,16 @@ class _Placeholder:
         return True
 
 
-def _settled_free_cpus(timeout_s: float = 20.0) -> float:
-    """The cluster's free CPUs once they stop being released: an earlier test's workers
-    and actors in this pytest process release theirs asynchronously (a reading taken
-    meanwhile sizes a placeholder that leaves room it must not leave); waits up to
-    ``timeout_s`` for every CPU to be free, then takes what is free (an actor an earlier
-    test left alive keeps its CPUs)."""
+def _settled_free_cpus(timeout_s: float = 30.0) -> float:
+    """The cluster's CPUs once every one is free again: an earlier test's workers and
+    actors in this pytest process release theirs asynchronously (a reading taken
+    meanwhile sizes a placeholder that leaves room it must not leave)."""
     total, deadline = ray.cluster_resources()["CPU"], time.monotonic() + timeout_s
     while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
         time.sleep(0.2)
-    return ray.available_resources().get("CPU", 0)
+    free = ray.available_resources().get("CPU", 0)
+    assert free == total, f"{total - free:g} of {total:g} CPUs still held after {timeout_s}s"
+    return free
 
 
 def _history(path, timeout_s: float, until) -> list[dict]:
