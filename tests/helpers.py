@@ -101,6 +101,22 @@ def restart_setup():
     return cfg, HFModelSpec(config=cfg, seed=4), synthetic_samples(cfg, 12, grids=grids)
 
 
+def every_cpu_free(timeout_s: float) -> float:
+    """The Ray cluster's CPUs once every one is free again (workers and actors release
+    theirs asynchronously), waiting up to ``timeout_s``; fails naming how many are still
+    held."""
+    import time
+
+    import ray
+
+    total, deadline = ray.cluster_resources()["CPU"], time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
+        time.sleep(0.2)
+    free = ray.available_resources().get("CPU", 0)
+    assert free == total, f"{total - free:g} of {total:g} CPUs still held after {timeout_s:g}s"
+    return total
+
+
 def losses(result) -> list[float]:
     """The loss of every reported step (``metrics.jsonl``: with or without a checkpoint;
     after a restart, each step's last attempt)."""

@@ -7,7 +7,6 @@ refused. The stream's numerics without Ray are in
 
 import gc
 import logging
-import time
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from ray_disagg import HFModelSpec, TrainLoopConfig
 from ray_disagg.data.stream import ConversationStream, RecordReader
 from ray_disagg.lr_schedule import lr_at
 from ray_disagg.testing.faults import fault_drill
-from tests.helpers import checkpoint_state, group, losses, vt
+from tests.helpers import checkpoint_state, every_cpu_free, group, losses, vt
 from tests.helpers import run_layout as fit
 from tests.stream_records import STREAM_LOOP as LOOP
 from tests.stream_records import step_ids, stream_data
@@ -103,7 +102,4 @@ def test_no_room_for_the_converting_actors_fails_naming_the_cpus(ray_start_4_cpu
         remove_placement_group(pg)
     # the failed start's actor does not take the CPUs once they are free (it would hold
     # them for good, and the next fit in this driver would wait on them)
-    deadline = time.monotonic() + 30
-    while ray.available_resources().get("CPU", 0) < cpus and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert ray.available_resources().get("CPU", 0) == cpus, ray.available_resources()
+    assert every_cpu_free(30.0) == cpus

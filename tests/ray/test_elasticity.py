@@ -18,6 +18,7 @@ from tests.helpers import (
     RESTART_LOOP,
     assert_params_close,
     checkpoint_state,
+    every_cpu_free,
     group,
     losses,
     restart_setup,
@@ -39,18 +40,6 @@ class _Placeholder:
 
     def ready(self) -> bool:
         return True
-
-
-def _settled_free_cpus(timeout_s: float = 30.0) -> float:
-    """The cluster's CPUs once every one is free again: an earlier test's workers and
-    actors in this pytest process release theirs asynchronously (a reading taken
-    meanwhile sizes a placeholder that leaves room it must not leave)."""
-    total, deadline = ray.cluster_resources()["CPU"], time.monotonic() + timeout_s
-    while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
-        time.sleep(0.2)
-    free = ray.available_resources().get("CPU", 0)
-    assert free == total, f"{total - free:g} of {total:g} CPUs still held after {timeout_s}s"
-    return free
 
 
 def _history(path, timeout_s: float, until) -> list[dict]:
@@ -80,7 +69,9 @@ def test_elastic_vision_group_grows_and_shrinks_without_restarting_the_llm(
             elastic_resize_monitor_interval_s=0.5,
         )
     )
-    free = _settled_free_cpus()
+    # an earlier test's workers may still be releasing theirs: a placeholder sized
+    # meanwhile would leave room it must not leave
+    free = every_cpu_free(30.0)
     first = _Placeholder.options(num_cpus=free - 1.0).remote()  # room for 1 + 1 workers
     ray.get(first.ready.remote())
     marker, history = tmp_path / "killed", tmp_path / "elastic" / "metrics.jsonl"
@@ -120,7 +111,9 @@ def test_failure_while_the_group_restarts_falls_back_to_the_full_restart(
     _, spec, data = setup
     loop = dict(LOOP, report_placement=True)
     marker, history = tmp_path / "killed", tmp_path / "fallback" / "metrics.jsonl"
-    free = _settled_free_cpus()
+    # an earlier test's workers may still be releasing theirs: a placeholder sized
+    # meanwhile would leave room it must not leave
+    free = every_cpu_free(30.0)
     with fault_drill(group="vision", step=2, marker=marker), ThreadPoolExecutor(1) as ex:
         run = ex.submit(fit, spec, data, loop, vt(group(1), group(1)), tmp_path, "fallback",
                         failures=3)  # fmt: skip

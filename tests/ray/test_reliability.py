@@ -5,7 +5,6 @@ cluster stays on loopback."""
 
 import math
 import os
-import time
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from ray.train import Checkpoint
 from ray_disagg import HFModelSpec, load_metrics, tiny_qwen2_5_vl_config
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.testing.faults import fault_drill
-from tests.helpers import checkpoint_state, group, run_layout, vt
+from tests.helpers import checkpoint_state, every_cpu_free, group, run_layout, vt
 
 LOOP = {"max_steps": 3, "global_batch_size": 4, "shuffle": False, "eps": 1e-6}
 
@@ -79,10 +78,7 @@ def test_dead_coordinator_leaks_no_placement_group(ray_start_4_cpus, setup, tmp_
     states = [pg["state"] for pg in ray.util.placement_group_table().values()]
     assert "CREATED" not in states and "PENDING" not in states, states
     # every CPU of the cluster is free again (a fit that needs them all could start)
-    deadline = time.monotonic() + 60
-    while ray.available_resources().get("CPU", 0) < 4 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert ray.available_resources().get("CPU", 0) == 4, ray.available_resources()
+    assert every_cpu_free(60.0) == 4
 
 
 def test_infeasible_resources_fail_on_the_driver(ray_start_4_cpus, setup, tmp_path):
