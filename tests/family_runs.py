@@ -1,7 +1,6 @@
-"""The family runs of the later families, shared by the gloo tier (the workers without Ray,
-``tests/gloo/test_family_runs.py``) and the Ray tier (one family on Ray Train worker
-groups, ``tests/ray/test_families.py``): the groups equal the family's single-process HF
-model (losses and parameters, fp32, 1e-5).
+"""The family runs of the later families, on the workers without Ray
+(``tests/gloo/test_family_runs.py``; Ray adds nothing to a family's numerics): the groups
+equal the family's single-process HF model (losses and parameters, fp32, 1e-5).
 
 The 2026 families (Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE) with the router's auxiliary loss
 over the global batch: Qwen3-VL-MoE under LLM context parallelism, Qwen3.5 with its Gated
@@ -46,14 +45,14 @@ LAYOUTS = {
 EXTRA = {"qwen3_5": {"pack_sequences": True, "max_seq_len": 128}}  # DeltaNet per sample
 
 
-def check_family_trains_like_hf(tmp_path, model_type: str, local: bool) -> None:
+def check_family_trains_like_hf(tmp_path, model_type: str) -> None:
     """``model_type``'s layout of :data:`LAYOUTS` equals HF."""
     cfg = ADAPTERS[model_type].tiny_config()
     spec = HFModelSpec(config=cfg, seed=11)
     data = synthetic_samples(cfg, 8, grids=GRIDS)
     loop = dict(LOOP, **EXTRA.get(model_type, {}))
     groups = LAYOUTS[model_type]()
-    result = run_layout(spec, data, loop, groups, tmp_path, model_type, local=local)
+    result = run_layout(spec, data, loop, groups, tmp_path, model_type, local=True)
     assert_matches_reference(result, spec, data, loop)
 
 
@@ -64,7 +63,7 @@ LLAVA_GRIDS = [{"images": [(1, 4, 4), (1, 8, 4)]}, None, (1, 4, 8), (1, 8, 8), N
 LLAVA_FAMILIES = ("gemma3", "internvl", "llava_onevision")
 
 
-def check_llava_family_trains_like_hf(tmp_path, model_type: str, local: bool) -> None:
+def check_llava_family_trains_like_hf(tmp_path, model_type: str) -> None:
     """A LLaVA-shaped family with text TP2, a frozen tower, packing, validation and an
     export equals HF."""
     cfg = ADAPTERS[model_type].tiny_config()
@@ -76,7 +75,7 @@ def check_llava_family_trains_like_hf(tmp_path, model_type: str, local: bool) ->
     groups = vt(vision, group(2, TensorParallel(size=2)))
     groups["vision"].freeze = ("model.vision_tower",)  # the projector trains
     result = run_layout(
-        spec, data, LLAVA_LOOP, groups, tmp_path, model_type, validation=val, local=local
+        spec, data, LLAVA_LOOP, groups, tmp_path, model_type, validation=val, local=True
     )
     loop = TrainLoopConfig(**LLAVA_LOOP)
     ref_losses, _, ref_model, ref_val = reference_train(spec, data, loop, groups, val)

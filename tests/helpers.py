@@ -101,6 +101,27 @@ def restart_setup():
     return cfg, HFModelSpec(config=cfg, seed=4), synthetic_samples(cfg, 12, grids=grids)
 
 
+NONFINITE_LOOP = {"max_steps": 3, "global_batch_size": 4, "shuffle": False, "eps": 1e-6}
+"""The non-finite tests' loop: the data of :func:`nonfinite_setup` in file order."""
+
+
+def nonfinite_setup():
+    """The non-finite tests' model and data: ``(spec, 12 samples)``; step 2 holds a NaN
+    pixel (sample ``"nan-pixel"``), step 3 no label token at all."""
+    import numpy as np
+
+    from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
+    from ray_disagg.data.examples import synthetic_samples
+
+    cfg = tiny_qwen2_5_vl_config()
+    data = synthetic_samples(cfg, 12, grids=[(1, 4, 4), (1, 8, 4), None])
+    data[4] = dict(data[4], id="nan-pixel", pixel_values=data[4]["pixel_values"].copy())
+    data[4]["pixel_values"][0, 0] = np.nan  # step 2
+    for i in range(8, 12):  # step 3: no label token at all
+        data[i] = dict(data[i], labels=np.full_like(data[i]["labels"], -100))
+    return HFModelSpec(config=cfg, seed=1), data
+
+
 def every_cpu_free(timeout_s: float) -> float:
     """The Ray cluster's CPUs once every one is free again (workers and actors release
     theirs asynchronously), waiting up to ``timeout_s``; fails naming how many are still

@@ -49,7 +49,7 @@ LAYOUTS = {
         lambda: vt(group(2, SequenceParallel(size=2)), group(2, TensorParallel(size=2))),
         {},
     ),
-    # packed rows and validation every step (the Ray tier's run is 1 + 1)
+    # packed rows and validation every step
     "vision-sp2-text-tp2-packed": (
         lambda: vt(group(2, SequenceParallel(size=2)), group(2, TensorParallel(size=2))),
         {"pack_sequences": True, "max_seq_len": 128, "eval_every": 1},

@@ -69,6 +69,12 @@ CASES = {
         {"micro_batches": 2, "pack_sequences": True, "max_seq_len": 64, "loss_chunk_tokens": 3},
         DPO(beta=0.5, loss_type="ipo"),
     ),
+    # the smallest layout, a trained tower with its reference copy, two 1F1B microbatches
+    "vision1-text1-1f1b-hinge": (
+        lambda: vt(group(1), group(1)),
+        {"micro_batches": 2},
+        DPO(beta=0.1, loss_type="hinge"),
+    ),
 }
 
 
@@ -110,6 +116,7 @@ def test_dpo_layouts_equal_single_process(setup, tmp_path, case):
 
     torch.testing.assert_close(losses(result), ref_losses, rtol=1e-5, atol=0.0)
     assert_params_close(checkpoint_state(result.checkpoint), ref_model.state_dict(), 1e-5)
+    assert set(dpo.metric_names) <= set(result.metrics)  # the Result carries TRL's names
     frame = load_metrics(result)
     for name, want in expected_metrics(ref_logps, dpo.beta).items():
         tol = (

@@ -1,9 +1,9 @@
 """Tier 3: colocated placement (one placement group, bundle i holds worker i of every
-group), the transfer tiers, the 1F1B schedule and a group restarted alone, on a real Ray
-cluster: one uninterrupted run against the single-process model, and the same run with
-a vision worker killed mid-pipelined-step. The other layouts' numerics, colocated or not,
-are in the gloo tier (``tests/gloo/test_layouts_match_single_process.py``,
-``tests/gloo/test_pipeline.py``)."""
+group), the automatic shared-memory tier, the 1F1B schedule and a group restarted alone,
+on a real Ray cluster: a vision worker killed mid-pipelined-step, against the same
+layout's uninterrupted run without Ray over the gloo tier (forced) and the
+single-process model. The other layouts' numerics, colocated or not, are in the gloo tier
+(``tests/gloo/test_layouts_match_single_process.py``, ``tests/gloo/test_pipeline.py``)."""
 
 import pytest
 import torch
@@ -37,14 +37,6 @@ def setup():
     return HFModelSpec(config=cfg, seed=11), synthetic_samples(cfg, 16, grids=GRIDS)
 
 
-@pytest.fixture(scope="module")
-def colocated(ray_start_4_cpus, setup, tmp_path_factory):
-    """The uninterrupted colocated run over the (automatic) shared-memory tier."""
-    spec, data = setup
-    root = tmp_path_factory.mktemp("colocated")
-    return run_layout(spec, data, LOOP, _groups(), root, "shm", placement="colocated")
-
-
 def assert_paired_in_one_placement_group(metrics, n: int) -> None:
     """Seen from inside the workers: one placement group; vision rank i and text rank i
     in bundle i."""
@@ -55,39 +47,30 @@ def assert_paired_in_one_placement_group(metrics, n: int) -> None:
         assert placement[f"vision rank {i}"][1] == placement[f"text rank {i}"][1] == i
 
 
-def test_colocated_1f1b_matches_single_process(colocated, setup):
-    spec, data = setup
-    assert_matches_reference(colocated, spec, data, LOOP)
-    assert_paired_in_one_placement_group(colocated.metrics, 2)
-    assert colocated.metrics["transfer_tier"] == "shm"
-
-
-def test_killed_mid_pipelined_step_restarts_its_group_alone_over_the_gloo_tier(
-    colocated, setup, tmp_path
+def test_killed_mid_pipelined_step_restarts_its_group_alone_in_the_shared_bundles(
+    ray_start_4_cpus, setup, tmp_path
 ):
     """Vision rank 1 dies at microbatch 2 of step 3: only the vision group restarts (into
     the shared bundles); both text ranks leave the step together, keep their workers and
-    reload checkpoint 2 in place. Also the gloo tier (forced): the result equals the
-    shared-memory run bit for bit."""
+    reload checkpoint 2 in place. The tensors between the groups go over shared memory
+    (chosen automatically for colocated workers on one node); the result equals the
+    uninterrupted run without Ray over the gloo tier (forced) bit for bit, and the
+    single-process model."""
     spec, data = setup
     marker = tmp_path / "killed"
     with fault_drill(group="vision", step=2, rank=1, micro_batch=2, marker=marker):
         result = run_layout(
-            spec,
-            data,
-            LOOP,
-            _groups(),
-            tmp_path,
-            "kill",
-            failures=1,
-            placement="colocated",
-            transfer="gloo",
+            spec, data, LOOP, _groups(), tmp_path, "kill", failures=1, placement="colocated"
         )
     assert marker.exists()  # vision rank 1 really died at microbatch 2 of step 3
-    assert result.metrics["transfer_tier"] == "gloo"
+    assert result.metrics["transfer_tier"] == "shm"
     assert result.metrics["vision_restarts"] == 1 and result.metrics["text_restarts"] == 0
     assert [int(s) for s in result.metrics_dataframe.sort_values("step")["step"]] == [1, 2, 3]
-    assert losses(result) == losses(colocated)  # bit-identical on CPU
-    got, ref = checkpoint_state(result.checkpoint), checkpoint_state(colocated.checkpoint)
-    assert all(torch.equal(got[k], ref[k]) for k in ref)
     assert_paired_in_one_placement_group(result.metrics, 2)  # in the shared bundles
+    clean = run_layout(spec, data, LOOP, _groups(), tmp_path, "clean", local=True,
+                       placement="colocated", transfer="gloo")  # fmt: skip
+    assert clean.metrics["transfer_tier"] == "gloo"
+    assert losses(result) == losses(clean)  # bit-identical on CPU
+    got, ref = checkpoint_state(result.checkpoint), checkpoint_state(clean.checkpoint)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    assert_matches_reference(clean, spec, data, LOOP)

@@ -1,22 +1,32 @@
-"""Conversation streams on Ray (tier 3): Ray Data actors convert the records in the order
-this process would, and one end-to-end fit on Ray from a JSON Lines file and a media
-folder whose text worker is killed mid-epoch, restarting every group (the run that
-checks a whole-run restart); a cluster without room for the converting actors is
-refused. The stream's numerics without Ray are in
-``tests/gloo/test_conversation_stream.py``."""
+"""Ray Data on Ray (tier 3): a Ray Dataset read by the LLM's shards, each sample once per
+epoch; conversation streams, whose Ray Data actors convert the records in the order this
+process would, and one end-to-end fit on Ray from a JSON Lines file and a media folder
+whose text worker is killed mid-epoch, restarting every group (the run that checks a
+whole-run restart); a cluster without room for the converting actors is refused. The
+stream's numerics without Ray are in ``tests/gloo/test_conversation_stream.py``."""
 
 import gc
 import logging
 
 import numpy as np
 import pytest
+import ray
 import torch
 
 from ray_disagg import HFModelSpec, TrainLoopConfig
+from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.data.stream import ConversationStream, RecordReader
 from ray_disagg.lr_schedule import lr_at
 from ray_disagg.testing.faults import fault_drill
-from tests.helpers import checkpoint_state, every_cpu_free, group, losses, vt
+from tests.helpers import (
+    RESTART_LOOP,
+    checkpoint_state,
+    every_cpu_free,
+    group,
+    losses,
+    restart_setup,
+    vt,
+)
 from tests.helpers import run_layout as fit
 from tests.stream_records import STREAM_LOOP as LOOP
 from tests.stream_records import step_ids, stream_data
@@ -74,7 +84,6 @@ def test_no_room_for_the_converting_actors_fails_naming_the_cpus(ray_start_4_cpu
     worker starts, naming the CPUs the stream's actors need and the fixes; actors that
     still find no CPU (here a placement group holds them all) fail after
     ``actor_start_timeout_s`` instead of waiting forever, and leave no actor behind."""
-    import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     proc, path, cfg = data
@@ -103,3 +112,20 @@ def test_no_room_for_the_converting_actors_fails_naming_the_cpus(ray_start_4_cpu
     # the failed start's actor does not take the CPUs once they are free (it would hold
     # them for good, and the next fit in this driver would wait on them)
     assert every_cpu_free(30.0) == cpus
+
+
+def test_ray_data_ingest_uses_every_sample_once_per_epoch(ray_start_4_cpus, tmp_path):
+    """A Ray Dataset read by 2 LLM shards (``streaming_split``): each epoch every sample
+    once, none dropped or duplicated."""
+    cfg, spec, _ = restart_setup()
+    samples = synthetic_samples(cfg, 12, grids=[(1, 4, 4), (1, 8, 4)])
+    ds = ray.data.from_items(samples)
+    loop = dict(RESTART_LOOP, max_steps=6, report_sample_ids=True)
+    result = fit(spec, ds, loop, vt(group(1), group(2)), tmp_path, "raydata")  # 2 LLM shards
+    rows = result.metrics_dataframe.sort_values("step")
+    per_step = [list(ids) for ids in rows["sample_ids"]]
+    assert all(len(ids) == 4 for ids in per_step)
+    for epoch in (per_step[:3], per_step[3:]):  # 12 samples, 4 per step: 3 steps an epoch
+        ids = [i for step in epoch for i in step]
+        assert sorted(ids) == list(range(12))  # none dropped, none duplicated
+    assert all(v == v for v in rows["loss"])  # finite (not NaN)
