@@ -5,6 +5,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray 2.60 turns 127.0.0.1 into the external interface address unless this is 0
 # (../shared/ray-train-notes.md): keep every node, worker and store on loopback.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+# Ray's log monitor lists the session's log files every 0.1 s below 1,000 files (a Ray
+# worker writes two; a session starts a few hundred): every 5 s is enough where no log
+# reaches the driver (log_to_driver=False below).
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
 
 import pytest  # noqa: E402
 import ray  # noqa: E402
@@ -21,8 +26,6 @@ def ray_start_4_cpus():
         include_dashboard=False,
         log_to_driver=False,
         logging_level="WARNING",
-        # Ray metrics reach the node's export port every 2 s, not 10 (a test reads them)
-        _system_config={"metrics_report_interval_ms": 2000},
     )
     yield
     ray.shutdown()

@@ -160,10 +160,10 @@ def test_schedule_freezing_validation_packing_and_callbacks_match_reference(
     assert seen == [{"step": s, "ckpt": True} for s in range(1, 5)]
 
 
-def _ray_gauges(run: str, names, last_step: int, timeout_s: float = 30.0) -> dict:
+def _ray_gauges(run: str, names, last_step: int, timeout_s: float = 60.0) -> dict:
     """``{name: {group tag or "": value}}`` of ``run``'s gauges from the node's metrics
     export port, polled until every name shows and ``ray_disagg_step`` is ``last_step``
-    (Ray exports every few seconds: an export may still hold an earlier step's values)."""
+    (Ray exports every 10 s: an export may still hold an earlier step's values)."""
     import ray
 
     names = {*names, "ray_disagg_step"}
