@@ -139,7 +139,10 @@ def head_node():
         client_server,
     ) = _free_ports(9)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
-    env.pop("RAY_ADDRESS", None)
+    # a user's head: Ray's default log monitor (conftest.py slows the session clusters')
+    log_monitor = ("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "LOG_NAME_UPDATE_INTERVAL_S")
+    for name in ("RAY_ADDRESS", *log_monitor):
+        env.pop(name, None)
     env.update(
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # node, workers and driver on 127.0.0.1
         RAY_AUTH_MODE="token",  # explicit: the default depends on ~/.ray/auth_token
