@@ -153,6 +153,14 @@ def checkpoint_state(checkpoint) -> dict[str, torch.Tensor]:
     return state
 
 
+def assert_bit_identical(result, clean) -> None:
+    """``result`` (a run with a restart) equals ``clean`` (the uninterrupted run) bit for
+    bit on CPU: every step's loss and every parameter of the last checkpoint."""
+    assert losses(result) == losses(clean)
+    got, ref = checkpoint_state(result.checkpoint), checkpoint_state(clean.checkpoint)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
 SMALL_RMS = 0.01
 """Below this RMS a tensor's own norm is no scale for its relative error (half a linear
 layer's initial standard deviation of 0.02; every element is still within ``rtol``)."""

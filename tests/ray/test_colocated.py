@@ -6,7 +6,6 @@ single-process model. The other layouts' numerics, colocated or not, are in the 
 (``tests/gloo/test_layouts_match_single_process.py``, ``tests/gloo/test_pipeline.py``)."""
 
 import pytest
-import torch
 
 from ray_disagg import HFModelSpec, TensorParallel, tiny_qwen2_5_vl_config
 from ray_disagg.data.examples import synthetic_samples
@@ -14,10 +13,9 @@ from ray_disagg.testing.faults import fault_drill
 from tests.helpers import (
     PIPELINE_GRIDS,
     PIPELINE_LOOP,
+    assert_bit_identical,
     assert_matches_reference,
-    checkpoint_state,
     group,
-    losses,
     run_layout,
     vt,
 )
@@ -70,7 +68,5 @@ def test_killed_mid_pipelined_step_restarts_its_group_alone_in_the_shared_bundle
     clean = run_layout(spec, data, LOOP, _groups(), tmp_path, "clean", local=True,
                        placement="colocated", transfer="gloo")  # fmt: skip
     assert clean.metrics["transfer_tier"] == "gloo"
-    assert losses(result) == losses(clean)  # bit-identical on CPU
-    got, ref = checkpoint_state(result.checkpoint), checkpoint_state(clean.checkpoint)
-    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    assert_bit_identical(result, clean)
     assert_matches_reference(clean, spec, data, LOOP)

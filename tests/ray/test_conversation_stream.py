@@ -11,7 +11,6 @@ import logging
 import numpy as np
 import pytest
 import ray
-import torch
 
 from ray_disagg import HFModelSpec, TrainLoopConfig
 from ray_disagg.data.examples import synthetic_samples
@@ -20,10 +19,9 @@ from ray_disagg.lr_schedule import lr_at
 from ray_disagg.testing.faults import fault_drill
 from tests.helpers import (
     RESTART_LOOP,
-    checkpoint_state,
+    assert_bit_identical,
     every_cpu_free,
     group,
-    losses,
     restart_setup,
     vt,
 )
@@ -74,9 +72,7 @@ def test_ray_fit_from_records_and_media_sees_each_record_once_across_a_restart(
     assert lrs == [lr_at(TrainLoopConfig(**loop), s) for s in range(4)] and len(set(lrs)) == 4
     clean = fit(spec, stream, loop, vt(group(1), group(1)), tmp_path, "clean", local=True)
     assert step_ids(clean) == step_ids(result)
-    assert losses(result) == losses(clean)  # bit-identical on CPU
-    got, ref = checkpoint_state(result.checkpoint), checkpoint_state(clean.checkpoint)
-    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    assert_bit_identical(result, clean)
 
 
 def test_no_room_for_the_converting_actors_fails_naming_the_cpus(ray_start_4_cpus, data, tmp_path):

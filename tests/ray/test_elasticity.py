@@ -16,6 +16,7 @@ from ray_disagg import ModuleGroup
 from ray_disagg.testing.faults import fault_drill
 from tests.helpers import (
     RESTART_LOOP,
+    assert_bit_identical,
     assert_params_close,
     checkpoint_state,
     every_cpu_free,
@@ -131,9 +132,7 @@ def test_failure_while_the_group_restarts_falls_back_to_the_full_restart(
     assert lines[-1]["placement"]["text rank 0"][0] != text_pg  # every group restarted
     assert result.metrics["vision_restarts"] == 0  # the group restart did not complete
     clean = fit(spec, data, LOOP, vt(group(1), group(1)), tmp_path, "clean", local=True)
-    assert losses(result) == losses(clean)  # bit-identical on CPU
-    got, ref = checkpoint_state(result.checkpoint), checkpoint_state(clean.checkpoint)
-    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    assert_bit_identical(result, clean)
 
 
 def test_standby_takes_the_failed_groups_place(ray_start_4_cpus, setup, tmp_path):
@@ -150,6 +149,4 @@ def test_standby_takes_the_failed_groups_place(ray_start_4_cpus, setup, tmp_path
     m = result.metrics
     assert (m["vision_restarts"], m["vision_standby_takeovers"], m["text_restarts"]) == (1, 1, 0)
     clean = fit(spec, data, LOOP, vt(group(1), group(1)), tmp_path, "clean", local=True)
-    assert losses(result) == losses(clean)  # bit-identical on CPU
-    got, ref = checkpoint_state(result.checkpoint), checkpoint_state(clean.checkpoint)
-    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    assert_bit_identical(result, clean)

@@ -9,9 +9,8 @@ import pytest
 import ray
 
 from ray_disagg.testing.faults import fault_drill
-from tests.helpers import NONFINITE_LOOP, every_cpu_free, group, nonfinite_setup, run_layout, vt
-
-LOOP = NONFINITE_LOOP
+from tests.helpers import NONFINITE_LOOP as LOOP
+from tests.helpers import every_cpu_free, group, nonfinite_setup, run_layout, vt
 
 
 @pytest.fixture(scope="module")
