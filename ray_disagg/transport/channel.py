@@ -100,6 +100,12 @@ class Channel:
         self.fallbacks = 0  # tensor messages sent over gloo instead of the planned tier
         self.closed = False
 
+    def take_fallbacks(self) -> int:
+        """Tensor messages sent over gloo instead of their planned tier since the last
+        call."""
+        n, self.fallbacks = self.fallbacks, 0
+        return n
+
     def rank_of(self, module: str, group_rank: int) -> int:
         return self.spec.offsets[module] + group_rank
 

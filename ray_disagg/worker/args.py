@@ -11,7 +11,7 @@ from ray_disagg.config import ModuleGroup, TrainLoopConfig
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan, CoveringPlan
 from ray_disagg.pipeline.budget import BudgetPlan
-from ray_disagg.worker.metrics import StepStats
+from ray_disagg.worker.stats import StepStats
 
 
 @dataclass

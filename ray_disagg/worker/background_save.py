@@ -3,8 +3,9 @@ of one rank's shard, staged into host memory that the next checkpoint reuses.
 
 The checkpoint step copies the shard into the staging buffers (on GPUs it only starts
 the copy: the next step computes meanwhile and its optimizer step waits for it,
-:func:`wait_staged`); the files are written by a writer process of DCP's (or a thread,
-without room in ``/dev/shm``) at the lowest CPU priority, over a gloo group of its own.
+``ShardWriter.wait_staged``); the files are written by a writer process of DCP's (or a
+thread, without room in ``/dev/shm``) at the lowest CPU priority, over a gloo group of its
+own.
 """
 
 from __future__ import annotations
@@ -24,17 +25,19 @@ from torch.distributed.checkpoint.state_dict_saver import (
     AsyncSaveResponse,
 )
 
-__all__ = ["start", "wait_staged"]
+__all__ = ["start"]
 
 
-def start(writer, state: dict, directory: str, group):
+def start(state: dict, directory: str, group, stager=None):
     """Start writing ``state`` (this rank's tensors) into ``directory`` in the background
-    over ``group``; returns the future of the write. ``writer`` (a ``ShardWriter``) keeps
-    the staging buffers and the running staging copy."""
-    kind = _background_kind(state, group, writer.stager is not None)
+    over ``group``: ``(the future of the write, the future of its staging copy or None,
+    the staging buffers)``. ``stager``: the previous checkpoint's staging buffers
+    (``None``: none yet; made here when DCP's writer process needs them), to pass again
+    with the next checkpoint."""
+    kind = _background_kind(state, group, stager is not None)
     shared = kind == AsyncCheckpointerType.PROCESS
-    if shared and writer.stager is None:
-        writer.stager = _shared_stager()
+    if shared and stager is None:
+        stager = _shared_stager()
     if shared and torch.cuda.is_available():  # the staging stream reads the
         torch.cuda.current_stream().synchronize()  # optimizer step's results
     future = dcp.async_save(
@@ -42,19 +45,11 @@ def start(writer, state: dict, directory: str, group):
         storage_writer=_BackgroundWriter(directory),
         process_group=group,
         async_checkpointer_type=kind,
-        async_stager=writer.stager if shared else None,
+        async_stager=stager if shared else None,
     )
     if isinstance(future, AsyncSaveResponse):  # the staging copy overlaps the next step
-        writer.staging, future = future.staging_completion, future.upload_completion
-    return future
-
-
-def wait_staged(writer) -> None:
-    """Before the optimizer changes the parameters and their state: until the running
-    checkpoint's staging copy of them is done (at once without one)."""
-    if writer is not None and writer.staging is not None:
-        staging, writer.staging = writer.staging, None
-        staging.result()
+        return future.upload_completion, future.staging_completion, stager
+    return future, None, stager
 
 
 def _background_kind(state: dict, group, staged: bool) -> AsyncCheckpointerType:
@@ -85,7 +80,7 @@ def _shared_stager():
     process reads the same buffers (each write finishes before the next staging:
     ``worker.checkpoint.flush``). They hold one copy of the shard for the run.
     On GPUs the copy runs on a stream of its own, from a thread of DCP's, while the next
-    step computes; that step's optimizer waits for it (:func:`wait_staged`). On CPUs it
+    step computes; that step's optimizer waits for it (``ShardWriter.wait_staged``). On CPUs it
     runs in the checkpoint step: there it would only compete with the next step for the
     cores (measured slower: ``benchmarks/checkpoint.py``, ``docs/checkpoints-and-recovery.md``)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions

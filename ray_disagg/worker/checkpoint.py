@@ -18,6 +18,7 @@ from ray_disagg.worker.session import get_session
 from ray_disagg.worker.shards import (
     DATA_STATE,
     REFERENCE_LOGPS,
+    ShardWriter,
     check_compatible,
     load_model,
     load_optimizer,
@@ -42,7 +43,9 @@ def is_checkpoint_step(cfg, step: int) -> bool:
     return last or (cfg.checkpoint_every is not None and (step + 1) % cfg.checkpoint_every == 0)
 
 
-def _report(metrics: dict, step: int, *, writer, model=None, optimizer=None, background=None):
+def _report(
+    metrics: dict, step: int, *, writer: ShardWriter, model=None, optimizer=None, background=None
+):
     """The session's report (``ray.train.report``) on every rank; with a ``model`` (a
     checkpoint step) every rank writes its shard and uploads it into the shared directory
     ``checkpoint_<step>``. With ``background`` (``async_checkpoint``) the shard is written
@@ -54,14 +57,16 @@ def _report(metrics: dict, step: int, *, writer, model=None, optimizer=None, bac
     if background is not None:
         tmp = tempfile.mkdtemp(prefix="ray_disagg_ckpt_")
         future = writer.write(tmp, step, model, optimizer, background)
-        writer.pending = (future, tmp, name, metrics)
+        writer.hold(future, tmp, name, metrics)
         return
     with tempfile.TemporaryDirectory() as tmp:
         writer.write(tmp, step, model, optimizer)
         get_session().report(metrics, tmp, name)
 
 
-def maybe_save(args, step: int, metrics: dict, writer, model, optimizer, background=None):
+def maybe_save(
+    args, step: int, metrics: dict, writer: ShardWriter, model, optimizer, background=None
+):
     """Report ``metrics`` of a reported step; at a checkpoint step every rank first writes
     its part of ``checkpoint_<step>`` (joining the collectives that gather tensor-parallel
     and ZeRO-1 state) and reports it with them, in the background with
@@ -75,13 +80,13 @@ def maybe_save(args, step: int, metrics: dict, writer, model, optimizer, backgro
     _report(metrics, step, writer=writer, model=model, optimizer=optimizer, background=background)
 
 
-def writing(writer) -> int:
+def writing(writer: ShardWriter) -> int:
     """1 while this rank's asynchronous checkpoint is still being written (its stats slot
     ``checkpoint_writing``)."""
     return int(writer.pending is not None and not writer.pending[0].done())
 
 
-def flush(writer, ready: bool = True) -> None:
+def flush(writer: ShardWriter, ready: bool = True) -> None:
     """Report the asynchronous checkpoint once its files are written (its upload runs in
     the background; Ray Train registers it when every worker of every group reported it):
     at the first step every rank's write was done (``ready``, from the exchanged stats, so
@@ -89,30 +94,30 @@ def flush(writer, ready: bool = True) -> None:
     step or the last step."""
     if writer.pending is None or not ready:
         return
-    future, tmp, name, metrics = writer.pending
-    writer.pending = None
+    future, tmp, name, metrics = writer.take_pending()
     future.result()
     get_session().report(metrics, tmp, name, async_upload=True)
 
 
-def drop(writer) -> None:
+def drop(writer: ShardWriter) -> None:
     """Forget an asynchronous checkpoint that will not be reported (a group restarted)."""
-    if writer.pending is None:
+    pending = writer.take_pending()
+    if pending is None:
         return
-    future, tmp, _, _ = writer.pending
-    writer.pending, writer.staging = None, None
+    future, tmp, _, _ = pending
+    writer.drop_staging()
     with contextlib.suppress(Exception):  # its peers may have gone: nothing of it is kept
         future.result()  # (after its staging copy: the state may be reloaded next)
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def record_data_position(w, source, step: int) -> dict:
+def record_data_position(cfg, writer: ShardWriter, source, step: int) -> dict:
     """A stream's metrics; at checkpoint steps its position goes to the checkpoint
     (collective over the group)."""
     if not hasattr(source, "state"):
         return {}
-    if is_checkpoint_step(w.cfg, step):
-        w.writer.data_state = source.state()
+    if is_checkpoint_step(cfg, step):
+        writer.keep_data_state(source.state())
     return source.metrics()
 
 
@@ -143,7 +148,7 @@ def _json_file(module_dir: str, name: str):
 
 
 def restore(
-    model, optimizer, module: str, args, log=None, ckpt=None, writer=None
+    model, optimizer, module: str, args, log=None, ckpt=None, writer: ShardWriter | None = None
 ) -> tuple[int, dict | None]:
     """Load ``ckpt``, else the latest checkpoint of this run (Ray Train hands it to
     restarted workers) or ``resume_from_checkpoint``, into the built model and optimizer
@@ -171,5 +176,5 @@ def restore(
             log(f"{module}: {note}")
         reference = _json_file(module_dir, REFERENCE_LOGPS)
         if writer is not None and reference is not None:  # kept, and saved again
-            writer.reference_logps = reference
+            writer.keep_reference_logps(reference)
         return trained_steps(module_dir), _json_file(module_dir, DATA_STATE)

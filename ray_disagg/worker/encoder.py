@@ -22,7 +22,7 @@ from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expe
 from ray_disagg.pipeline.schedule import WAITS, Op, encoder_actions, peak_in_flight
 from ray_disagg.worker import faults_hook, ingest, mfu
 from ray_disagg.worker.args import LoopArgs
-from ray_disagg.worker.metrics import StepClock
+from ray_disagg.worker.context import WorkerContext
 from ray_disagg.worker.objective import REF
 from ray_disagg.worker.part_worker import PartWorker
 from ray_disagg.worker.step import finish_step
@@ -41,23 +41,24 @@ def _row_offsets(adapter, part, samples) -> dict[str, list[int]]:
 def _encode(w: PartWorker, samples, run=None) -> dict:
     """The part's crossings for ``samples`` (one FSDP2 root call through ``run``, by
     default the trained part's runner)."""
-    sp = w.mp_mesh.get_group() if w.is_sp else None
+    ctx = w.ctx
+    sp = ctx.mp_mesh.get_group() if ctx.is_sp else None
 
     def encode(model):
-        return w.adapter.encode(model, w.part, samples, w.device, sp=sp)
+        return ctx.adapter.encode(model, ctx.part, samples, ctx.device, sp=sp)
 
-    with torch.autocast(w.device.type, torch.bfloat16, enabled=w.cfg.bf16):
+    with torch.autocast(ctx.device.type, torch.bfloat16, enabled=ctx.cfg.bf16):
         return (run or w.runner)(encode)
 
 
-def _receive_inputs(w: PartWorker, plan, plan_step: int, key: StepKey):
+def _receive_inputs(ctx: WorkerContext, plan, plan_step: int, key: StepKey):
     """Per microbatch: its samples (LLM replicas in order) and ``(llm replica, count)``,
     from every LLM replica it shares samples with at ``plan_step``."""
-    llm = w.adapter.llm_part
+    llm = ctx.adapter.llm_part
     mbs = [([], []) for _ in range(plan.micro_batches)]
-    for t in plan.peers(w.part, w.dp_rank, llm, plan_step):
-        msg, _ = w.channel.recv_tensors(w.side_rank(llm, t))
-        msg = expect(msg, Inputs, key, receiver=f"{w.part} group")
+    for t in plan.peers(ctx.part, ctx.dp_rank, llm, plan_step):
+        msg, _ = ctx.channel.recv_tensors(ctx.side_rank(llm, t))
+        msg = expect(msg, Inputs, key, receiver=f"{ctx.part} group")
         for (samples, routes), sub in zip(mbs, msg.microbatches):
             if sub:
                 samples += sub
@@ -69,12 +70,13 @@ class _Microbatch:
     """One microbatch between its forward and its backward: its outputs hold the graph."""
 
     def __init__(self, w: PartWorker, samples, routes, j: int, grad: bool, reference=None):
+        ctx = w.ctx
         self.samples, self.routes, self.j = samples, routes, j
         # FSDP2: every rank must run the same units; one without inputs runs a stand-in
-        self.counts = w.adapter.item_counts(w.part, samples)
-        self.flops = mfu.samples_flops(w.adapter, w.part, samples, grad) if w.leader else 0.0
-        self.real = not w.fsdp or sum(self.counts.values()) > 0
-        inputs = samples if self.real else w.adapter.stand_in_samples(w.part)
+        self.counts = ctx.adapter.item_counts(ctx.part, samples)
+        self.flops = mfu.samples_flops(ctx.adapter, ctx.part, samples, grad) if ctx.leader else 0.0
+        self.real = not ctx.fsdp or sum(self.counts.values()) > 0
+        inputs = samples if self.real else ctx.adapter.stand_in_samples(ctx.part)
         with torch.set_grad_enabled(grad):  # forward only: frozen group, validation
             self.outputs = _encode(w, inputs)
         if not grad:
@@ -83,15 +85,16 @@ class _Microbatch:
         if reference is not None:
             with torch.no_grad():
                 self.ref_outputs = _encode(w, inputs, reference.run)
-        self.offsets = _row_offsets(w.adapter, w.part, samples)
-        self.grads = {c.name: [] for c in w.adapter.crossings(w.part)}
+        self.offsets = _row_offsets(ctx.adapter, ctx.part, samples)
+        self.grads = {c.name: [] for c in ctx.adapter.crossings(ctx.part)}
 
     def send(self, w: PartWorker, key: StepKey) -> None:
         """Post each LLM replica the rows of its samples (asynchronously)."""
-        first, llm = 0, w.adapter.llm_part
+        ctx = w.ctx
+        first, llm = 0, ctx.adapter.llm_part
         for t, n in self.routes:
             tensors = {}
-            for c in w.adapter.crossings(w.part):
+            for c in ctx.adapter.crossings(ctx.part):
                 a, b = self.offsets[c.name][first], self.offsets[c.name][first + n]
                 if b > a:
                     tensors[c.name] = self.outputs[c.name][a:b].detach()
@@ -99,31 +102,33 @@ class _Microbatch:
                         tensors[REF + c.name] = self.ref_outputs[c.name][a:b]
             first += n
             msg = Crossings(key=key, mb=self.j)
-            w.pending.append(w.channel.send_tensors(w.side_rank(llm, t), tensors, msg, False))
+            w.state.post(ctx.channel.send_tensors(ctx.side_rank(llm, t), tensors, msg, False))
 
     def receive_grads(self, w: PartWorker, key: StepKey) -> None:
+        ctx = w.ctx
         for t, _n in self.routes:
-            src = w.side_rank(w.adapter.llm_part, t)
-            msg, received = w.channel.recv_tensors(src, w.device)
-            expect(msg, Grads, key, self.j, receiver=f"{w.part} group")
+            src = ctx.side_rank(ctx.adapter.llm_part, t)
+            msg, received = ctx.channel.recv_tensors(src, ctx.device)
+            expect(msg, Grads, key, self.j, receiver=f"{ctx.part} group")
             for name, g in received.items():
                 self.grads[name].append(g)
 
     def backward(self, w: PartWorker) -> None:
+        ctx = w.ctx
         outs, out_grads = [], []
         for name, out in self.outputs.items():
             # sp: non-leaders hold an empty slice but must join the backward;
             # tp: every rank holds the replicated output and needs the full gradient
-            has = w.leader and self.real
-            grad = torch.cat(self.grads[name]).to(w.device) if has else torch.zeros_like(out)
-            grad = grad.to(w.device, out.dtype)
-            if w.is_tp:
-                dist.broadcast(grad, src=w.mp_src, group=w.mp_mesh.get_group())
+            has = ctx.leader and self.real
+            grad = torch.cat(self.grads[name]).to(ctx.device) if has else torch.zeros_like(out)
+            grad = grad.to(ctx.device, out.dtype)
+            if ctx.is_tp:
+                dist.broadcast(grad, src=ctx.mp_src, group=ctx.mp_mesh.get_group())
             outs.append(out)
             out_grads.append(grad)
         if outs:
             torch.autograd.backward(outs, out_grads)
-            w.backward_passes += 1
+            w.state.count_backward()
         self.outputs = self.grads = self.ref_outputs = None
 
 
@@ -145,28 +150,30 @@ class EncoderStep:
             Op.FORWARD: self.forward,
             Op.RECV_GRADS: lambda j: self.live[j].receive_grads(self.w, self.key),
             Op.BACKWARD: lambda j: self.live.pop(j).backward(self.w),
-            Op.WAIT_SENDS: self.w.wait_pending,
+            Op.WAIT_SENDS: self.w.state.wait_pending,
         }
         for action in actions:
-            if action.op is Op.RECV_GRADS and not self.w.leader:
+            if action.op is Op.RECV_GRADS and not self.w.ctx.leader:
                 continue
-            with self.w.clock.span(waiting=action.op in WAITS, action=action):
+            with self.w.state.clock.span(waiting=action.op in WAITS, action=action):
                 handlers[action.op](action.mb)
 
     def recv_inputs(self, _mb) -> None:
         w = self.w
-        mbs = _receive_inputs(w, self.plan, self.plan_step, self.key) if w.leader else None
-        mbs = w.broadcast_object(mbs)  # map-style data: SampleRefs, each rank reads its own
-        keys = ("id", *w.adapter.encoder_fields(w.part))
+        ctx = w.ctx
+        mbs = _receive_inputs(ctx, self.plan, self.plan_step, self.key) if ctx.leader else None
+        mbs = ctx.broadcast_object(mbs)  # map-style data: SampleRefs, each rank reads its own
+        keys = ("id", *ctx.adapter.encoder_fields(ctx.part))
         self.inputs = [([self.data.resolve(s, keys) for s in ss], r) for ss, r in mbs]
 
     def forward(self, j: int) -> None:
         w = self.w
+        ctx = w.ctx
         if self.grad:
-            faults_hook.drill(w.part, w.group_rank, self.key.step, j)
+            faults_hook.drill(ctx.part, ctx.group_rank, self.key.step, j)
         samples, routes = self.inputs[j]
         mb = _Microbatch(w, samples, routes, j, self.grad, self.reference)
-        if w.leader:
+        if ctx.leader:
             mb.send(w, self.key)
         mb.ref_outputs = None  # posted: the transports hold what they still send
         for name, n in mb.counts.items():
@@ -201,30 +208,31 @@ def _reference_pass(w: PartWorker, data, plan) -> None:
         _encode_all(w, data, plan, -1)
     finally:
         w.model.train()
-    w.clock = StepClock()  # the pass is not the first step's time
+    w.state.restart_clock()  # the pass is not the first step's time
 
 
 def encoder_train_loop(args: LoopArgs, part: str) -> None:
     w = PartWorker(args, part)
     model = w.build()
     start = w.setup(model)  # the plans (parallelize_part), FSDP2, weights, optimizer
+    ctx = w.ctx  # an encoder group's is fixed: a failure restarts the group's workers
     reference = w.build_reference()  # an objective's frozen copy of a trained tower
-    limit = w.cfg.max_in_flight or 1
-    actions = encoder_actions(w.cfg.micro_batches, limit, trains=not w.frozen)
+    limit = ctx.cfg.max_in_flight or 1
+    actions = encoder_actions(ctx.cfg.micro_batches, limit, trains=not ctx.frozen)
     data = ingest.Datasets({"train": args.dataset_ref, "validation": args.val_ref})
     evaluate = None
     if args.val_plan is not None:
         evaluate = functools.partial(_evaluate, w, data, args.val_plan)
-    if args.runs_reference_pass(start, w.channel.spec.restarts.get(part, 0)):
+    if args.runs_reference_pass(start, ctx.channel.spec.restarts.get(part, 0)):
         _reference_pass(w, data, args.reference_plan)
-    for step in range(start, w.cfg.max_steps):
-        faults_hook.drill(part, w.group_rank, step)
-        w.clock.begin(step, w.cfg.trace_steps)
+    for step in range(start, ctx.cfg.max_steps):
+        faults_hook.drill(part, ctx.group_rank, step)
+        w.state.clock.begin(step, ctx.cfg.trace_steps)
         key = StepKey(step)
-        run = EncoderStep(w, data, args.plan, step, key, grad=not w.frozen, reference=reference)
+        run = EncoderStep(w, data, args.plan, step, key, grad=not ctx.frozen, reference=reference)
         run.run(actions)
         stats = args.stats.new()
-        if w.leader:
+        if ctx.leader:
             for name, n in run.counts.items():
                 stats[args.stats.index[name]] = n
             stats[args.stats.index[f"{part}_flops"]] = run.flops

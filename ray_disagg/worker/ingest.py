@@ -110,7 +110,13 @@ def sample_from_row(row) -> dict:
 
 
 def make_source(
-    data, plan, dp_rank: int, is_leader: bool, group: str, object_group=None, state=None
+    data,
+    plan,
+    dp_rank: int,
+    is_leader: bool,
+    group: str,
+    object_group=None,
+    state: dict | None = None,
 ):
     """Collective over the reading group when ``data`` is a Ray Dataset (the splits go
     to every rank over ``object_group``, a gloo group). A conversation stream's source is

@@ -5,56 +5,146 @@ router's auxiliary loss)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from ray_disagg.models import loss as models_loss
+from ray_disagg.models import moe
 from ray_disagg.models.loss import lm_loss, lm_loss_by_sequence, loss_index
-from ray_disagg.models.packing import is_packed
+from ray_disagg.models.packing import PACKED_KEY, is_packed
 from ray_disagg.parallel import context_parallel as cp
+from ray_disagg.worker.context import WorkerContext
 from ray_disagg.worker.metrics import plain
-from ray_disagg.worker.objective import router_aux, sequence_index
-from ray_disagg.worker.part_worker import PartWorker
 
-__all__ = ["collate", "loss"]
+__all__ = ["LossInputs", "collate", "loss", "router_aux", "sequence_index", "sequence_logps"]
 
 
-def loss(adapter, lm_head, batch, received, n_labels, tp_group, vocab_start, chunk, ctx, model):
+@dataclass(frozen=True, kw_only=True)
+class LossInputs:
+    """What the LLM's loss of one microbatch takes besides the model (:func:`loss`,
+    :func:`sequence_logps`)."""
+
+    adapter: Any
+    """The family's adapter: the LLM's outputs (HF's merge of the crossings and rope)."""
+    lm_head: nn.Module
+    """The LLM's output projection (this rank's vocabulary shard under TP)."""
+    batch: dict
+    """The collated microbatch (:func:`collate`)."""
+    received: dict
+    """The crossing tensors (encoder outputs) of its samples, by crossing name."""
+    normalizer: float = 1.0
+    """The token loss's divisor: the global batch's label tokens."""
+    tp_group: Any = None
+    """The tensor-parallel group of a vocabulary-parallel ``lm_head`` (else ``None``)."""
+    vocab_start: int = 0
+    """The first vocabulary row of this rank's ``lm_head`` shard."""
+    chunk_tokens: int | None = None
+    """Label positions per loss chunk (``TrainLoopConfig.loss_chunk_tokens``)."""
+    context: cp.ContextSlice | None = None
+    """This rank's context-parallel slice (else ``None``)."""
+
+    def hidden(self, model):
+        """``(the LLM's last hidden states, the routers' logits or None)`` and the keyword
+        arguments of the loss functions of :mod:`ray_disagg.models.loss`."""
+        ctx, batch = self.context, self.batch
+        hidden, router_logits = self.adapter.llm_outputs(model, batch, self.received, context=ctx)
+        kwargs = dict(index=batch["loss_index"], chunk_tokens=self.chunk_tokens,
+                      shifted=ctx is not None, min_chunks=batch["loss_chunks"])  # fmt: skip
+        return hidden, router_logits, kwargs
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.batch["labels"] if self.context is None else self.batch["loss_targets"]
+
+    def router_aux(self, router_logits) -> torch.Tensor | None:
+        """This rank's share of an MoE router's auxiliary loss (``None``: no router, or
+        no ``batch["router"]``, as in validation)."""
+        if router_logits is None or "router" not in self.batch:
+            return None
+        return router_aux(self.adapter, router_logits, self.batch, self.context)
+
+
+def loss(inputs: LossInputs, model):
     """``(the microbatch's loss, each sequence's summed cross-entropy or None)``; with a
-    context slice ``ctx``, this rank's share of both. The sequences' sums (detached) come
-    with ``loss_seq`` in ``batch`` (a mixture's per-source metrics). An MoE LLM adds this
+    context slice, this rank's share of both. The sequences' sums (detached) come with
+    ``loss_seq`` in the batch (a mixture's per-source metrics). An MoE LLM adds this
     rank's share of the router's auxiliary loss (``batch["router"]``: the group of ranks
     holding different tokens, see :mod:`ray_disagg.models.moe`)."""
-    hidden, router_logits = adapter.llm_outputs(model, batch, received, context=ctx)
-    labels = batch["labels"] if ctx is None else batch["loss_targets"]
-    kwargs = dict(index=batch["loss_index"], chunk_tokens=chunk, shifted=ctx is not None,
-                  min_chunks=batch["loss_chunks"])  # fmt: skip
-    per_sequence = None
+    hidden, router_logits, kwargs = inputs.hidden(model)
+    batch, per_sequence = inputs.batch, None
+    head = (hidden, inputs.lm_head, inputs.labels, inputs.normalizer)
     if "loss_seq" in batch:
         total, per_sequence = lm_loss_by_sequence(
-            hidden, lm_head, labels, n_labels, batch["loss_seq"], batch["num_sequences"],
-            tp_group, vocab_start, **kwargs,
+            *head, batch["loss_seq"], batch["num_sequences"], inputs.tp_group,
+            inputs.vocab_start, **kwargs,
         )  # fmt: skip
     else:
-        total = lm_loss(hidden, lm_head, labels, n_labels, tp_group, vocab_start, **kwargs)
-    if router_logits is not None and "router" in batch:
-        total = total + router_aux(adapter, router_logits, batch, ctx)
-    return total, per_sequence
+        total = lm_loss(*head, inputs.tp_group, inputs.vocab_start, **kwargs)
+    aux = inputs.router_aux(router_logits)
+    return (total if aux is None else total + aux), per_sequence
 
 
-def collate(w: PartWorker, items: list[dict], sequences: bool = False) -> dict:
+def sequence_logps(inputs: LossInputs, model):
+    """``(per-sequence log-probs of the microbatch (summed over the context slices), the
+    router's auxiliary loss share or None)`` (a per-sequence objective)."""
+    hidden, router_logits, kwargs = inputs.hidden(model)
+    batch, ctx = inputs.batch, inputs.context
+    logps = models_loss.sequence_logps(
+        hidden, inputs.lm_head, inputs.labels, batch["loss_seq"], batch["num_sequences"],
+        inputs.tp_group, inputs.vocab_start, **kwargs,
+    )  # fmt: skip
+    if ctx is not None:
+        logps = cp.SumOverContext.apply(logps, ctx.group)
+    return logps, inputs.router_aux(router_logits)
+
+
+def sequence_index(batch: dict, loss_index: torch.Tensor, bounds=None) -> torch.Tensor:
+    """The sequence (item of the collated batch) of each label position in
+    ``loss_index`` (host tensors): one row per item, or a packed row's segments in item
+    order; ``bounds``: this context-parallel rank's ``[lo, hi)``, whose positions' targets
+    were shifted already."""
+    ids = batch["input_ids"]
+    rows, width = ids.shape
+    if is_packed(batch):
+        seq = torch.full((rows, width), -1, dtype=torch.long)
+        for i, (row, start, n, _) in enumerate(batch[PACKED_KEY]):
+            seq[row, start : start + n] = i
+    else:
+        seq = torch.arange(rows).unsqueeze(1).expand(rows, width)
+    nxt = seq[:, 1:]  # a position's target is the next token's label: that token's sequence
+    if bounds is not None:
+        lo, hi = bounds
+        nxt = torch.cat([nxt, seq.new_full((rows, 1), -1)], 1)[:, lo:hi]
+    return nxt.flatten().index_select(0, loss_index)
+
+
+def router_aux(adapter, router_logits, batch: dict, piece: cp.ContextSlice | None):
+    """This rank's share of the MoE router's auxiliary loss over the tokens it routed
+    (with a context slice ``piece``, the slice's: its part of the attention mask)."""
+    mask = batch.get("attention_mask")
+    if piece is not None and mask is not None:
+        mask = mask[:, slice(*piece.bounds[piece.rank])]
+    return moe.router_aux_loss(router_logits, adapter.router, mask, batch["router"])
+
+
+def collate(ctx: WorkerContext, items: list[dict], sequences: bool = False) -> dict:
     """The microbatch's LLM batch on the device; ``sequences``: with ``loss_seq``, the
     sequence (item) of each label position, and ``num_sequences`` (a per-sequence
     objective)."""
-    if w.cfg.pack_sequences:
-        batch = w.adapter.collate_llm_packed(items, w.cfg.max_seq_len)
+    if ctx.cfg.pack_sequences:
+        batch = ctx.adapter.collate_llm_packed(items, ctx.cfg.max_seq_len)
     else:
-        batch = w.adapter.collate_llm(items)
-    if w.is_cp:  # this rank's slice: its next-token targets (the shift crosses slices)
-        ctx = _context(w, batch["input_ids"].shape[1], items, is_packed(batch))
-        lo, hi = ctx.bounds[ctx.rank]
+        batch = ctx.adapter.collate_llm(items)
+    if ctx.is_cp:  # this rank's slice: its next-token targets (the shift crosses slices)
+        piece = _context(ctx, batch["input_ids"].shape[1], items, is_packed(batch))
+        lo, hi = piece.bounds[piece.rank]
         batch["loss_targets"] = cp.local_targets(batch["labels"], lo, hi)
         batch["loss_index"] = loss_index(batch["loss_targets"], shifted=True)
-        batch["context"] = ctx
+        batch["context"] = piece
         if sequences:
             batch["loss_seq"] = sequence_index(batch, batch["loss_index"], (lo, hi))
     else:
@@ -63,29 +153,29 @@ def collate(w: PartWorker, items: list[dict], sequences: bool = False) -> dict:
             batch["loss_seq"] = sequence_index(batch, batch["loss_index"])
     if sequences:
         batch["num_sequences"] = len(items)
-    batch["loss_chunks"] = _loss_chunks(w, len(batch["loss_index"]))
-    return {n: v.to(w.device) if torch.is_tensor(v) else v for n, v in batch.items()}
+    batch["loss_chunks"] = _loss_chunks(ctx, len(batch["loss_index"]))
+    return {n: v.to(ctx.device) if torch.is_tensor(v) else v for n, v in batch.items()}
 
 
-def _loss_chunks(w: PartWorker, positions: int) -> int:
+def _loss_chunks(ctx: WorkerContext, positions: int) -> int:
     """Loss chunks every rank runs: with FSDP2 the group's most (the ``lm_head`` unit's
     collectives run once per chunk and must match across ranks), else this rank's."""
-    chunk = w.cfg.loss_chunk_tokens
-    if chunk is None or not w.fsdp:
+    chunk = ctx.cfg.loss_chunk_tokens
+    if chunk is None or not ctx.fsdp:
         return 1
     n = torch.tensor([-(-positions // chunk)], dtype=torch.int64)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=w.rt.object_group)  # gloo, on the host
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=ctx.rt.object_group)  # gloo, on the host
     return int(n)
 
 
-def _context(w: PartWorker, seq_len: int, items: list[dict], packed: bool):
+def _context(ctx: WorkerContext, seq_len: int, items: list[dict], packed: bool):
     """This rank's :class:`~ray_disagg.parallel.context_parallel.ContextSlice` of rows of
     ``seq_len`` tokens, ``packed`` or not (an error naming the samples when they are too
     short to split)."""
     try:
-        bounds = tuple(cp.slice_bounds(seq_len, w.cp_mesh.size()))
+        bounds = tuple(cp.slice_bounds(seq_len, ctx.cp_mesh.size()))
     except ValueError as e:
         ids = [plain(it.get("id")) for it in items]
         raise ValueError(f"LLM microbatch of samples {ids}: {e}") from None
-    rank = w.cp_mesh.get_local_rank()
-    return cp.ContextSlice(w.cp_mesh.get_group(), rank, bounds, packed)
+    rank = ctx.cp_mesh.get_local_rank()
+    return cp.ContextSlice(ctx.cp_mesh.get_group(), rank, bounds, packed)

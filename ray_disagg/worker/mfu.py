@@ -4,7 +4,7 @@ and the device's peak (:func:`peak_flops`: ``peak_tflops`` when set, else a tabl
 accelerators' dense peaks; ``None``, and no MFU, on a CPU or an unknown GPU).
 
 ``<group>_mfu = <group>'s model FLOPs / (step time x Σ its workers' peaks)``, and ``mfu``
-the same over all groups (:class:`~ray_disagg.worker.metrics.StepStats`).
+the same over all groups (:class:`~ray_disagg.worker.stats.StepStats`).
 
 Example:
     >>> dense_peak("NVIDIA H100 80GB HBM3", bf16=True) / 1e12

@@ -20,38 +20,17 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ray_disagg.models import moe
-from ray_disagg.models.loss import sequence_logps
-from ray_disagg.models.packing import PACKED_KEY, host_to_device, is_packed
+from ray_disagg.models.packing import host_to_device
 from ray_disagg.objectives import SequenceLogps
-from ray_disagg.parallel.context_parallel import SumOverContext
 from ray_disagg.pipeline.assignment import count_label_tokens
+from ray_disagg.worker.llm_batch import LossInputs, collate, sequence_index, sequence_logps
 from ray_disagg.worker.metrics import plain
+from ray_disagg.worker.part_worker import PartWorker
 
 __all__ = ["REF", "ObjectiveRunner", "repeat_rows", "sequence_index"]
 
 REF = "ref/"
 """Prefix of the crossing names that carry a trained encoder's reference outputs."""
-
-
-def sequence_index(batch: dict, loss_index: torch.Tensor, bounds=None) -> torch.Tensor:
-    """The sequence (item of the collated batch) of each label position in
-    ``loss_index`` (host tensors): one row per item, or a packed row's segments in item
-    order; ``bounds``: this context-parallel rank's ``[lo, hi)``, whose positions' targets
-    were shifted already."""
-    ids = batch["input_ids"]
-    rows, width = ids.shape
-    if is_packed(batch):
-        seq = torch.full((rows, width), -1, dtype=torch.long)
-        for i, (row, start, n, _) in enumerate(batch[PACKED_KEY]):
-            seq[row, start : start + n] = i
-    else:
-        seq = torch.arange(rows).unsqueeze(1).expand(rows, width)
-    nxt = seq[:, 1:]  # a position's target is the next token's label: that token's sequence
-    if bounds is not None:
-        lo, hi = bounds
-        nxt = torch.cat([nxt, seq.new_full((rows, 1), -1)], 1)[:, lo:hi]
-    return nxt.flatten().index_select(0, loss_index)
 
 
 def repeat_rows(received: dict, rows: dict, counts: list[int]) -> dict:
@@ -64,40 +43,15 @@ def repeat_rows(received: dict, rows: dict, counts: list[int]) -> dict:
     return out
 
 
-def _logps(adapter, lm_head, batch, received, tp_group, vocab_start, chunk, ctx, n, model):
-    """Per-sequence log-probs of the microbatch (summed over the context slices) and the
-    MoE router's auxiliary loss share (``None`` without a router or without gradients)."""
-    hidden, router_logits = adapter.llm_outputs(model, batch, received, context=ctx)
-    labels = batch["labels"] if ctx is None else batch["loss_targets"]
-    logps = sequence_logps(
-        hidden, lm_head, labels, batch["loss_seq"], n, tp_group, vocab_start,
-        index=batch["loss_index"], chunk_tokens=chunk, shifted=ctx is not None,
-        min_chunks=batch["loss_chunks"],
-    )  # fmt: skip
-    if ctx is not None:
-        logps = SumOverContext.apply(logps, ctx.group)
-    if router_logits is None or "router" not in batch:
-        return logps, None
-    return logps, router_aux(adapter, router_logits, batch, ctx)
-
-
-def router_aux(adapter, router_logits, batch: dict, ctx) -> torch.Tensor:
-    """This rank's share of the MoE router's auxiliary loss over the tokens it routed
-    (with a context slice ``ctx``, the slice's: its part of the attention mask)."""
-    mask = batch.get("attention_mask")
-    if ctx is not None and mask is not None:
-        mask = mask[:, slice(*ctx.bounds[ctx.rank])]
-    return moe.router_aux_loss(router_logits, adapter.router, mask, batch["router"])
-
-
 class ObjectiveRunner:
     """Runs a microbatch of an objective on one LLM worker: ``w`` its ``PartWorker``,
     ``reference`` its reference ``PartModel`` (``None``: a frozen LLM or ``"precompute"``,
     the trained part itself runs the reference's forwards)."""
 
-    def __init__(self, w, reference, collate):
-        self.w, self.obj, self.reference, self.collate = w, w.cfg.objective, reference, collate
-        self.sums = torch.zeros(len(self.obj.metric_names), dtype=torch.float64, device=w.device)
+    def __init__(self, w: PartWorker, reference):
+        self.w, self.obj, self.reference = w, w.ctx.cfg.objective, reference
+        n = len(self.obj.metric_names)
+        self.sums = torch.zeros(n, dtype=torch.float64, device=w.ctx.device)
         self.samples = 0  # of this step, on this replica
         self.load = None  # the LLM's moe.ExpertLoad, set by its owner
         self.reported = None  # the last microbatch's loss as reported (see loss)
@@ -110,28 +64,29 @@ class ObjectiveRunner:
 
     def label_tokens(self, samples: list[dict]) -> int:
         seqs, _ = self.sequences(samples)
-        return sum(count_label_tokens(self.w.adapter.labels(q)) for q in seqs)
+        return sum(count_label_tokens(self.w.ctx.adapter.labels(q)) for q in seqs)
 
     def loss(self, policy, samples, received, rows, global_samples: float, grad: bool):
         """The microbatch's loss (its metric sums added to :attr:`sums`); ``policy``: the
         trained part's ``PartModel``. While :attr:`recording` (the reference's pass), the
         policy's log-probs are kept by record id instead and the loss is 0."""
-        w, adapter = self.w, self.w.adapter
+        w, adapter = self.w, self.w.ctx.adapter
         seqs, counts = self.sequences(samples)
         self.samples += len(samples)
-        batch = self.collate(w, seqs, sequences=True)
-        ctx = batch.pop("context", None)
+        batch = collate(w.ctx, seqs, sequences=True)
+        piece = batch.pop("context", None)  # this rank's context-parallel slice
         own = {k: v for k, v in received.items() if not k.startswith(REF)}
         if self.recording:  # the initial model, as the reference copy runs (eval mode)
             model = dataclasses.replace(policy, shares_root=True)
-            logps, _ = self._run(model.run, model, batch, repeat_rows(own, rows, counts), ctx)
+            logps, _ = self._run(model.run, model, batch, repeat_rows(own, rows, counts), piece)
             self.recorded.append(([s.get("id") for s in samples], logps, counts))
             self.reported = logps.new_zeros(())
             return self.reported
-        ref_logps = self._reference(policy, samples, batch, own, received, rows, counts, ctx)
+        ref_logps = self._reference(policy, samples, batch, own, received, rows, counts, piece)
         if grad and adapter.router is not None:
-            batch["router"] = w.token_group
-        logps, aux = self._run(policy.runner, policy, batch, repeat_rows(own, rows, counts), ctx)
+            batch["router"] = w.ctx.token_group
+        own_rows = repeat_rows(own, rows, counts)
+        logps, aux = self._run(policy.runner, policy, batch, own_rows, piece)
         tokens = [count_label_tokens(adapter.labels(q)) for q in seqs]
         fields = ("id", *self.obj.fields)
         inputs = SequenceLogps(
@@ -146,13 +101,13 @@ class ObjectiveRunner:
             self.sums[i] += metrics[name].detach().double()
         # the reported loss: the objective's once per replica (whole on every cp rank),
         # the router's auxiliary share from every rank
-        whole = not w.is_cp or w.cp_mesh.get_local_rank() == 0
+        whole = not w.ctx.is_cp or w.ctx.cp_mesh.get_local_rank() == 0
         self.reported = (loss.detach() if whole else torch.zeros_like(loss.detach())) + (
             0.0 if aux is None else aux.detach()
         )
         return loss if aux is None else loss + aux
 
-    def _reference(self, policy, samples, batch, own, received, rows, counts, ctx):
+    def _reference(self, policy, samples, batch, own, received, rows, counts, piece):
         """The reference's per-sequence log-probs (``None`` when the objective needs
         none): precomputed, or a forward of the copy / the adapter-free or frozen part
         (before the policy's, so its backward follows at once)."""
@@ -163,7 +118,7 @@ class ObjectiveRunner:
         ref = self.reference or dataclasses.replace(policy, shares_root=True)
         ref_in = {k: received.get(REF + k, v).detach() for k, v in own.items()}
         with torch.no_grad(), self.uncounted():
-            logps, _ = self._run(ref.run, ref, batch, repeat_rows(ref_in, rows, counts), ctx)
+            logps, _ = self._run(ref.run, ref, batch, repeat_rows(ref_in, rows, counts), piece)
         return logps
 
     def _precomputed(self, samples) -> torch.Tensor:
@@ -176,7 +131,7 @@ class ObjectiveRunner:
                     "start a new run, or use DPO(reference='copy')."
                 )
             values += self.table[s["id"]]
-        return host_to_device(torch.tensor(values, dtype=torch.float32), self.w.device)
+        return host_to_device(torch.tensor(values, dtype=torch.float32), self.w.ctx.device)
 
     @contextlib.contextmanager
     def uncounted(self):
@@ -192,29 +147,41 @@ class ObjectiveRunner:
             if active:
                 load.active = True
 
-    def _run(self, run, model, batch, received, ctx):
+    def _run(self, run, model, batch, received, piece):
         """``(per-sequence log-probs, router aux loss)`` of ``model`` (a ``PartModel``)
-        through ``run`` (its runner, or its forward-only ``run``)."""
-        w, par = self.w, model.parallel
-        n = batch["num_sequences"]
-        args = (batch, received, par.tp_group, par.vocab_start, w.cfg.loss_chunk_tokens, ctx)
-        fn = functools.partial(_logps, w.adapter, par.lm_head, *args, n)
-        with torch.autocast(w.device.type, torch.bfloat16, enabled=w.cfg.bf16):
-            return run(fn)
+        through ``run`` (its runner, or its forward-only ``run``); ``piece``: this rank's
+        context-parallel slice, or ``None``."""
+        ctx, par = self.w.ctx, model.parallel
+        inputs = LossInputs(
+            adapter=ctx.adapter,
+            lm_head=par.lm_head,
+            batch=batch,
+            received=received,
+            tp_group=par.tp_group,
+            vocab_start=par.vocab_start,
+            chunk_tokens=ctx.cfg.loss_chunk_tokens,
+            context=piece,
+        )
+        with torch.autocast(ctx.device.type, torch.bfloat16, enabled=ctx.cfg.bf16):
+            return run(functools.partial(sequence_logps, inputs))
+
+    def start_recording(self) -> None:
+        """The reference's pass begins: the policy's log-probs are kept by record id."""
+        self.recording, self.recorded = True, []
 
     def finish_recording(self) -> list:
         """After the reference's pass: every sample's ``[id, log-prob of each of its
         sequences]`` on every LLM rank (gathered from the replicas' leaders over the
         group's gloo group), as the checkpoint keeps them: ``[[id, *values], ...]``."""
         w, mine = self.w, []
-        if w.leader:
+        if w.ctx.leader:
             for ids, logps, counts in self.recorded:
                 values = logps.tolist()
                 ends = [sum(counts[: k + 1]) for k in range(len(counts))]
                 for i, end, n in zip(ids, ends, counts):
                     mine.append([plain(i), *values[end - n : end]])
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine, group=w.rt.object_group)
+        dist.all_gather_object(gathered, mine, group=w.ctx.rt.object_group)
         self.recording, self.recorded = False, []
         return [e for part in gathered for e in part]
 
@@ -223,11 +190,12 @@ class ObjectiveRunner:
         ids are ``ids``; ``ValueError`` on every rank alike when they differ (another
         dataset than the one they were computed for, ids missing or repeated)."""
         self.table = {e[0]: list(e[1:]) for e in entries}
-        if set(self.table) != ids or len(ids) != self.w.args.plan.num_samples:
+        num_samples = self.w.ctx.args.plan.num_samples
+        if set(self.table) != ids or len(ids) != num_samples:
             missing = sorted(map(str, ids - set(self.table)))[:5]
             raise ValueError(
                 f"the precomputed reference log-probs cover {len(self.table)} sample ids, "
-                f"the training set has {len(ids)} distinct ids in {self.w.args.plan.num_samples} "
+                f"the training set has {len(ids)} distinct ids in {num_samples} "
                 f"samples (not covered e.g. {missing}): give every pair a unique 'id', and "
                 "resume with the training set the values were computed for (or start a new "
                 "run, or use DPO(reference='copy'))."

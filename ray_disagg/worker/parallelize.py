@@ -16,6 +16,7 @@ from ray_disagg.parallel import context_parallel as cp
 from ray_disagg.parallel import expert_parallel as ep
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.parallel import ulysses
+from ray_disagg.worker.context import WorkerContext
 
 __all__ = ["ParallelPart", "parallelize_part"]
 
@@ -32,26 +33,28 @@ class ParallelPart:
     """The first vocabulary row of this rank's lm_head shard."""
 
 
-def parallelize_part(w, model: nn.Module) -> ParallelPart:
-    """Apply the plans of ``w``'s group (a ``PartWorker``) to its ``model``."""
-    adapter = w.adapter
-    if not w.is_llm:
-        tower = adapter.part_roots(model, w.part)[0]
-        if w.is_sp and adapter.sp_plan(w.part) is not None:  # None: tile SP, tower as is
+def parallelize_part(ctx: WorkerContext, model: nn.Module) -> ParallelPart:
+    """Apply the plans of ``ctx``'s group to its ``model``."""
+    adapter = ctx.adapter
+    if not ctx.is_llm:
+        tower = adapter.part_roots(model, ctx.part)[0]
+        if ctx.is_sp and adapter.sp_plan(ctx.part) is not None:  # None: tile SP, tower as is
             ulysses.enable_ulysses(tower)
-        if w.is_tp:
-            tp.parallelize_vision(tower, adapter.tower_tp_plan(w.part), w.mp_mesh)
+        if ctx.is_tp:
+            tp.parallelize_vision(tower, adapter.tower_tp_plan(ctx.part), ctx.mp_mesh)
         return ParallelPart()
     decoder, lm_head = adapter.llm_modules(model)
     tp_group, vocab_start = None, 0
-    if w.is_tp:
+    if ctx.is_tp:
         plan, norms = adapter.llm_tp_plan(), adapter.per_head_norms
-        tp_group, vocab_start = tp.parallelize_text(model, decoder, lm_head, w.tp_mesh, plan, norms)
-    if w.cfg.pack_sequences:
+        tp_group, vocab_start = tp.parallelize_text(
+            model, decoder, lm_head, ctx.tp_mesh, plan, norms
+        )
+    if ctx.cfg.pack_sequences:
         adapter.prepare_packing(decoder)
-    if w.is_cp:
+    if ctx.is_cp:
         cp.enable_context_parallel(decoder)
         adapter.prepare_context(decoder)
-    if w.expert_mesh is not None:
-        ep.parallelize_experts(decoder, w.expert_mesh["ep"])
+    if ctx.expert_mesh is not None:
+        ep.parallelize_experts(decoder, ctx.expert_mesh["ep"])
     return ParallelPart(lm_head, tp_group, vocab_start)

@@ -44,7 +44,16 @@ logger = logging.getLogger(__name__)
 
 
 class RecordSource:
-    def __init__(self, stream, plan, group: str, dp_rank: int, leader: bool, object_group, state):
+    def __init__(
+        self,
+        stream,
+        plan,
+        group: str,
+        dp_rank: int,
+        leader: bool,
+        object_group,
+        state: dict | None,
+    ):
         self.stream, self.leader, self.object_group = stream, leader, object_group
         self.dp, self.dp_rank = plan.dp_sizes[group], dp_rank
         self.seed, self.shuffle = plan.seed, plan.shuffle
@@ -65,7 +74,7 @@ class RecordSource:
     def _key(self) -> dict:
         return {"records": self.stream.num_records, "seed": self.seed, "shuffle": self.shuffle}
 
-    def _resume(self, state) -> tuple[int, int, int, int]:
+    def _resume(self, state: dict | None) -> tuple[int, int, int, int]:
         if state is None:
             return 0, 0, 0, 0
         if {k: state.get(k) for k in self._key()} != self._key():

@@ -25,12 +25,17 @@ from __future__ import annotations
 
 import gc
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ray_disagg.transport.channel import TransferError
+from ray_disagg.worker.context import WorkerContext
 from ray_disagg.worker.session import get_session
+
+if TYPE_CHECKING:  # (part_worker imports step, which imports this module)
+    from ray_disagg.worker.part_worker import PartWorker
 
 logger = logging.getLogger(__name__)
 
@@ -41,72 +46,72 @@ class GroupFailed(Exception):
     """Another group failed during this step; every rank of this group left the step."""
 
 
-def enabled(w) -> bool:
-    return w.args.group_recovery and w.is_llm
+def enabled(ctx: WorkerContext) -> bool:
+    return ctx.args.group_recovery and ctx.is_llm
 
 
-def guarded(w, fn, *args, default=None):
+def guarded(w: PartWorker, fn, *args, default=None):
     """``fn(*args)`` (a cross-group transfer). With group recovery, a failed transfer marks
     the step failed, closes the channel and returns ``default``; once failed, later
     transfers of the step are skipped (``default``)."""
-    if not enabled(w):
+    if not enabled(w.ctx):
         return fn(*args)
-    if w.peer_failed:
+    if w.state.peer_failed:
         return default
     try:
         return fn(*args)
     except TransferError as e:
-        logger.warning("[%s rank %d] %s", w.part, w.group_rank, e)
-        w.peer_failed = True
+        logger.warning("[%s rank %d] %s", w.ctx.part, w.ctx.group_rank, e)
+        w.state.mark_peer_failed()
     _drop_channel(w)
     return default
 
 
-def _drop_channel(w) -> None:
+def _drop_channel(w: PartWorker) -> None:
     """Close the side channel and drop every reference to its gloo group (its
     connections close only when it is freed; a failed wait's traceback holds it too)."""
-    w.channel.close(abort=True)
-    w.pending = []
+    w.ctx.channel.close(abort=True)
+    w.state.drop_pending()
     gc.collect()
 
 
-def agree(w) -> None:
+def agree(w: PartWorker) -> None:
     """Raise :class:`GroupFailed` on every rank of the group when any rank saw a failed
     transfer (a collective over the group: every rank calls it at the same points)."""
-    if not enabled(w):
+    ctx = w.ctx
+    if not enabled(ctx):
         return
-    flag = torch.tensor([int(w.peer_failed)], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=w.rt.object_group)  # gloo, host
+    flag = torch.tensor([int(w.state.peer_failed)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.rt.object_group)  # gloo, host
     if int(flag):
-        raise GroupFailed(f"{w.part} rank {w.group_rank}: another group failed")
+        raise GroupFailed(f"{ctx.part} rank {ctx.group_rank}: another group failed")
 
 
-def recover(w, model) -> int:
+def recover(w: PartWorker, model) -> int:
     """Wait for the rebuilt channel, load the latest checkpoint in place; returns the
     step to continue from."""
     from ray_disagg.worker import checkpoint
-    from ray_disagg.worker.metrics import StepClock, log_line
+    from ray_disagg.worker.console import log_line
 
-    if not w.channel.closed:  # a rank that only heard of it in agree()
+    if not w.ctx.channel.closed:  # a rank that only heard of it in agree()
         _drop_channel(w)
-    generation, timeout = w.channel.spec.generation, w.args.recovery_timeout_s
+    ctx = w.ctx  # the failed generation's
+    generation, timeout = ctx.channel.spec.generation, ctx.args.recovery_timeout_s
     get_session().wait_reports(timeout)  # an async upload's report, polled before it parks
-    resume = w.rt.wait_resume(generation, timeout)
+    resume = ctx.rt.wait_resume(generation, timeout)
     checkpoint.drop(w.writer)  # an unreported asynchronous one of the failed run
     w.opt.zero_grad(set_to_none=True)
-    log = log_line if w.group_rank == 0 else None
+    log = log_line if ctx.group_rank == 0 else None
     # while the failed group starts again
     start, _ = checkpoint.restore(
-        model, w.opt, w.part, w.args, log=log, ckpt=resume, writer=w.writer
+        model, w.opt, ctx.part, ctx.args, log=log, ckpt=resume, writer=w.writer
     )
-    w.rt.reloaded.set()
-    w.channel = w.rt.wait_rejoin(generation, timeout)
-    w.args = w.args.at_sizes(w.channel.spec.sizes)  # an elastic group resized
-    w.peer_failed, w.backward_passes, w.clock = False, 0, StepClock()
+    ctx.rt.reloaded.set()
+    w.rejoin(ctx.rt.wait_rejoin(generation, timeout))  # an elastic group may have resized
     if log is not None:
-        failed = [g for g, n in w.channel.spec.restarts.items() if n]
+        failed = [g for g, n in w.ctx.channel.spec.restarts.items() if n]
         log(
-            f"{w.part}: kept its workers while {', '.join(failed)} restarted; continuing "
-            f"from the latest checkpoint at step {start + 1}/{w.cfg.max_steps}"
+            f"{ctx.part}: kept its workers while {', '.join(failed)} restarted; continuing "
+            f"from the latest checkpoint at step {start + 1}/{ctx.cfg.max_steps}"
         )
     return start

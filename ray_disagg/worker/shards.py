@@ -309,6 +309,39 @@ class ShardWriter:
     stager: object = None  # the staging buffers in shared memory, reused by each checkpoint
     staging: object = None  # the future of a staging copy still running (see wait_staged)
 
+    def keep_data_state(self, state: dict) -> None:
+        """A stream's read position, written with the next checkpoint."""
+        self.data_state = state
+
+    def keep_mixture(self, fingerprint: dict) -> None:
+        """The training mixture's fingerprint, written with every checkpoint."""
+        self.mixture = fingerprint
+
+    def keep_reference_logps(self, entries: list) -> None:
+        """The precomputed reference log-probs, written with every checkpoint."""
+        self.reference_logps = entries
+
+    def hold(self, future, tmp: str, name: str, metrics: dict) -> None:
+        """An asynchronous checkpoint being written into ``tmp``, reported later
+        (:func:`ray_disagg.worker.checkpoint.flush`)."""
+        self.pending = (future, tmp, name, metrics)
+
+    def take_pending(self):
+        """The held asynchronous checkpoint (``None``: none), no longer held."""
+        pending, self.pending = self.pending, None
+        return pending
+
+    def wait_staged(self) -> None:
+        """Before the optimizer changes the parameters and their state: until the running
+        checkpoint's staging copy of them is done (at once without one)."""
+        staging, self.staging = self.staging, None
+        if staging is not None:
+            staging.result()
+
+    def drop_staging(self) -> None:
+        """Forget the running staging copy (its checkpoint will not be reported)."""
+        self.staging = None
+
     def write(self, root: str, step: int, model, optimizer, background=None):
         """Write this rank's part; with ``background`` (a gloo group over the group) the
         shard is only staged (copied to host memory) and written by DCP's ``async_save``
@@ -320,7 +353,9 @@ class ShardWriter:
             save_sharded(model, optimizer, d, self.names)
         else:
             state = sharded_state(model, optimizer, self.names)
-            future = background_save.start(self, state, d, background)
+            future, staging, self.stager = background_save.start(state, d, background, self.stager)
+            if staging is not None:
+                self.staging = staging
         if self.lead and self.lora is not None:
             write_record(d, *self.lora)
         if self.lead:

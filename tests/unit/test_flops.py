@@ -18,8 +18,8 @@ from ray_disagg import ADAPTERS, HFModelSpec, TrainLoopConfig
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.models.flops import Flops, decoder_flops, step_flops
 from ray_disagg.testing.reference import reference_batch
-from ray_disagg.worker.metrics import StepStats
 from ray_disagg.worker.mfu import dense_peak, device_share, peak_flops
+from ray_disagg.worker.stats import StepStats
 
 MEDIA = [
     {"images": [(1, 8, 8), (1, 4, 12)]},
