@@ -2,7 +2,7 @@
 ``FailureConfig`` restarts and the cleanup paths.
 
 A drill is armed by the environment variable ``RAY_DISAGG_FAULT_DRILL`` holding JSON
-``{"group", "step", "marker"[, "rank", "kill", "micro_batch"]}``; the driver copies it
+``{"group", "step", "marker"[, "rank", "kill", "micro_batch", "trace"]}``; the driver copies it
 from its own environment into every worker's (``DisaggregatedTrainer``), and the loops
 reach :func:`maybe_inject_failure` only through ``ray_disagg.worker.faults_hook.drill``.
 
@@ -17,6 +17,7 @@ import contextlib
 import functools
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 
@@ -24,7 +25,7 @@ from ray_disagg.worker.drill_env import FAULT_DRILL_ENV
 
 __all__ = ["FAULT_DRILL_ENV", "drill_json", "fault_drill", "maybe_inject_failure", "parse"]
 
-_KEYS = {"group", "step", "marker", "rank", "kill", "micro_batch"}
+_KEYS = {"group", "step", "marker", "rank", "kill", "micro_batch", "trace"}
 _REQUIRED = ("group", "step", "marker")
 _KILLS = (None, "worker", "coordinator")
 
@@ -49,6 +50,10 @@ def parse(value: str | dict) -> dict:
         raise ValueError(f"{FAULT_DRILL_ENV}: group and marker must be strings.")
     if spec.get("kill") not in _KILLS:
         raise ValueError(f"{FAULT_DRILL_ENV}: kill={spec['kill']!r} must be one of {_KILLS}.")
+    if not isinstance(spec.get("trace", False), bool):
+        raise ValueError(f"{FAULT_DRILL_ENV}: trace={spec['trace']!r} must be a bool.")
+    if spec.get("trace") and (spec.get("kill") or spec.get("micro_batch") is not None):
+        raise ValueError(f"{FAULT_DRILL_ENV}: a trace kills nothing and traces whole steps.")
     return spec
 
 
@@ -60,14 +65,19 @@ def drill_json(
     rank: int = 0,
     kill: str | None = None,
     micro_batch: int | None = None,
+    trace: bool = False,
 ) -> str:
     """The value of ``RAY_DISAGG_FAULT_DRILL`` for one drill: worker ``rank`` of ``group``
     dies at the start of ``step`` (0-based; of its microbatch ``micro_batch`` when given),
     once: ``marker`` (a file path) records that it happened. ``kill="coordinator"``: that
-    worker kills the run's coordinator instead."""
+    worker kills the run's coordinator instead. ``trace=True``: nothing dies; the
+    ``ray_disagg`` functions the worker enters during ``step`` go to ``marker``
+    (:func:`_trace_step`)."""
     spec = {"group": group, "step": step, "marker": os.fspath(marker), "rank": rank}
     if kill is not None:
         spec["kill"] = kill
+    if trace:
+        spec["trace"] = True
     if micro_batch is not None:
         spec["micro_batch"] = micro_batch
     parse(spec)
@@ -104,7 +114,10 @@ def maybe_inject_failure(
     if not value:
         return
     drill = _armed(value)
-    if drill["group"] != module or drill["step"] != step:
+    if drill.get("trace") and drill["group"] == module and micro_batch is None:
+        _trace_step(drill, group_rank, step)
+        return
+    if drill.get("trace") or drill["group"] != module or drill["step"] != step:
         return
     if drill.get("micro_batch") != micro_batch or group_rank != drill.get("rank", 0):
         return
@@ -132,3 +145,36 @@ def _wait_reports_taken(timeout_s: float = 10.0) -> None:
     get_session().wait_reports(timeout_s)  # an asynchronous upload queues it when done
     while reports_pending() and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+_TRACE: dict = {}  # the step being traced: its number, its output file, its calls
+
+
+def _trace_step(drill: dict, group_rank: int, step: int) -> None:
+    """A tracing drill: from the start of ``step`` to the start of the next, the
+    ``ray_disagg`` functions this worker's training thread enters (``sys.setprofile``),
+    written to ``marker`` as JSON ``{"files": [...], "functions": [[file, qualname],
+    ...]}`` (files relative to the package; comprehensions, lambdas and this testing
+    package not counted)."""
+    if _TRACE and step != _TRACE["step"]:
+        sys.setprofile(None)
+        calls = sorted(_TRACE["calls"])
+        with open(_TRACE["marker"], "w") as f:
+            json.dump({"files": sorted({c[0] for c in calls}), "functions": calls}, f)
+        _TRACE.clear()
+        return
+    if _TRACE or drill["step"] != step or group_rank != drill.get("rank", 0):
+        return
+    own = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(own)  # the ray_disagg package
+    calls: set = set()
+    _TRACE.update(step=step, marker=drill["marker"], calls=calls)
+
+    def profile(frame, event, _arg):
+        code = frame.f_code
+        path = code.co_filename
+        ours = path.startswith(root) and not path.startswith(own)
+        if event == "call" and ours and not code.co_name.startswith("<"):
+            calls.add((os.path.relpath(path, root), code.co_qualname))
+
+    sys.setprofile(profile)

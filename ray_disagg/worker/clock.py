@@ -23,6 +23,8 @@ class StepClock:
     wall time between two stats exchanges, not counting time spent reporting
     (``excluded``)."""
 
+    __slots__ = ("compute", "cycles", "excluded", "last_exchange", "trace", "wait")
+
     def __init__(self):
         self.last_exchange = time.perf_counter()
         self.excluded = 0.0

@@ -2,9 +2,10 @@
 
 A worker's meshes, ranks, process groups, device, settings, adapter, loop arguments and
 its channel to the other groups do not change during a step. They change only when the
-channel is rebuilt (a standby taking a group's place, a survivor rejoining after a group
-restart, an elastic group resized): then the whole context is replaced
-(:meth:`WorkerContext.rejoined`), never one of its fields.
+channel is connected late or rebuilt (a standby taking a group's place joins it; a
+survivor of a group restart rejoins it, an elastic group perhaps resized:
+:meth:`WorkerContext.rejoined`): then the whole context is replaced, never one of its
+fields.
 """
 
 from __future__ import annotations

@@ -1,90 +1,30 @@
-"""What a step reports, in one place: the stats vector every rank sums once a step (each
-group's slots, the LLM's loss slots), the time spent computing and waiting, the sample
-ids and where tensors went, the reporting cadence, the report itself (with a checkpoint:
-:mod:`ray_disagg.worker.checkpoint`), the metrics file and the one line a step prints."""
+"""What a step measures, into the stats vector every rank sums once a step
+(:class:`~ray_disagg.worker.stats.StepStats`): the LLM's loss slots, each group's own
+slots (gradient norm, compute and wait time, peak memory), the sample ids, and where
+tensors went. When and how a step is reported: :mod:`ray_disagg.worker.reporting`."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ray_disagg.data.mixture import SOURCE_KEY
-from ray_disagg.lr_schedule import lr_at
 from ray_disagg.pipeline.assignment import count_label_tokens
 from ray_disagg.worker import checkpoint, memory
-from ray_disagg.worker.checkpoint import is_checkpoint_step
-from ray_disagg.worker.console import log_step
+from ray_disagg.worker.context import WorkerContext
+from ray_disagg.worker.part_worker import PartWorker
 
-if TYPE_CHECKING:  # (they import this module)
-    from ray_disagg.worker.clock import StepClock
-    from ray_disagg.worker.context import WorkerContext
-    from ray_disagg.worker.part_worker import PartWorker
-    from ray_disagg.worker.shards import ShardWriter
-
-
-def group_lrs(args, step: int) -> dict[str, float]:
-    """``lr`` (the schedule's) and ``<group>_lr`` (times its multiplier; 0 when frozen)."""
-    out = {"lr": lr_at(args.cfg, step)}
-    for name, g in args.groups.items():
-        frozen = name in args.frozen_parts
-        out[f"{name}_lr"] = 0.0 if frozen else lr_at(args.cfg, step, g.lr_multiplier)
-    return out
-
-
-def is_eval_step(args, step: int) -> bool:
-    """Validation runs every ``eval_every`` steps and at every checkpoint step."""
-    if args.val_plan is None:
-        return False
-    every = args.cfg.eval_every
-    return is_checkpoint_step(args.cfg, step) or (every is not None and (step + 1) % every == 0)
-
-
-def is_reported_step(args, step: int) -> bool:
-    """Every ``report_every`` steps, checkpoint steps and evaluation steps (``val_loss``)."""
-    cfg = args.cfg
-    reported = is_checkpoint_step(cfg, step) or (step + 1) % cfg.report_every == 0
-    return reported or is_eval_step(args, step)
-
-
-def maybe_report(
-    args, stats, step: int, writer: ShardWriter, clock: StepClock, model, optimizer, extra,
-    background=None,
-):  # fmt: skip
-    """On the steps every rank agrees on (each ``report_every``, evaluation and checkpoint
-    steps, the last): the step's metrics, logged and appended to the metrics file by the
-    LLM group's rank 0, then reported, with a checkpoint at checkpoint steps
-    (:func:`ray_disagg.worker.checkpoint.maybe_save`). First an asynchronous checkpoint
-    whose files every rank has written is reported."""
-    t0 = time.perf_counter()
-    must = is_checkpoint_step(args.cfg, step)  # the last step is one too
-    checkpoint.flush(writer, ready=must or stats[args.stats.index["checkpoint_writing"]] == 0)
-    if not is_reported_step(args, step):
-        clock.exclude(time.perf_counter() - t0)
-        return
-    epoch = args.plan.epoch_of(step)
-    metrics = args.stats.metrics(stats, step, epoch, group_lrs(args, step), clock.mean_step_time)
-    metrics.update(extra)
-    if writer.module == args.adapter.llm_part and writer.lead:
-        if not args.driver_progress:
-            log_step(metrics, args.cfg.max_steps)
-        if args.metrics_path:
-            append_metrics(args.metrics_path, metrics)
-    checkpoint.maybe_save(args, step, metrics, writer, model, optimizer, background)
-    clock.exclude(time.perf_counter() - t0)
-
-
-def append_metrics(path: str, metrics: dict) -> None:
-    """One JSON line per reported step (a restarted run appends the steps it redoes;
-    :func:`ray_disagg.load_metrics` keeps the last line of each step)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(metrics, default=float) + "\n")
+__all__ = [
+    "label_tokens_by_source",
+    "placement_metrics",
+    "plain",
+    "record",
+    "sample_ids",
+    "source_index",
+    "step_stats",
+]
 
 
 def plain(v):

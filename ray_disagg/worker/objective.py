@@ -1,7 +1,8 @@
 """The LLM group's side of a per-sequence objective (``train_loop_config["objective"]``,
 :mod:`ray_disagg.objectives`): a sample's sequences, its crossings repeated for each of
-them, the sequence of each label position, the policy's and the reference's per-sequence
-log-probabilities, and the objective's loss and metrics of a microbatch.
+them, the policy's and the reference's per-sequence log-probabilities (the sequence of
+each label position: :func:`ray_disagg.worker.llm_batch.sequence_index`), and the
+objective's loss and metrics of a microbatch.
 
 A sample's sequences (DPO: chosen, rejected) share the sample's encoder outputs: the
 encoder group encodes the sample once; here its crossing rows are repeated for each

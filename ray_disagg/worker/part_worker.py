@@ -62,6 +62,9 @@ class PartWorker:
     once :meth:`build` and :meth:`setup` ran, its model, runner, optimizer and checkpoint
     writer."""
 
+    __slots__ = ("ctx", "state", "lora", "model", "runner", "parallel", "params", "opt",
+                 "writer", "start", "data_state")  # fmt: skip
+
     def __init__(self, args: LoopArgs, part: str):
         rt = get_runtime()
         # a standby joins the channel only once it takes a group's place (setup)
@@ -71,8 +74,9 @@ class PartWorker:
         self.state = WorkerState()
 
     def rejoin(self, channel) -> None:
-        """Continue over a rebuilt ``channel`` (the other groups' sizes may have changed):
-        a new context, and the step's failure and counters forgotten."""
+        """Continue over a rebuilt ``channel`` after a group restart (the other groups'
+        sizes may have changed): a new context, the step's failure flag and backward
+        passes forgotten, a new clock."""
         self.ctx = self.ctx.rejoined(channel)
         self.state.rejoined()
 

@@ -25,17 +25,14 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ray_disagg.transport.channel import TransferError
 from ray_disagg.worker.context import WorkerContext
+from ray_disagg.worker.part_worker import PartWorker
 from ray_disagg.worker.session import get_session
-
-if TYPE_CHECKING:  # (part_worker imports step, which imports this module)
-    from ray_disagg.worker.part_worker import PartWorker
 
 logger = logging.getLogger(__name__)
 

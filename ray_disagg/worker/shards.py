@@ -289,7 +289,7 @@ def check_compatible(root: str, config, max_steps: int) -> int:
     return step
 
 
-@dataclass
+@dataclass(slots=True)
 class ShardWriter:
     """Writes this rank's part of a checkpoint into ``<root>/<module>/``: its DCP shard
     (every rank); on the group's rank 0 (``lead``) also ``trainer_state.json`` and, when

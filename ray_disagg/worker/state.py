@@ -18,6 +18,8 @@ class WorkerState:
     a transfer of this step failed (``peer_failed``, :mod:`ray_disagg.worker.recovery`),
     the backward passes of this step and the steps not applied."""
 
+    __slots__ = ("backward_passes", "clock", "peer_failed", "pending", "skipped")
+
     def __init__(self) -> None:
         self.clock = StepClock()
         self.pending: list = []

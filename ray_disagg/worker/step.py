@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,14 +15,12 @@ import torch.distributed as dist
 from ray_disagg.parallel import expert_parallel as ep
 from ray_disagg.parallel import tensor_parallel as tp
 from ray_disagg.parallel.data_parallel import all_reduce_gradients
-from ray_disagg.worker import metrics, recovery
+from ray_disagg.worker import metrics, recovery, reporting
 from ray_disagg.worker.clock import write_trace
 from ray_disagg.worker.console import log_line
 from ray_disagg.worker.context import WorkerContext
 from ray_disagg.worker.optim import clip_coef, scale_grads, set_lr
-
-if TYPE_CHECKING:  # (part_worker imports this module)
-    from ray_disagg.worker.part_worker import PartWorker
+from ray_disagg.worker.part_worker import PartWorker
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +126,10 @@ def finish_step(
     fallbacks = int(stats[ctx.args.stats.index["transfer_fallbacks"]])
     extra = {**(extra or {}), "skipped_steps": w.state.skipped}
     extra.update(metrics.placement_metrics(ctx, fallbacks))
-    if evaluate is not None and metrics.is_eval_step(ctx.args, step):
+    if evaluate is not None and reporting.is_eval_step(ctx.args, step):
         extra.update(validate(w, evaluate, step))
     args = (ctx.args, stats, step, w.writer, clock, w.model, w.opt, extra)
-    metrics.maybe_report(*args, background=ctx.rt.checkpoint_group)
-    first = step == w.start and not metrics.is_reported_step(ctx.args, step)
+    reporting.maybe_report(*args, background=ctx.rt.checkpoint_group)
+    first = step == w.start and not reporting.is_reported_step(ctx.args, step)
     if first and ctx.group_rank == 0 and ctx.is_llm:
         log_line(f"step {step + 1}/{ctx.cfg.max_steps} done (first of this run)")

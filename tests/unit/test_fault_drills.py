@@ -88,6 +88,11 @@ def test_drill_json_validates(tmp_path):
         faults.drill_json(group="text", step=1, marker="m", kill="everything")
     with pytest.raises(ValueError, match="step=-1 must be an int >= 0"):
         faults.drill_json(group="text", step=-1, marker="m")
+    assert json.loads(faults.drill_json(group="text", step=1, marker="m", trace=True))["trace"]
+    with pytest.raises(ValueError, match="a trace kills nothing and traces whole steps"):
+        faults.drill_json(group="text", step=1, marker="m", trace=True, kill="coordinator")
+    with pytest.raises(ValueError, match="trace=1 must be a bool"):
+        faults.parse('{"group": "text", "step": 1, "marker": "m", "trace": 1}')
 
 
 def test_fault_drill_arms_the_environment_for_the_block_only(no_drill, tmp_path):

@@ -20,7 +20,7 @@ from ray_disagg.freezing import apply_freeze, is_frozen
 from ray_disagg.models.qwen_common.parallelize import SplitQKV
 from ray_disagg.parallel.data_parallel import all_reduce_gradients
 from ray_disagg.worker.args import LoopArgs
-from ray_disagg.worker.metrics import is_reported_step
+from ray_disagg.worker.reporting import is_reported_step
 
 CFG = tiny_qwen2_5_vl_config()
 DATA = synthetic_samples(CFG, 8)

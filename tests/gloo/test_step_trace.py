@@ -1,0 +1,38 @@
+"""How far one step reaches (tier 2, the workers without Ray): a tracing drill
+(``fault_drill(trace=True)``) records the ``ray_disagg`` files and functions that one
+dense step enters on a group's rank 0 (``sys.setprofile`` on the training thread, from
+the start of step 2 to the start of step 3 of a 1 + 1 run without a checkpoint at step 2;
+comprehensions and lambdas not counted), for the LLM group and for the encoder group.
+
+The limits are the counts of the worker with a typed context and state (December 2026):
+the LLM step entered 41 files and 179 functions (22 and 86 of them in ``worker/``), the
+encoder step 37 and 138 (18 and 63); before that change, 34 and 167 (15 and 75), 32 and
+129 (13 and 55). The limits leave room for another transfer tier (gloo where /dev/shm
+is full: a file and a few functions). A change that spreads a step over more modules
+fails here; one that brings a step together lowers the limits."""
+
+import json
+
+import pytest
+
+from ray_disagg.testing.faults import fault_drill
+from tests.helpers import RESTART_LOOP, group, restart_setup, vt
+from tests.helpers import run_layout as fit
+
+LIMITS = {"text": (42, 185), "vision": (38, 144)}
+"""Per group: the most ``ray_disagg`` files and functions one step may enter."""
+
+
+@pytest.mark.parametrize("part", ["text", "vision"])
+def test_one_step_enters_at_most_the_limits_files_and_functions(part, tmp_path):
+    _, spec, data = restart_setup()
+    marker = tmp_path / "trace.json"
+    loop = dict(RESTART_LOOP, max_steps=3, checkpoint_every=None)  # step 2: no checkpoint
+    with fault_drill(group=part, step=1, marker=marker, trace=True):
+        fit(spec, data, loop, vt(group(1), group(1)), tmp_path, "traced", local=True)
+    trace = json.loads(marker.read_text())
+    files, functions = trace["files"], trace["functions"]
+    assert ["worker/faults_hook.py", "drill"] in functions  # the step's start was seen
+    max_files, max_functions = LIMITS[part]
+    assert len(files) <= max_files, files
+    assert len(functions) <= max_functions, functions
