@@ -1,13 +1,19 @@
-"""The worker loop of an encoder group (vision, audio, ...): it executes the encoder side
-of each step's schedule (``ray_disagg.pipeline.schedule.encoder_actions``).
+"""An encoder group's worker (vision, audio, ...): its loop and its step, top to bottom
+(:func:`train_step`).
 
-Encoder replica ``d`` (its model-parallel rank 0) receives, from every LLM replica, the
-encoder fields of the samples it encodes in each microbatch (``BatchPlan.assign``; for
-map-style data only their indices, and every rank reads the fields from the dataset
-itself) and shares them with its SP/TP peers. Each forward posts the microbatch's
-crossing tensors to the LLM replicas that hold its samples; each backward takes their
-gradients. Gradients accumulate over the microbatches;
-:func:`~ray_disagg.worker.step.finish_step` runs once.
+1. **Receive inputs** (``RECV_INPUTS``): encoder replica ``d``'s leader (its
+   model-parallel rank 0) receives, from every LLM replica, the encoder fields of the
+   samples it encodes in each microbatch (``BatchPlan.assign``; for map-style data only
+   their indices, and every rank reads the fields from the dataset itself) and shares
+   them with its SP/TP peers.
+2. **Forward, exchange and backward per action** (``encoder_actions``): each forward
+   posts the microbatch's crossing tensors to the LLM replicas that hold its samples
+   (``FORWARD``); each backward takes their gradients (``RECV_GRADS``, ``BACKWARD``).
+3. **Measure**: the items encoded and their FLOPs.
+4. **Reduce, exchange the stats, apply, report and save**
+   (:mod:`ray_disagg.worker.step_end`).
+
+Gradients accumulate over the microbatches; the optimizer steps once.
 """
 
 from __future__ import annotations
@@ -20,12 +26,28 @@ import torch.distributed as dist
 from ray_disagg.parallel import fsdp
 from ray_disagg.pipeline.messages import Crossings, Grads, Inputs, StepKey, expect
 from ray_disagg.pipeline.schedule import WAITS, Op, encoder_actions, peak_in_flight
-from ray_disagg.worker import faults_hook, ingest, mfu
+from ray_disagg.worker import faults_hook, ingest, mfu, step_end
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.context import WorkerContext
 from ray_disagg.worker.objective import REF
 from ray_disagg.worker.part_worker import PartWorker
-from ray_disagg.worker.step import finish_step
+
+
+def train_step(w: PartWorker, data, step: int, actions, reference=None, evaluate=None) -> None:
+    """One training step of an encoder group (``actions``: its ``encoder_actions``;
+    ``reference``: an objective's frozen copy of the tower; ``evaluate``: the validation
+    pass, run on evaluation steps)."""
+    ctx = w.ctx
+    faults_hook.drill(ctx.part, ctx.group_rank, step)
+    w.state.clock.begin(step, ctx.cfg.trace_steps)
+    plan, grad = ctx.args.plan, not ctx.frozen
+    run = EncoderStep(w, data, plan, step, StepKey(step), grad=grad, reference=reference)
+    run.run(actions)  # receive inputs, forward, exchange and backward per action
+    stats = run.measure()
+    sq = step_end.reduce(w)
+    stats = step_end.exchange(w, step, stats, sq, inflight=peak_in_flight(actions))
+    step_end.apply(w, step, stats, run.sample_ids())
+    step_end.report(w, step, stats, evaluate)  # and save at checkpoint steps
 
 
 def _row_offsets(adapter, part, samples) -> dict[str, list[int]]:
@@ -182,6 +204,18 @@ class EncoderStep:
         if self.grad:
             self.live[j] = mb
 
+    def measure(self):
+        """The step's stats slots of this group: the items encoded (images, videos, ...)
+        and their model FLOPs, from the replica's leader."""
+        ctx = self.w.ctx
+        stats = ctx.args.stats.new()
+        if ctx.leader:
+            ix = ctx.args.stats.index
+            for name, n in self.counts.items():
+                stats[ix[name]] = n
+            stats[ix[f"{ctx.part}_flops"]] = self.flops
+        return stats
+
     def sample_ids(self) -> list:
         return [s.get("id") for samples, _ in self.inputs for s in samples]
 
@@ -226,17 +260,4 @@ def encoder_train_loop(args: LoopArgs, part: str) -> None:
     if args.runs_reference_pass(start, ctx.channel.spec.restarts.get(part, 0)):
         _reference_pass(w, data, args.reference_plan)
     for step in range(start, ctx.cfg.max_steps):
-        faults_hook.drill(part, ctx.group_rank, step)
-        w.state.clock.begin(step, ctx.cfg.trace_steps)
-        key = StepKey(step)
-        run = EncoderStep(w, data, args.plan, step, key, grad=not ctx.frozen, reference=reference)
-        run.run(actions)
-        stats = args.stats.new()
-        if ctx.leader:
-            for name, n in run.counts.items():
-                stats[args.stats.index[name]] = n
-            stats[args.stats.index[f"{part}_flops"]] = run.flops
-        inflight = peak_in_flight(actions)
-        finish_step(
-            w, step, stats, sample_ids=run.sample_ids(), inflight=inflight, evaluate=evaluate
-        )
+        train_step(w, data, step, actions, reference, evaluate)

@@ -1,10 +1,13 @@
 """The LLM's microbatch: its collated batch on the device (packed or padded rows, a
 context-parallel slice's targets, the loss chunks every rank runs) and its loss (the
 token loss, with each sequence's share for a mixture's per-source metrics, plus an MoE
-router's auxiliary loss)."""
+router's auxiliary loss), taken as one :class:`LossInputs`; :class:`LLMModel`, what a
+training step and validation share of the LLM worker (the loss of a microbatch, its
+tokens, label tokens and FLOPs, the experts' load)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,15 +15,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ray_disagg.data.mixture import SOURCE_KEY
 from ray_disagg.models import loss as models_loss
 from ray_disagg.models import moe
 from ray_disagg.models.loss import lm_loss, lm_loss_by_sequence, loss_index
 from ray_disagg.models.packing import PACKED_KEY, is_packed
 from ray_disagg.parallel import context_parallel as cp
+from ray_disagg.pipeline.assignment import count_label_tokens
+from ray_disagg.worker import mfu
 from ray_disagg.worker.context import WorkerContext
-from ray_disagg.worker.metrics import plain
+from ray_disagg.worker.metrics import plain, source_index
+from ray_disagg.worker.part_worker import PartModel, PartWorker
 
-__all__ = ["LossInputs", "collate", "loss", "router_aux", "sequence_index", "sequence_logps"]
+__all__ = [
+    "LLMModel",
+    "LossInputs",
+    "collate",
+    "loss",
+    "router_aux",
+    "sequence_index",
+    "sequence_logps",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,3 +194,93 @@ def _context(ctx: WorkerContext, seq_len: int, items: list[dict], packed: bool):
         raise ValueError(f"LLM microbatch of samples {ids}: {e}") from None
     rank = ctx.cp_mesh.get_local_rank()
     return cp.ContextSlice(ctx.cp_mesh.get_group(), rank, bounds, packed)
+
+
+class LLMModel:
+    """The pieces of one LLM worker that training and validation share."""
+
+    def __init__(self, w: PartWorker, model, lm_head, tp_group, vocab_start, objective=None):
+        self.w, self.model, self.lm_head = w, model, lm_head
+        self.tp_group, self.vocab_start = tp_group, vocab_start
+        ctx, adapter = w.ctx, w.ctx.adapter
+        load = moe.ExpertLoad(adapter.llm_modules(model)[0])  # hooks on MoE routers only
+        self.load = load if load.routers else None
+        self.objective = objective  # an ObjectiveRunner, or None: the token loss (SFT)
+        self.policy = PartModel(model=model, runner=w.runner, parallel=w.parallel)
+        if objective is not None:
+            objective.load = self.load
+        obj = ctx.cfg.objective
+        keys = ("input_ids", "labels") if obj is None else (*obj.sequence_keys, *obj.fields)
+        keys += (SOURCE_KEY,) if ctx.args.sources else ()  # a mixture's per-source metrics
+        self.text_keys = ("id", *keys, *adapter.llm_fields())
+        self.grad_names = {  # crossings whose encoder has something to train
+            c.name
+            for part in adapter.encoder_parts
+            if part not in ctx.args.frozen_parts
+            for c in adapter.crossings(part)
+        }
+
+    def label_tokens(self, items) -> int:
+        if self.objective is not None:
+            return self.objective.label_tokens(list(items))
+        return sum(count_label_tokens(self.w.ctx.adapter.labels(it)) for it in items)
+
+    def tokens(self, items) -> int:
+        seqs = items if self.objective is None else self.objective.sequences(items)[0]
+        return sum(len(q["input_ids"]) for q in seqs)
+
+    def flops(self, items, backward: bool) -> float:
+        """Model FLOPs of ``items``' sequences (an objective's reference pass not counted;
+        a frozen LLM's backward: input gradients only)."""
+        seqs = items if self.objective is None else self.objective.sequences(items)[0]
+        ctx = self.w.ctx
+        return mfu.samples_flops(ctx.adapter, ctx.part, seqs, backward, trains=not ctx.frozen)
+
+    def loss(self, items, mb, received, rows, n_labels, grad: bool, by_source=None):
+        """The microbatch's loss: the token loss over ``n_labels`` (the global batch's
+        label tokens), or the objective's (``n_labels``: the global batch's samples);
+        ``by_source``: a mixture's per-source sums of the token loss, added to."""
+        ctx = self.w.ctx
+        if self.load is not None:  # count this forward's routing (not recomputations)
+            self.load.active = grad
+        try:
+            if self.objective is not None:
+                samples = [items[p] for p in mb[ctx.part][ctx.dp_rank]]
+                return self.objective.loss(self.policy, samples, received, rows, n_labels, grad)
+            return self._token_loss(items, mb, received, n_labels, grad, by_source)
+        finally:
+            if self.load is not None:
+                self.load.active = False
+
+    def _token_loss(self, items, mb, received, n_labels, grad: bool, by_source=None):
+        ctx = self.w.ctx
+        mine = [items[p] for p in mb[ctx.part][ctx.dp_rank]]
+        batch = collate(ctx, mine, sequences=by_source is not None)
+        if grad and ctx.adapter.router is not None:  # validation reports the token loss
+            batch["router"] = ctx.token_group
+        inputs = LossInputs(
+            adapter=ctx.adapter,
+            lm_head=self.lm_head,
+            batch=batch,
+            received=received,
+            normalizer=n_labels,
+            tp_group=self.tp_group,
+            vocab_start=self.vocab_start,
+            chunk_tokens=ctx.cfg.loss_chunk_tokens,
+            context=batch.pop("context", None),
+        )
+        with torch.autocast(ctx.device.type, torch.bfloat16, enabled=ctx.cfg.bf16):
+            total, per_sequence = self.w.runner(functools.partial(loss, inputs))
+        if by_source is not None:
+            index = source_index(mine, ctx.args.sources, ctx.device)
+            by_source.index_add_(0, index, per_sequence)
+        return total
+
+    def expert_load(self) -> dict[str, float]:
+        """The step's ``<part>_expert_load_max`` / ``_mean`` over the global batch (MoE;
+        collective over the ranks holding different tokens)."""
+        if self.load is None:
+            return {}
+        ctx = self.w.ctx
+        load = self.load.take(ctx.token_group, ctx.device)
+        return {f"{ctx.part}_{k}": v for k, v in load.items()}

@@ -5,7 +5,7 @@
   (NCCL on GPUs) group;
 - the step issues no host synchronization before its transfers are posted: no
   ``.item()`` / ``.tolist()`` in the loops (the loss is read once the step's gradients
-  are posted, from ``finish_step``'s stats).
+  are posted, from the exchanged stats: ``step_end.exchange``).
 """
 
 import ast
@@ -45,7 +45,7 @@ def test_object_collectives_go_over_gloo_object_groups():
 
 
 def test_the_loops_read_no_device_value_on_the_host():
-    for name in ("encoder.py", "llm.py", "part_worker.py"):
+    for name in ("encoder.py", "llm.py", "llm_step.py", "llm_batch.py", "part_worker.py"):
         for fn, call in _calls(ROOT / "worker" / name):
             if call.func.attr in ("item", "tolist") and fn != "_plain":  # CPU sample ids
                 raise AssertionError(f"{name}:{fn} {ast.unparse(call)} syncs with the device")

@@ -1,7 +1,9 @@
-"""The end of a step, as named pieces: reduce the gradients, the stats exchange, the
-global gradient norm, the skip policy, clipping, the learning rate, the optimizer step,
-validation and the report. Every rank of every group runs :func:`finish_step` once a
-step and decides alike, from the exchanged stats."""
+"""The end of a step, in four phases that each group's step calls in order (``worker/
+llm_step.py``, ``worker/encoder.py``): :func:`reduce` the gradients, :func:`exchange` the
+step's stats over every rank of every group, :func:`apply` the update (the skip policy,
+clipping to the global norm, the scheduled learning rate, the optimizer step), and
+:func:`report` (validation, the metrics, a checkpoint at checkpoint steps). Every rank of
+every group runs them once a step and decides alike, from the exchanged stats."""
 
 from __future__ import annotations
 
@@ -96,24 +98,35 @@ def validate(w: PartWorker, evaluate, step: int) -> dict:
     return {"val_loss": loss_sum / labels if labels else float("nan")}
 
 
-def finish_step(
-    w: PartWorker, step: int, stats, *, sample_ids=(), inflight=1, evaluate=None, extra=None
-):
-    """Reduce, exchange the step's stats, clip, step at the scheduled learning rate, run
-    ``evaluate(step)`` (this rank's ``[loss sum, label tokens]`` of the validation set) on
-    evaluation steps, and report."""
-    ctx, clock = w.ctx, w.state.clock
-    with clock.span(waiting=False):
+def reduce(w: PartWorker) -> float:
+    """Sum the gradients over the ranks that hold the same weights
+    (:func:`reduce_grads`); returns this rank's share of the squared gradient norm."""
+    with w.state.clock.span(waiting=False):
         reduce_grads(w)
-        sq = tp.grad_sq_norm(w.params, dist.group.WORLD, ctx.device)
+        return tp.grad_sq_norm(w.params, dist.group.WORLD, w.ctx.device)
+
+
+def exchange(w: PartWorker, step: int, stats, sq: float, inflight: int = 1):
+    """The group's own slots (``sq``: its squared gradient norm) and this rank's, then the
+    stats summed over every rank of every group, or every rank of the group leaves the
+    step (:class:`~ray_disagg.worker.recovery.GroupFailed`); a traced step's actions are
+    written once the step is not abandoned. Returns the summed stats."""
+    ctx, clock = w.ctx, w.state.clock
     metrics.record(w, stats, sq, inflight)
     is_timer = ctx.is_llm and ctx.group_rank == 0
     args = (ctx.channel, stats, ctx.args.stats, is_timer)
     stats = recovery.guarded(w, clock.exchange, *args, default=stats)
     recovery.agree(w)  # every rank has the global stats, or the step is abandoned
-    trace = clock.take_trace()  # a traced step's actions, once it is not abandoned
+    trace = clock.take_trace()
     if ctx.group_rank == 0:
         write_trace(ctx.args, ctx.part, trace, step)
+    return stats
+
+
+def apply(w: PartWorker, step: int, stats, sample_ids=()) -> None:
+    """Step the optimizer at the scheduled learning rate after clipping to the global
+    norm, or skip the step (:func:`should_apply`); the gradients are zeroed either way."""
+    ctx = w.ctx
     total_norm = ctx.args.stats.total_norm(stats)
     if ctx.fsdp and not group_had_inputs(ctx, stats):
         for p in w.params:  # every rank ran a stand-in: zero gradients, not real ones
@@ -123,12 +136,19 @@ def finish_step(
     else:
         w.state.count_skipped()
     w.opt.zero_grad(set_to_none=True)
+
+
+def report(w: PartWorker, step: int, stats, evaluate=None, extra=None) -> None:
+    """On evaluation steps ``evaluate(step)`` (this rank's ``[loss sum, label tokens]`` of
+    the validation set); on reported steps the metrics (``extra`` added), with a
+    checkpoint at checkpoint steps (:func:`ray_disagg.worker.reporting.maybe_report`)."""
+    ctx = w.ctx
     fallbacks = int(stats[ctx.args.stats.index["transfer_fallbacks"]])
     extra = {**(extra or {}), "skipped_steps": w.state.skipped}
     extra.update(metrics.placement_metrics(ctx, fallbacks))
     if evaluate is not None and reporting.is_eval_step(ctx.args, step):
         extra.update(validate(w, evaluate, step))
-    args = (ctx.args, stats, step, w.writer, clock, w.model, w.opt, extra)
+    args = (ctx.args, stats, step, w.writer, w.state.clock, w.model, w.opt, extra)
     reporting.maybe_report(*args, background=ctx.rt.checkpoint_group)
     first = step == w.start and not reporting.is_reported_step(ctx.args, step)
     if first and ctx.group_rank == 0 and ctx.is_llm:
