@@ -93,11 +93,10 @@ def llm_train_loop(args: LoopArgs) -> None:
     source = ingest.make_source(
         data, args.plan, ctx.dp_rank, ctx.leader, ctx.part, group, w.data_state
     )
-    par = w.parallel
     objective = None
     if cfg.objective is not None:
         objective = ObjectiveRunner(w, w.build_reference())
-    llm = LLMModel(w, model, par.lm_head, par.tp_group, par.vocab_start, objective)
+    llm = LLMModel(w, model, objective)
     if objective is not None and cfg.objective.reference == "precompute":
         _precompute(w, llm, data, start)
     evaluate = None

@@ -25,6 +25,7 @@ from ray_disagg.pipeline.assignment import count_label_tokens
 from ray_disagg.worker import mfu
 from ray_disagg.worker.context import WorkerContext
 from ray_disagg.worker.metrics import plain, source_index
+from ray_disagg.worker.parallelize import ParallelPart
 from ray_disagg.worker.part_worker import PartModel, PartWorker
 
 __all__ = [
@@ -61,6 +62,23 @@ class LossInputs:
     """Label positions per loss chunk (``TrainLoopConfig.loss_chunk_tokens``)."""
     context: cp.ContextSlice | None = None
     """This rank's context-parallel slice (else ``None``)."""
+
+    @classmethod
+    def of_part(cls, ctx: WorkerContext, parallel: ParallelPart, batch: dict, received: dict,
+                context=None, normalizer: float = 1.0) -> LossInputs:  # fmt: skip
+        """The inputs of a microbatch of the part ``parallel`` describes (its ``lm_head``
+        and vocabulary shard), with the run's adapter and loss chunks."""
+        return cls(
+            adapter=ctx.adapter,
+            lm_head=parallel.lm_head,
+            batch=batch,
+            received=received,
+            normalizer=normalizer,
+            tp_group=parallel.tp_group,
+            vocab_start=parallel.vocab_start,
+            chunk_tokens=ctx.cfg.loss_chunk_tokens,
+            context=context,
+        )
 
     def hidden(self, model):
         """``(the LLM's last hidden states, the routers' logits or None)`` and the keyword
@@ -199,9 +217,8 @@ def _context(ctx: WorkerContext, seq_len: int, items: list[dict], packed: bool):
 class LLMModel:
     """The pieces of one LLM worker that training and validation share."""
 
-    def __init__(self, w: PartWorker, model, lm_head, tp_group, vocab_start, objective=None):
-        self.w, self.model, self.lm_head = w, model, lm_head
-        self.tp_group, self.vocab_start = tp_group, vocab_start
+    def __init__(self, w: PartWorker, model, objective=None):
+        self.w, self.model = w, model
         ctx, adapter = w.ctx, w.ctx.adapter
         load = moe.ExpertLoad(adapter.llm_modules(model)[0])  # hooks on MoE routers only
         self.load = load if load.routers else None
@@ -258,17 +275,8 @@ class LLMModel:
         batch = collate(ctx, mine, sequences=by_source is not None)
         if grad and ctx.adapter.router is not None:  # validation reports the token loss
             batch["router"] = ctx.token_group
-        inputs = LossInputs(
-            adapter=ctx.adapter,
-            lm_head=self.lm_head,
-            batch=batch,
-            received=received,
-            normalizer=n_labels,
-            tp_group=self.tp_group,
-            vocab_start=self.vocab_start,
-            chunk_tokens=ctx.cfg.loss_chunk_tokens,
-            context=batch.pop("context", None),
-        )
+        piece = batch.pop("context", None)  # this rank's context-parallel slice
+        inputs = LossInputs.of_part(ctx, self.w.parallel, batch, received, piece, n_labels)
         with torch.autocast(ctx.device.type, torch.bfloat16, enabled=ctx.cfg.bf16):
             total, per_sequence = self.w.runner(functools.partial(loss, inputs))
         if by_source is not None:

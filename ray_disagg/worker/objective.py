@@ -152,17 +152,8 @@ class ObjectiveRunner:
         """``(per-sequence log-probs, router aux loss)`` of ``model`` (a ``PartModel``)
         through ``run`` (its runner, or its forward-only ``run``); ``piece``: this rank's
         context-parallel slice, or ``None``."""
-        ctx, par = self.w.ctx, model.parallel
-        inputs = LossInputs(
-            adapter=ctx.adapter,
-            lm_head=par.lm_head,
-            batch=batch,
-            received=received,
-            tp_group=par.tp_group,
-            vocab_start=par.vocab_start,
-            chunk_tokens=ctx.cfg.loss_chunk_tokens,
-            context=piece,
-        )
+        ctx = self.w.ctx
+        inputs = LossInputs.of_part(ctx, model.parallel, batch, received, piece)
         with torch.autocast(ctx.device.type, torch.bfloat16, enabled=ctx.cfg.bf16):
             return run(functools.partial(sequence_logps, inputs))
 
