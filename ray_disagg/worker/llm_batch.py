@@ -83,10 +83,10 @@ class LossInputs:
     def hidden(self, model):
         """``(the LLM's last hidden states, the routers' logits or None)`` and the keyword
         arguments of the loss functions of :mod:`ray_disagg.models.loss`."""
-        ctx, batch = self.context, self.batch
-        hidden, router_logits = self.adapter.llm_outputs(model, batch, self.received, context=ctx)
+        piece, batch = self.context, self.batch
+        hidden, router_logits = self.adapter.llm_outputs(model, batch, self.received, context=piece)
         kwargs = dict(index=batch["loss_index"], chunk_tokens=self.chunk_tokens,
-                      shifted=ctx is not None, min_chunks=batch["loss_chunks"])  # fmt: skip
+                      shifted=piece is not None, min_chunks=batch["loss_chunks"])  # fmt: skip
         return hidden, router_logits, kwargs
 
     @property
@@ -125,13 +125,13 @@ def sequence_logps(inputs: LossInputs, model):
     """``(per-sequence log-probs of the microbatch (summed over the context slices), the
     router's auxiliary loss share or None)`` (a per-sequence objective)."""
     hidden, router_logits, kwargs = inputs.hidden(model)
-    batch, ctx = inputs.batch, inputs.context
+    batch, piece = inputs.batch, inputs.context
     logps = models_loss.sequence_logps(
         hidden, inputs.lm_head, inputs.labels, batch["loss_seq"], batch["num_sequences"],
         inputs.tp_group, inputs.vocab_start, **kwargs,
     )  # fmt: skip
-    if ctx is not None:
-        logps = cp.SumOverContext.apply(logps, ctx.group)
+    if piece is not None:
+        logps = cp.SumOverContext.apply(logps, piece.group)
     return logps, inputs.router_aux(router_logits)
 
 

@@ -47,7 +47,7 @@ def train_step(w: PartWorker, llm: LLMModel, source, step: int, actions, evaluat
     w.state.clock.begin(step, ctx.cfg.trace_steps)
     run = LLMStep(llm, source, ctx.args.plan, step, StepKey(step), grad=True)
     run.run(actions)  # read inputs, exchange, forward and backward per action
-    stats, ids, extra = run.measure(step)
+    stats, ids, extra = run.measure()
     sq = step_end.reduce(w)
     stats = step_end.exchange(w, step, stats, sq)
     step_end.apply(w, step, stats, ids)
@@ -174,7 +174,7 @@ class LLMStep:
     def ordered_items(self) -> list[dict]:
         return [self.items[p] for p in sorted(self.items)]
 
-    def measure(self, step: int):
+    def measure(self):
         """``(the step's stats slots, this rank's sample ids, metrics)``: the loss and
         counts (read once the step's last gradients were posted), every replica's sample
         ids (``report_sample_ids``), a stream's position (into the checkpoint at
@@ -182,6 +182,7 @@ class LLMStep:
         w, llm = self.w, self.llm
         ctx = w.ctx
         ids, extra = sample_ids(ctx, self)
+        step = self.plan_step  # a training step's
         extra.update(record_data_position(ctx.cfg, w.writer, self.source, step))
         extra.update(ingest.mixture_epochs(self.source, step))
         extra.update(llm.expert_load())

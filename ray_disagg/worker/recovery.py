@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 from ray_disagg.transport.channel import TransferError
+from ray_disagg.worker import checkpoint
+from ray_disagg.worker.console import log_line
 from ray_disagg.worker.context import WorkerContext
 from ray_disagg.worker.part_worker import PartWorker
 from ray_disagg.worker.session import get_session
@@ -87,9 +89,6 @@ def agree(w: PartWorker) -> None:
 def recover(w: PartWorker, model) -> int:
     """Wait for the rebuilt channel, load the latest checkpoint in place; returns the
     step to continue from."""
-    from ray_disagg.worker import checkpoint
-    from ray_disagg.worker.console import log_line
-
     if not w.ctx.channel.closed:  # a rank that only heard of it in agree()
         _drop_channel(w)
     ctx = w.ctx  # the failed generation's
