@@ -8,9 +8,9 @@ worker group with its own ``ScalingConfig`` and parallelism; see
 import importlib
 
 # Public names -> the module defining each. Imported on first use (PEP 562), so that
-# ``import ray_disagg`` is cheap: Ray starts a process per coordinator, janitor and
-# worker, and each pays only for the modules it touches (a worker of one family never
-# imports the other families' modeling code).
+# ``import ray_disagg`` is cheap: Ray starts a process per coordinator and worker, and
+# each pays only for the modules it touches (a worker of one family never imports the
+# other families' modeling code).
 _EXPORTS = {
     "ADAPTERS": "ray_disagg.models",
     "BatchPlan": "ray_disagg.pipeline.assignment",

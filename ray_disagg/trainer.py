@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -27,11 +26,11 @@ from ray_disagg.launch.policies import GroupFailurePolicy
 from ray_disagg.launch.progress import RunProgress
 from ray_disagg.launch.resources import (
     Placement,
-    PlacementGroupJanitor,
     check_cluster_capacity,
     demand_lines,
     stream_actor_cpus,
 )
+from ray_disagg.launch.teardown import interrupt_aborts, leave_nothing
 from ray_disagg.launch.trackers import check_report_to
 from ray_disagg.layout import DataSpec, resolve
 from ray_disagg.loop_config import TrainLoopConfig
@@ -252,8 +251,9 @@ class DisaggregatedTrainer(rc.TrainerBase):
 
     def default_callbacks(self, callbacks: list) -> list:
         # Backend/accelerator setup is per group (added by the coordinator); the LLM group
-        # reads the data (no DatasetsCallback); the driver's PlacementGroupJanitor tracks
-        # every group's reservation without the dashboard Ray Train's cleaner needs.
+        # reads the data (no DatasetsCallback); the driver removes every group's
+        # reservation by the run's name (launch.teardown), without the dashboard Ray
+        # Train's cleaner needs.
         dropped = (
             rc.AcceleratorSetupCallback,
             rc.BackendSetupCallback,
@@ -359,8 +359,8 @@ class DisaggregatedTrainer(rc.TrainerBase):
         controller_init_kwargs["failure_policy"] = GroupFailurePolicy(
             self.run_config.failure_config
         )
-        janitor = PlacementGroupJanitor.remote()  # the driver's: outlives a dead coordinator
         launch, elastic = self._launches()
+        controller, finished = None, False
         try:
             controller = rc.run_controller_actor(
                 DisaggregatedController,
@@ -370,16 +370,13 @@ class DisaggregatedTrainer(rc.TrainerBase):
                 start_timeout_s=self.start_timeout_s,
                 demand=demand_lines(self.groups, self.colocation),
                 colocation=self.colocation,
-                janitor=janitor,
                 restartable=self.restartable_groups(),
                 train_run_context=ctx,
                 **controller_init_kwargs,
             )
-            if threading.current_thread() is threading.main_thread():
-                self.register_sigint_handler(controller)
-            with RunProgress(self) as progress:
+            with interrupt_aborts(controller), RunProgress(self) as progress:
                 ray.get(controller.run.remote())
+                finished = True  # the result, or the run's failure
                 return progress.finish(ray.get(controller.get_result.remote()))
-        finally:  # success, failure, a dead coordinator or an interrupt
-            ray.get(janitor.release.remote(), timeout=60)
-            ray.kill(janitor)
+        finally:  # success, failure, a dead coordinator, an interrupt, a driver error
+            leave_nothing(controller, ctx.run_id, finished)

@@ -12,7 +12,7 @@ Coordinator`, which this controller calls at each start and poll.
 from __future__ import annotations
 
 from ray_disagg.launch.coordinator import Coordinator
-from ray_disagg.launch.elastic import ElasticGroup
+from ray_disagg.launch.elastic import ClusterResources, ElasticGroup
 from ray_disagg.launch.launches import Colocation, Launch
 from ray_disagg.launch.policies import GroupRestartPolicy
 from ray_disagg.launch.ray_compat import ControllerBase
@@ -35,13 +35,15 @@ class DisaggregatedController(ControllerBase):
         demand: list[str],
         elastic: ElasticGroup | None = None,
         colocation: Colocation | None = None,
-        janitor=None,
         restartable: frozenset[str] = frozenset(),
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self._colocation, self._janitor, self._side_timeout_s = colocation, janitor, side_timeout_s
-        policy = ElasticPolicy(elastic) if elastic is not None else None
+        self._colocation, self._side_timeout_s = colocation, side_timeout_s
+        policy = None
+        if elastic is not None:  # its probes reserve under the run's name too
+            resources = ClusterResources(self.train_run_context.run_id)
+            policy = ElasticPolicy(elastic, resources)
         self.coordinator = Coordinator(
             launch=launch,
             restart=GroupRestartPolicy(restartable, self.failure_policy, policy),
@@ -62,7 +64,6 @@ class DisaggregatedController(ControllerBase):
             side_timeout_s=self._side_timeout_s,
             transfers=launch.transfers,
             colocation=self._colocation,
-            janitor=self._janitor,
         )
 
     def after_poll(self, status):

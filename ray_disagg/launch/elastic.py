@@ -24,10 +24,11 @@ import math
 from dataclasses import dataclass, field
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 
 from ray_disagg.config import DataParallel
 from ray_disagg.launch.launches import Launch
+from ray_disagg.launch.reservations import reserve
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +205,11 @@ def workers_fitting(per_worker: dict, nodes: list[dict]) -> int:
 
 class ClusterResources:
     """What the elastic policy asks of the cluster (Ray's view of it): the free resources,
-    and whether some workers can be placed now."""
+    and whether some workers can be placed now (a probe reserved under run ``run_id``'s
+    name, ``ray_disagg.launch.reservations``)."""
+
+    def __init__(self, run_id: str = "probe"):
+        self.run_id = run_id
 
     def free_total(self) -> dict:
         return dict(ray.available_resources())
@@ -220,7 +225,7 @@ class ClusterResources:
         group reserved and released)."""
         if count <= 0:
             return True
-        pg = placement_group([dict(per_worker)] * count, strategy=strategy)
+        pg = reserve([dict(per_worker)] * count, strategy, self.run_id, "probe")
         try:
             return bool(pg.wait(timeout_seconds=timeout_s))
         finally:

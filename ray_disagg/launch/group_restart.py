@@ -38,7 +38,6 @@ class Relaunch:
     train_run_context: object
     run_attempt_id: str
     shared: list
-    janitor: object
     side_timeout_s: float
     transfers: object
 

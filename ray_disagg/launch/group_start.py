@@ -1,18 +1,17 @@
-"""Start one module's Ray Train ``WorkerGroup``: its own placement group (or bundles of a
-shared one, colocated), resources, backend and callbacks; registered with the driver's
-placement-group janitor. Used by the first start of a run attempt, a group restart and a
+"""Start one module's Ray Train ``WorkerGroup``: its own placement group, named for the run
+(``ray_disagg.launch.reservations``), or bundles of a shared one (colocated); resources,
+backend and callbacks. Used by the first start of a run attempt, a group restart and a
 standby."""
 
 from __future__ import annotations
 
 import logging
 
-import ray
-
 from ray_disagg.launch.launches import GroupLaunch
 from ray_disagg.launch.ray_compat import (
     AcceleratorSetupCallback,
     BackendSetupCallback,
+    NamedPlacementWorkerGroup,
     SharedPlacementWorkerGroup,
     WorkerGroup,
     WorkerGroupContext,
@@ -20,6 +19,7 @@ from ray_disagg.launch.ray_compat import (
     label_selector_per_worker,
     resources_per_worker,
 )
+from ray_disagg.launch.reservations import reservation_name
 
 logger = logging.getLogger(__name__)
 
@@ -27,23 +27,11 @@ __all__ = ["shutdown_all", "start_group"]
 
 
 def start_group(
-    launch: GroupLaunch, base_ctx, run_attempt_id: str, shared: list, shared_pg, janitor
+    launch: GroupLaunch, base_ctx, run_attempt_id: str, shared: list, shared_pg
 ) -> WorkerGroup:
-    """Start ``launch``'s group with the run's ``shared`` callbacks (in bundles of
-    ``shared_pg`` when colocated), its own placement group registered with ``janitor``
-    (to be removed should the coordinator die); stopped again when that fails."""
-    wg = _create(launch, base_ctx, run_attempt_id, shared, shared_pg)
-    if janitor is not None and shared_pg is None:
-        try:
-            pg = wg.get_worker_group_state().placement_group_handle.placement_group
-            ray.get(janitor.register.remote(pg))
-        except BaseException:
-            shutdown_all([wg])
-            raise
-    return wg
-
-
-def _create(launch: GroupLaunch, base_ctx, run_attempt_id, shared, shared_pg) -> WorkerGroup:
+    """Start ``launch``'s group with the run's ``shared`` callbacks: in bundles of
+    ``shared_pg`` when colocated, else in a placement group of its own named for the run
+    (``base_ctx.run_id``), which the driver removes should the coordinator die."""
     sc = launch.scaling_config
     ctx = group_train_run_context(base_ctx, sc, launch.backend_config)
     wg_ctx = WorkerGroupContext(
@@ -61,9 +49,8 @@ def _create(launch: GroupLaunch, base_ctx, run_attempt_id, shared, shared_pg) ->
     logger.info("Starting %s group: %d workers", launch.name, sc.num_workers)
     if shared_pg is not None:
         return SharedPlacementWorkerGroup.create_in(shared_pg, ctx, wg_ctx, own + shared)
-    return WorkerGroup.create(
-        train_run_context=ctx, worker_group_context=wg_ctx, callbacks=own + shared
-    )
+    name = reservation_name(base_ctx.run_id, launch.name)
+    return NamedPlacementWorkerGroup.create_named(name, ctx, wg_ctx, own + shared)
 
 
 def shutdown_all(groups) -> None:

@@ -1,6 +1,5 @@
 """What the module groups need from the cluster, checked on the driver before any worker
-starts, and the placement-group janitor that removes every group's reservation when the
-coordinator dies."""
+starts."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ from collections import defaultdict
 from typing import Literal, get_args
 
 import ray
-from ray.util.placement_group import remove_placement_group
 
 from ray_disagg.launch.ray_compat import resources_per_worker
 
@@ -193,27 +191,3 @@ def check_cluster_capacity(groups, wait_for_resources: bool, colocation=None, st
         )
     if problems:
         logger.warning("Waiting for resources the cluster does not have yet: %s", problems)
-
-
-@ray.remote(num_cpus=0)
-class PlacementGroupJanitor:
-    """The placement groups of every module group of a run (Ray Train's own cleaner tracks
-    one). Owned by the driver, not the coordinator, so it outlives a dead coordinator:
-    ``release`` at the end of ``fit()``, however it ends, removes the ones still reserved."""
-
-    def __init__(self):
-        self._pgs = []
-
-    def register(self, placement_group) -> None:
-        self._pgs.append(placement_group)
-
-    def release(self) -> int:
-        removed = 0
-        for pg in self._pgs:
-            try:
-                remove_placement_group(pg)
-                removed += 1
-            except Exception:  # already removed by its group's shutdown
-                pass
-        self._pgs.clear()
-        return removed

@@ -104,9 +104,8 @@ class Standby:
         launch = dataclasses.replace(launch, train_fn_ref=launch.standby_fn_ref)
         try:
             return start_group(
-                launch, relaunch.train_run_context, relaunch.run_attempt_id, relaunch.shared,
-                None, relaunch.janitor,
-            )  # fmt: skip
+                launch, relaunch.train_run_context, relaunch.run_attempt_id, relaunch.shared, None
+            )
         except Exception as e:
             logger.warning(
                 "The %s group's standby did not start (%r); a failure in the group restarts "

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import remove_placement_group
 
 from ray_disagg.launch.group_recovery import GroupRecovery
 from ray_disagg.launch.group_restart import Relaunch, interrupt, park
@@ -37,6 +37,7 @@ from ray_disagg.launch.ray_compat import (
     WorkerGroupPollStatus,
     WorkerGroupStartupTimeoutError,
 )
+from ray_disagg.launch.reservations import reserve
 from ray_disagg.transport.channel import ChannelSpec
 from ray_disagg.transport.select import group_offsets, pair_tiers
 from ray_disagg.worker import runtime
@@ -100,7 +101,6 @@ class ModuleWorkerGroups:
         side_timeout_s: float,
         transfers: Transfers,
         colocation: Colocation | None = None,
-        janitor=None,
     ) -> ModuleWorkerGroups:
         union = [c for c in callbacks if isinstance(c, _UNION_CALLBACKS)]
         shared = [
@@ -112,18 +112,18 @@ class ModuleWorkerGroups:
         shared_pg = None
         try:
             if colocation is not None:
-                shared_pg = placement_group(
+                shared_pg = reserve(
                     [dict(colocation.bundle)] * colocation.num_bundles,
-                    strategy=colocation.strategy,
+                    colocation.strategy,
+                    train_run_context.run_id,
+                    "colocated",
                 )
-                if janitor is not None:
-                    ray.get(janitor.register.remote(shared_pg))
             started = cls._start_groups(
-                launches, train_run_context, run_attempt_id, shared, shared_pg, janitor
+                launches, train_run_context, run_attempt_id, shared, shared_pg
             )
             groups = cls(started, union, shared_pg)
             groups.recovery = GroupRecovery(Relaunch(
-                launches, train_run_context, run_attempt_id, shared, janitor, side_timeout_s,
+                launches, train_run_context, run_attempt_id, shared, side_timeout_s,
                 transfers,
             ))  # fmt: skip
             if shared_pg is not None:
@@ -140,7 +140,7 @@ class ModuleWorkerGroups:
 
     @classmethod
     def _start_groups(
-        cls, launches, base_ctx, run_attempt_id, shared, shared_pg, janitor
+        cls, launches, base_ctx, run_attempt_id, shared, shared_pg
     ) -> dict[str, WorkerGroup]:
         """Start every group, in ``launches`` order in the result: all at once (each in its
         own thread) when every shared callback is one known to be thread-safe, else one
@@ -148,7 +148,7 @@ class ModuleWorkerGroups:
         logged, and a non-retryable one is raised before a start timeout."""
 
         def start(launch: GroupLaunch) -> WorkerGroup:
-            return start_group(launch, base_ctx, run_attempt_id, shared, shared_pg, janitor)
+            return start_group(launch, base_ctx, run_attempt_id, shared, shared_pg)
 
         unsafe = _unsafe(shared)
         if unsafe:
@@ -233,8 +233,7 @@ class ModuleWorkerGroups:
     def start_group(self, launch: GroupLaunch, relaunch: Relaunch) -> WorkerGroup:
         """A new group for ``launch`` (colocated: in the shared placement group)."""
         r = relaunch
-        return start_group(launch, r.train_run_context, r.run_attempt_id, r.shared,
-                           self._shared_pg, r.janitor)  # fmt: skip
+        return start_group(launch, r.train_run_context, r.run_attempt_id, r.shared, self._shared_pg)
 
     def install_group(self, name: str, wg: WorkerGroup) -> None:
         """``wg`` (of any size) takes the place of the stopped group ``name``."""

@@ -45,7 +45,7 @@ class FakeGroups:
     def __init__(self, launch: Launch, fail_at: str | None = None):
         self.sizes = {n: g.scaling_config.num_workers for n, g in launch.groups.items()}
         self.steps, self.fail_at = [], fail_at
-        self.recovery = GroupRecovery(Relaunch(launch.groups, None, "a1", [], None, 5.0, None))
+        self.recovery = GroupRecovery(Relaunch(launch.groups, None, "a1", [], 5.0, None))
 
     def status(self, failed: str | None = None) -> ModulePollStatus:
         statuses = {}

@@ -84,7 +84,12 @@ def _overrides(node) -> bool:
     """A method of one of ray_compat's subclasses of a Ray class that Ray defines."""
     return any(
         node.name in vars(klass)
-        for owner in (rc.ControllerBase, rc.TrainerBase, rc.SharedPlacementWorkerGroup)
+        for owner in (
+            rc.ControllerBase,
+            rc.TrainerBase,
+            rc.SharedPlacementWorkerGroup,
+            rc.NamedPlacementWorkerGroup,
+        )
         for klass in owner.__mro__[1:]
     )
 

@@ -68,6 +68,7 @@ from ray_disagg.launch.ray_compat.privates import (
 )
 from ray_disagg.launch.ray_compat.subclasses import (
     ControllerBase,
+    NamedPlacementWorkerGroup,
     SharedPlacementWorkerGroup,
     TrainerBase,
 )
@@ -105,6 +106,7 @@ __all__ = [
     "WorkerStatus",
     "WorkingDirectorySetupCallback",
     "available_resources_per_node",
+    "live_actors",
     "checkpoint_path",
     "label_selector_per_worker",
     "persist_checkpoint",
@@ -120,6 +122,7 @@ __all__ = [
     "kill_controller",
     "current_placement",
     "wait_reports_queued",
+    "NamedPlacementWorkerGroup",
     "SharedPlacementWorkerGroup",
     "with_worker_env_vars",
     "quiet_train_reports",
@@ -205,6 +208,19 @@ def available_resources_per_node() -> list[dict]:
     from ray._private import state
 
     return list(state.available_resources_per_node().values())
+
+
+def live_actors() -> list[dict]:
+    """Every actor of the cluster not dead, as the GCS knows it (no dashboard needed):
+    ``{"class_name", "state", "pid", "actor_id"}`` each."""
+    from ray._private import state
+
+    return [
+        {"class_name": a["ActorClassName"], "state": a["State"], "pid": a["Pid"],
+         "actor_id": a["ActorID"]}
+        for a in state.actors().values()
+        if a["State"] != "DEAD"
+    ]  # fmt: skip
 
 
 def wait_reports_queued(timeout_s: float) -> bool:

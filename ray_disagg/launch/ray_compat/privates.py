@@ -54,7 +54,6 @@ RAY_PRIVATES = (
     Private(CheckpointManager, "latest_checkpoint_result"),
     Private(DataParallelTrainer, "_create_default_callbacks"),
     Private(DataParallelTrainer, "_initialize_and_run_controller"),
-    Private(DataParallelTrainer, "_register_sigint_handler"),
     Private(WorkerGroup, "_start"),
     Private(WorkerGroup, "_create_placement_group"),
     Private(StorageContext, "storage_filesystem", instance=True),

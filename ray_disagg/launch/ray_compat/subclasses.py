@@ -1,6 +1,7 @@
 """Ray Train's classes whose private hooks ray_disagg overrides, with those hooks
-under public names: the coordinator's controller, the trainer, and a worker group that
-schedules into a placement group shared with other groups."""
+under public names: the coordinator's controller, the trainer, a worker group that
+schedules into a placement group shared with other groups and one whose placement group
+carries a given name."""
 
 from __future__ import annotations
 
@@ -9,11 +10,20 @@ import logging
 from ray.train.v2._internal.execution.context import TrainRunContext
 from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2._internal.execution.worker_group import WorkerGroup
+from ray.train.v2._internal.execution.worker_group.placement_group_handle import (
+    DefaultPlacementGroupHandle,
+)
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+from ray.util.placement_group import placement_group
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ControllerBase", "SharedPlacementWorkerGroup", "TrainerBase"]
+__all__ = [
+    "ControllerBase",
+    "NamedPlacementWorkerGroup",
+    "SharedPlacementWorkerGroup",
+    "TrainerBase",
+]
 
 
 class _SharedPlacementGroupHandle:
@@ -54,6 +64,30 @@ class SharedPlacementWorkerGroup(WorkerGroup):
 
     def _create_placement_group(self, scaling_config, worker_group_context):
         return _SharedPlacementGroupHandle(self._shared_pg)
+
+
+class NamedPlacementWorkerGroup(WorkerGroup):
+    """A ``WorkerGroup`` whose placement group (Ray Train's default one: a bundle per
+    worker) is named ``name``, so that its owner can find and remove it by name."""
+
+    @classmethod
+    def create_named(cls, name: str, train_run_context, worker_group_context, callbacks):
+        wg = cls(train_run_context, worker_group_context, callbacks)
+        wg._pg_name = name
+        wg._start()
+        return wg
+
+    def _create_placement_group(self, scaling_config, worker_group_context):
+        sc = scaling_config
+        if sc.use_tpu and sc.topology and sc.accelerator_type:  # a TPU slice: Ray Train's
+            return super()._create_placement_group(scaling_config, worker_group_context)
+        pg = placement_group(
+            bundles=[worker_group_context.resources_per_worker] * worker_group_context.num_workers,
+            strategy=worker_group_context.placement_strategy,
+            bundle_label_selector=worker_group_context.label_selector,
+            name=self._pg_name,
+        )
+        return DefaultPlacementGroupHandle(pg)
 
 
 class ControllerBase(TrainController):
@@ -123,7 +157,3 @@ class TrainerBase(DataParallelTrainer):
         """Start the controller with ``controller_init_kwargs`` and return its ``Result``
         (default: Ray Train's)."""
         return super()._initialize_and_run_controller(**controller_init_kwargs)
-
-    def register_sigint_handler(self, controller) -> None:
-        """Ctrl-C on the driver aborts ``controller`` (as Ray Train's trainer does)."""
-        self._register_sigint_handler(controller)
