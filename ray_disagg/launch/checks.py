@@ -177,6 +177,11 @@ def validate_groups(groups, adapter) -> dict[str, ModuleGroup]:
     for name, g in groups.items():
         if not isinstance(g, ModuleGroup):
             raise ValueError(f"groups[{name!r}] must be a ModuleGroup, got {type(g).__name__}.")
+        if g.scaling_config.use_tpu:
+            raise ValueError(
+                f"groups[{name!r}]: ScalingConfig(use_tpu=True) is not supported (the groups "
+                "train with torch on GPUs or CPUs); use use_gpu=True or the CPU."
+            )
     return {m: groups[m] for m in parts}
 
 

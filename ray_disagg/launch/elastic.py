@@ -208,7 +208,7 @@ class ClusterResources:
     and whether some workers can be placed now (a probe reserved under run ``run_id``'s
     name, ``ray_disagg.launch.reservations``)."""
 
-    def __init__(self, run_id: str = "probe"):
+    def __init__(self, run_id: str):
         self.run_id = run_id
 
     def free_total(self) -> dict:

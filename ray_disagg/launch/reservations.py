@@ -45,8 +45,8 @@ def reservation_name(run_id: str, what: str) -> str:
 
 def run_of(name: str) -> str | None:
     """The run id in a placement group name of :func:`reservation_name`, else ``None``."""
-    parts = name.split(":")
-    return parts[1] if len(parts) == 4 and parts[0] == PREFIX else None
+    parts = name.split(":", 2)
+    return parts[1] if len(parts) == 3 and parts[0] == PREFIX else None
 
 
 def reserve(bundles: list[dict], strategy: str, run_id: str, what: str) -> PlacementGroup:

@@ -26,9 +26,9 @@ class ElasticPolicy:
     (:meth:`initial_launch`), after it lost a worker (:meth:`after_failure`) and while it
     runs (:meth:`decide`: grow or nothing)."""
 
-    def __init__(self, group: ElasticGroup, resources: ClusterResources | None = None):
+    def __init__(self, group: ElasticGroup, resources: ClusterResources):
         self.group = group
-        self.resources = resources or ClusterResources()
+        self.resources = resources
 
     @property
     def name(self) -> str:

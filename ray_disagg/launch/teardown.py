@@ -19,7 +19,7 @@ import threading
 import time
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 from ray_disagg.launch import reservations
 
@@ -31,10 +31,9 @@ __all__ = ["interrupt_aborts", "leave_nothing"]
 @contextlib.contextmanager
 def interrupt_aborts(controller, abort_timeout_s: float = 30.0):
     """Ctrl-C aborts the run of ``controller`` and raises ``KeyboardInterrupt`` (in the
-    main thread only: Python delivers signals there; elsewhere nothing changes)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    main thread only: Python delivers signals there; elsewhere nothing changes). While
+    the coordinator starts the groups it answers the abort only once they started (up
+    to ``abort_timeout_s``; a second Ctrl-C stops waiting)."""
     presses = 0
 
     def on_sigint(signum, frame):
@@ -47,35 +46,73 @@ def interrupt_aborts(controller, abort_timeout_s: float = 30.0):
                 ray.get(controller.abort.remote(), timeout=abort_timeout_s)
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    with _sigint(on_sigint):
+        yield
+
+
+@contextlib.contextmanager
+def _sigint(handler):
+    """``handler`` for SIGINT inside the block (main thread only), the previous one after
+    (unless it was set outside Python and cannot be put back)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def leave_nothing(controller, run_id: str, finished: bool, timeout_s: float = 30.0) -> None:
     """After ``fit()``: unless the run ``finished`` (its coordinator returned a result or a
     failure), kill ``controller`` (``None``: never started) and wait until it is gone, so
-    that it reserves nothing more; then remove the run's placement groups still there."""
-    if controller is not None and not finished:
-        ray.kill(controller, no_restart=True)
-        if not _gone(controller, timeout_s):
-            logger.warning("The run's coordinator still lived %gs after it was killed.", timeout_s)
-    removed = reservations.release(run_id)
+    that it reserves nothing more; then remove the run's placement groups still there.
+    Ctrl-C meanwhile only says it is cleaning up; an error here is logged, never raised
+    (the run's own error is the one ``fit()`` raises)."""
+
+    def wait(signum, frame):
+        logger.warning("Removing what the run reserved; a moment.")
+
+    with _sigint(wait):
+        try:
+            if controller is not None and not finished:
+                ray.kill(controller, no_restart=True)
+                if not _gone(controller, timeout_s):
+                    logger.warning("The run's coordinator still lived %gs after it was "
+                                   "killed.", timeout_s)  # fmt: skip
+            removed = _release(run_id, timeout_s, settle=not finished)
+        except Exception:  # noqa: BLE001 - never hide the run's own error
+            logger.warning("Cleaning up after the run failed.", exc_info=True)
+            return
     if removed:
         logger.info("Removed the run's placement groups left behind: %s", removed)
 
 
+def _release(run_id: str, timeout_s: float, settle: bool, quiet_s: float = 0.5) -> list[str]:
+    """Remove the run's placement groups; when ``settle`` (a coordinator was killed: its
+    last requests may still land), look again ``quiet_s`` later until a look finds none."""
+    removed, deadline = reservations.release(run_id), time.monotonic() + timeout_s
+    while settle and time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        more = reservations.release(run_id)
+        if not more:
+            break
+        removed += more
+    return removed
+
+
 def _gone(actor, timeout_s: float) -> bool:
-    """Whether ``actor`` died within ``timeout_s`` (a call to it fails once it has)."""
+    """Whether ``actor`` died within ``timeout_s`` (a call to it fails for good once it
+    has)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             ray.get(actor.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
-        except RayActorError:
+        except ActorDiedError:
             return True
-        except GetTimeoutError:
-            return False
+        except (ActorUnavailableError, GetTimeoutError):
+            pass  # not reachable for now, or slow: ask again
         time.sleep(0.1)
     return False

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None):
     ``ray.train.Result``; ``plan``: the printed text); without (the console script,
     ``python -m ray_disagg``) it returns the exit status 0. A recipe error (a
     ``ValueError``, a missing file, bad YAML) prints ``ray-disagg: error: ...`` on stderr
-    and raises ``SystemExit(2)``."""
+    and raises ``SystemExit(2)``; Ctrl-C, ``SystemExit(130)``."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "plot":
@@ -192,6 +192,9 @@ def main(argv: list[str] | None = None):
     except (ValueError, OSError, ImportError) as e:
         print(f"ray-disagg: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # Ctrl-C: the run was aborted, nothing left behind
+        print("ray-disagg: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
     return out if argv is not None else 0
 
 

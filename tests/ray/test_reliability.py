@@ -3,6 +3,7 @@ naming the samples (skipping such steps, without Ray: ``tests/gloo/test_nonfinit
 a dead coordinator or Ctrl-C leaves nothing behind, infeasible resources fail on the
 driver, and the cluster stays on loopback."""
 
+import contextlib
 import os
 import signal
 import threading
@@ -45,76 +46,95 @@ def test_a_dead_coordinator_or_an_interrupt_leaves_nothing_behind(
     a bounded time, and the last fit completes."""
     spec, data = setup
     data = data[:4] * 30  # finite data, more steps than the interrupted run reaches
-    groups = vt(group(2, cpus=1.0), group(2, cpus=1.0))
-    killer = _when(_reserving, _sigkill_coordinator)
-    with pytest.raises(ray.exceptions.ActorDiedError):
-        run_layout(spec, data, dict(LOOP, max_steps=30), groups, tmp_path, "dead")
-    assert killer.done.is_set()
-    _assert_nothing_left()
+    groups, loop = vt(group(2, cpus=1.0), group(2, cpus=1.0)), dict(LOOP, max_steps=30)
+    before = _Snapshot()
+    kill = _when(lambda: before.new_pgs("CREATED"), lambda: _sigkill(before.new_coordinator()))
+    with kill, pytest.raises(ray.exceptions.ActorDiedError):
+        run_layout(spec, data, loop, groups, tmp_path, "dead")
+    before.assert_nothing_left()
 
+    handler = signal.getsignal(signal.SIGINT)
     metrics = tmp_path / "interrupted" / "metrics.jsonl"
-    _when(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, _ctrl_c)
-    with pytest.raises(KeyboardInterrupt):
-        run_layout(spec, data, dict(LOOP, max_steps=30), groups, tmp_path, "interrupted")
+    interrupt = _when(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, _ctrl_c)
+    with interrupt, pytest.raises(KeyboardInterrupt):
+        run_layout(spec, data, loop, groups, tmp_path, "interrupted")
     assert 1 <= metrics.read_text().count("\n") < 30  # interrupted mid-run
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
-    _assert_nothing_left()
+    assert signal.getsignal(signal.SIGINT) is handler  # the driver's handler is back
+    before.assert_nothing_left()
 
     result = run_layout(spec, data, LOOP, groups, tmp_path, "after")
     assert result.error is None and result.metrics["step"] == LOOP["max_steps"]
 
 
-class _when(threading.Thread):
-    """Run ``then`` once ``condition`` holds (checked every 50 ms, for up to 120 s)."""
+class _Snapshot:
+    """The cluster's placement groups and actors before a run, to tell the run's own."""
 
-    def __init__(self, condition, then):
-        super().__init__(daemon=True)
-        self.condition, self.then, self.done = condition, then, threading.Event()
-        self.start()
+    def __init__(self):
+        self.pgs = set(ray.util.placement_group_table())
+        self.actors = {a["actor_id"] for a in live_actors()}
 
-    def run(self):
-        deadline = time.monotonic() + 120
-        while not self.condition() and time.monotonic() < deadline:
+    def new_pgs(self, *states: str) -> list[str]:
+        return [
+            pg["name"]
+            for pg_id, pg in ray.util.placement_group_table().items()
+            if pg_id not in self.pgs and run_of(pg["name"]) and pg["state"] in states
+        ]
+
+    def new_actors(self) -> list[dict]:
+        return [a for a in live_actors() if a["actor_id"] not in self.actors]
+
+    def new_coordinator(self) -> int:
+        (pid,) = [
+            a["pid"] for a in self.new_actors() if a["class_name"] == "DisaggregatedController"
+        ]
+        return pid
+
+    def assert_nothing_left(self, timeout_s: float = 30.0) -> None:
+        """No placement group of a later run reserved and no coordinator or worker of one
+        alive, within ``timeout_s``; then every CPU free."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pgs = self.new_pgs("PENDING", "PREPARED", "CREATED", "RESCHEDULING")
+            ours = ("DisaggregatedController", "RayTrainWorker")
+            actors = [a["class_name"] for a in self.new_actors() if a["class_name"] in ours]
+            if not pgs and not actors:
+                break
+            assert time.monotonic() < deadline, f"left behind: {pgs} {actors}"
+            time.sleep(0.2)
+        assert every_cpu_free(timeout_s) == 4
+
+
+@contextlib.contextmanager
+def _when(condition, then, timeout_s: float = 120.0):
+    """Inside the block: ``then()`` once ``condition()`` holds (looked at every 50 ms, up
+    to ``timeout_s``), in a thread joined at the end; fails when it never did."""
+    stop, fired = threading.Event(), threading.Event()
+
+    def watch():
+        deadline = time.monotonic() + timeout_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            if condition():
+                then()
+                fired.set()
+                return
             time.sleep(0.05)
-        self.then()
-        self.done.set()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+    assert fired.is_set(), "the condition never held during the run"
 
 
-def _reserving() -> bool:
-    """A placement group of a run is reserved (the coordinator is starting the groups)."""
-    pgs = ray.util.placement_group_table().values()
-    return any(run_of(pg["name"]) and pg["state"] == "CREATED" for pg in pgs)
-
-
-def _sigkill_coordinator() -> None:
-    (pid,) = [a["pid"] for a in live_actors() if a["class_name"] == "DisaggregatedController"]
+def _sigkill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
 def _ctrl_c() -> None:
     os.kill(os.getpid(), signal.SIGINT)
-
-
-def _assert_nothing_left(timeout_s: float = 30.0) -> None:
-    """No placement group of a run reserved and no coordinator or worker alive, within
-    ``timeout_s``; then every CPU free."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pgs = [
-            pg["name"]
-            for pg in ray.util.placement_group_table().values()
-            if run_of(pg["name"]) and pg["state"] != "REMOVED"
-        ]
-        actors = [
-            a["class_name"]
-            for a in live_actors()
-            if a["class_name"] in ("DisaggregatedController", "RayTrainWorker")
-        ]
-        if not pgs and not actors:
-            break
-        assert time.monotonic() < deadline, f"left behind: {pgs} {actors}"
-        time.sleep(0.2)
-    assert every_cpu_free(timeout_s) == 4
 
 
 def test_infeasible_resources_fail_on_the_driver(ray_start_4_cpus, setup, tmp_path):

@@ -110,6 +110,13 @@ def test_group_must_be_module_group():
         make({"vision": g(), "text": ScalingConfig(num_workers=1)})
 
 
+def test_tpu_groups_are_refused():
+    tpu = ModuleGroup(scaling_config=ScalingConfig(num_workers=1, use_tpu=True, topology="2x2",
+                                                   accelerator_type="TPU-V4"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"groups\['vision'\]: ScalingConfig\(use_tpu=True\)"):
+        make({"vision": tpu, "text": g()})
+
+
 def test_global_batch_not_divisible_by_dp():
     with pytest.raises(
         ValueError, match="not divisible by the vision group's data-parallel size 3"

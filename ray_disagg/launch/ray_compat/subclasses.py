@@ -68,7 +68,8 @@ class SharedPlacementWorkerGroup(WorkerGroup):
 
 class NamedPlacementWorkerGroup(WorkerGroup):
     """A ``WorkerGroup`` whose placement group (Ray Train's default one: a bundle per
-    worker) is named ``name``, so that its owner can find and remove it by name."""
+    worker; TPU slices are refused on the driver) is named ``name``, so that its owner can
+    find and remove it by name."""
 
     @classmethod
     def create_named(cls, name: str, train_run_context, worker_group_context, callbacks):
@@ -78,9 +79,6 @@ class NamedPlacementWorkerGroup(WorkerGroup):
         return wg
 
     def _create_placement_group(self, scaling_config, worker_group_context):
-        sc = scaling_config
-        if sc.use_tpu and sc.topology and sc.accelerator_type:  # a TPU slice: Ray Train's
-            return super()._create_placement_group(scaling_config, worker_group_context)
         pg = placement_group(
             bundles=[worker_group_context.resources_per_worker] * worker_group_context.num_workers,
             strategy=worker_group_context.placement_strategy,
