@@ -14,7 +14,9 @@ For each mode it prints:
 
 - ``kill -> next step``: from the kill (the drill's marker file, written just before
   the exit) to the first step the restarted run reports in its ``metrics.jsonl`` (polled
-  every 20 ms; the step the survivors were finishing when the worker died does not count);
+  every 20 ms; the driver appends each step as it takes it from the coordinator, within
+  about a second of the report, the same in both modes; the step the survivors were
+  finishing when the worker died does not count);
 - ``step``: the median step time of the run (``step_time``), for scale;
 - ``fit``: the whole ``fit()``.
 
@@ -49,8 +51,14 @@ from ray_disagg import (  # noqa: E402
     ModuleGroup,
 )
 from ray_disagg.data.examples import synthetic_samples  # noqa: E402
+from ray_disagg.run_files import METRICS_FILE  # noqa: E402
 from ray_disagg.testing.faults import fault_drill  # noqa: E402
-from ray_disagg.trainer import metrics_path  # noqa: E402
+
+
+def _metrics_file(run_config) -> str:
+    """The run's ``metrics.jsonl`` (the benchmark's storage is a local path)."""
+    return os.path.join(run_config.storage_path, run_config.name, METRICS_FILE)
+
 
 KILL_STEP = 5  # 0-based: the vision worker dies at the start of step 6 (after checkpoint 3)
 LOOP = {
@@ -111,7 +119,7 @@ def timed_fit(spec, data, loop: dict, run_config, drill=None, standby=False, **t
         run_config=run_config,
         **trainer_kwargs,
     )
-    watcher = StepTimes(metrics_path(run_config))
+    watcher = StepTimes(_metrics_file(run_config))
     watcher.start()
     t0 = time.time()
     with drill or contextlib.nullcontext():
@@ -148,7 +156,7 @@ def run(mode: str, spec, data, storage: str) -> dict:
     # the survivors may still finish the step before the kill (1-based KILL_STEP): not
     # a step completed after the restart
     after = [t for t, step in seen if t > killed and step != KILL_STEP]
-    steps = [m["step_time_s"] for m in _lines(metrics_path(run_config)) if "step_time_s" in m]
+    steps = [m["step_time_s"] for m in _lines(_metrics_file(run_config)) if "step_time_s" in m]
     return {
         "recovery": after[0] - killed,
         "timeline": [(round(t - t0, 1), s) for t, s in seen] + [("kill", killed - t0)],

@@ -3,7 +3,8 @@
 - ``loss_curve.png``: :func:`ray_disagg.plotting.plot_metrics`;
 - ``step_times.png``: per step, each group's compute and wait seconds stacked (its
   ``<group>_compute_s`` and ``<group>_wait_s`` metrics), the step time as a line;
-- ``timeline_step<N>.png`` for each step traced with ``train_loop_config["trace_steps"]``:
+- ``timeline_step<N>.png`` for each step traced with ``train_loop_config["trace_steps"]``
+  (``<run>/trace/``, :mod:`ray_disagg.run_files`):
   each group's rank-0 actions of the schedule (``ray_disagg.pipeline.schedule``) as bars
   from their measured start to end on one time axis, waits (receives, sends' delivery)
   hatched: which group waits for which, and where the bubble is.
@@ -11,10 +12,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from ray_disagg.plotting import plot_metrics
+from ray_disagg.run_files import RunDir, read_traces
 from ray_disagg.trainer import load_metrics
 
 __all__ = ["plot_run", "read_traces"]
@@ -22,39 +23,23 @@ __all__ = ["plot_run", "read_traces"]
 _COLORS = {"forward": "tab:blue", "backward": "tab:orange", "train": "tab:green"}
 
 
-def read_traces(run_dir: str) -> dict[int, dict[str, list[dict]]]:
-    """Per traced step (from 1), per group: its rank-0 actions ``{"action", "start",
-    "end", "waiting"}`` in order (``<run>/trace/<group>.jsonl``; a step a restart redid:
-    its last record)."""
-    out: dict[int, dict[str, list[dict]]] = {}
-    folder = os.path.join(run_dir, "trace")
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
-        with open(os.path.join(folder, name)) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:  # blank, or a line cut short by a crash
-                    continue
-                if rec.get("actions"):
-                    out.setdefault(rec["step"], {})[rec["group"]] = rec["actions"]
-    return out
-
-
 def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
-    """Write the run's pictures (see the module docstring) into ``out_dir`` (default:
-    the run directory); returns their paths.
+    """Write the run's pictures (see the module docstring) into ``out_dir`` (default: the
+    run directory when it is local, else ``./<run name>``); returns their paths.
+    ``run_dir``: a local path or a URI of any storage a run can use (``s3://...``).
 
     Example:
         >>> paths = plot_run("/tmp/ray_disagg_runs/tiny-vlm")  # doctest: +SKIP
     """
-    out_dir = out_dir or run_dir
+    run = RunDir.of(run_dir)
+    out_dir = out_dir or run.local_path or os.path.basename(run.path.rstrip("/"))
     os.makedirs(out_dir, exist_ok=True)
-    paths = [plot_metrics(run_dir, os.path.join(out_dir, "loss_curve.png"))]
-    df = load_metrics(run_dir)
+    paths = [plot_metrics(run, os.path.join(out_dir, "loss_curve.png"))]
+    df = load_metrics(run)
     groups = [c.removesuffix("_compute_s") for c in df.columns if c.endswith("_compute_s")]
     if groups:
         paths.append(_step_times(df, groups, os.path.join(out_dir, "step_times.png")))
-    for step, actions in sorted(read_traces(run_dir).items()):
+    for step, actions in sorted(read_traces(run).items()):
         paths.append(_timeline(step, actions, os.path.join(out_dir, f"timeline_step{step}.png")))
     return paths
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 import os
+import posixpath
 from collections.abc import Sequence
 
+from ray_disagg.run_files import RunDir
 from ray_disagg.trainer import load_metrics
 
 __all__ = ["plot_metrics"]
@@ -18,10 +20,10 @@ def plot_metrics(source, path, keys: Sequence[str] | str = ("loss", "val_loss"))
     Returns ``path``.
 
     ``source`` is what :func:`ray_disagg.load_metrics` reads: a ``ray.train.Result``, a run
-    directory or its ``metrics.jsonl``. Keys the run did not report are left out (e.g.
-    ``val_loss`` without a validation set); steps without a value for a key (``val_loss`` is
-    computed only every few steps) are skipped for that key. A ``ValueError`` when none of
-    ``keys`` was reported.
+    directory (a local path or a URI: ``s3://...``) or its ``metrics.jsonl``. Keys the run
+    did not report are left out (e.g. ``val_loss`` without a validation set); steps without
+    a value for a key (``val_loss`` is computed only every few steps) are skipped for that
+    key. A ``ValueError`` when none of ``keys`` was reported.
 
     Uses matplotlib's Agg canvas directly: no display is needed and pyplot's global state
     (the backend of a notebook, open figures) is left alone.
@@ -87,8 +89,6 @@ def _draw(ax, df, present: list[str], title: str) -> None:
 
 
 def _describe(source) -> str:
-    """The run's name for titles and messages: its directory's name."""
-    p = os.path.abspath(os.fspath(getattr(source, "path", source)))
-    if os.path.isfile(p):
-        p = os.path.dirname(p)
-    return os.path.basename(p.rstrip(os.sep)) or p
+    """The run's name for titles and messages: its directory's name (on any storage)."""
+    path = RunDir.of(source).path.rstrip("/")
+    return posixpath.basename(path) or path

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
+import posixpath
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -37,6 +37,7 @@ from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.lora import check_lora_resume
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan
+from ray_disagg.run_files import RunDir, read_metrics
 from ray_disagg.transport.base import Tier
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.drill_env import FAULT_DRILL_ENV
@@ -47,20 +48,12 @@ from ray_disagg.worker.standby import StandbyLoop
 
 __all__ = ["DisaggregatedTrainer", "load_metrics"]
 
-METRICS_FILE = "metrics.jsonl"
-
-
-def metrics_path(run_config: RunConfig) -> str | None:
-    """``<storage_path>/<name>/metrics.jsonl`` for local (or mounted) storage, else ``None``."""
-    storage = run_config.storage_path
-    if "://" in str(storage):
-        return None
-    return os.path.join(os.path.expanduser(str(storage)), run_config.name, METRICS_FILE)
-
 
 def load_metrics(source) -> pd.DataFrame:
     """Every reported step of a run as a DataFrame (one row per step, sorted): ``source``
-    is a ``ray.train.Result``, a run directory or its ``metrics.jsonl``.
+    is a ``ray.train.Result``, a run directory (a local path or a URI such as
+    ``s3://bucket/runs/name``) or its ``metrics.jsonl`` (:func:`ray_disagg.run_files.
+    read_metrics`: on any storage the run could use).
 
     ``Result.metrics_dataframe`` holds only the steps that wrote a checkpoint; this holds
     them all.
@@ -69,13 +62,7 @@ def load_metrics(source) -> pd.DataFrame:
         >>> df = load_metrics(result)  # doctest: +SKIP
         >>> df[["step", "loss"]]  # doctest: +SKIP
     """
-    path = os.fspath(source.path if isinstance(source, Result) else source)  # the run dir
-    if os.path.isdir(path):
-        path = os.path.join(path, METRICS_FILE)
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    by_step = {r["step"]: r for r in rows}  # a restart redoes steps: keep the last
-    return pd.DataFrame([by_step[s] for s in sorted(by_step)])
+    return pd.DataFrame(read_metrics(source))
 
 
 def _train_fn(loop, backend) -> rc.ObjectRefWrapper:
@@ -86,6 +73,13 @@ def _train_fn(loop, backend) -> rc.ObjectRefWrapper:
         fn_arg_name="train_loop_per_worker",
     )
     return rc.ObjectRefWrapper(fn)
+
+
+def _fetch(controller, n: int) -> list[dict]:
+    """The run's reported steps after the first ``n`` (from the coordinator's feed);
+    ``TimeoutError`` while the coordinator is busy (it starts groups in its event loop),
+    ``RayActorError`` once it is gone."""
+    return ray.get(controller.reported_since.remote(n), timeout=10)
 
 
 def _not_called(*_args, **_kwargs):
@@ -209,7 +203,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
             scaling_config=ScalingConfig(num_workers=total),
             run_config=run_config,
         )
-        self.report_to = check_report_to(report_to, self.metrics_file())
+        self.report_to = check_report_to(report_to)
 
     def _check_resume(self, checkpoint: Checkpoint) -> None:
         """The checkpoint to resume from fits this run (config, steps, LoRA, DPO's
@@ -265,9 +259,8 @@ class DisaggregatedTrainer(rc.TrainerBase):
     def loop_args(self, put=None, driver_progress: bool = False) -> LoopArgs:
         """What every worker's loop gets; ``put`` stores the datasets for the workers
         (``ray.put`` by default; the tests' local runner passes them as they are);
-        ``driver_progress``: the driver prints the steps (from the metrics file)."""
+        ``driver_progress``: the driver prints the steps (it takes them from the reports)."""
         put = put or ray.put
-        path = self.metrics_file()
         return LoopArgs(
             spec=self.model_spec,
             cfg=self.loop_config,
@@ -276,8 +269,8 @@ class DisaggregatedTrainer(rc.TrainerBase):
             dataset_ref=[put(self.train_data)],
             resume_from_checkpoint=self.resume_from_checkpoint,
             samples_validated=self._samples_validated,
-            metrics_path=path,
-            driver_progress=driver_progress and path is not None,
+            run_dir=self.run_dir(),
+            driver_progress=driver_progress,
             frozen_parts=self.frozen_parts,
             sources=self.train_data.names if isinstance(self.train_data, Mixture) else (),
             val_ref=None if self._val_data is None else [put(self._val_data)],
@@ -286,9 +279,23 @@ class DisaggregatedTrainer(rc.TrainerBase):
             recovery_timeout_s=self.start_timeout_s + self.loop_config.collective_timeout_s,
         )
 
-    def metrics_file(self) -> str | None:
-        """The run's ``metrics.jsonl`` when the driver can read it (local storage)."""
-        return metrics_path(self.run_config)
+    def run_dir(self) -> RunDir:
+        """The run's directory on its storage (``RunConfig(storage_path, name)``, as Ray
+        Train resolves it: local, mounted, S3, GCS or ``storage_filesystem``)."""
+        rc_ = self.run_config
+        fs, root = rc.storage_location(rc_.storage_path, rc_.storage_filesystem)
+        return RunDir(fs, posixpath.join(root, rc_.name))
+
+    def tracker_dir(self) -> str:
+        """Where the trackers keep their files by default (``report_to``): the run
+        directory when it is local, else ``~/ray_results/<name>`` on the driver."""
+        run = self.run_config
+        storage = run.storage_filesystem is None and os.fspath(run.storage_path)
+        if storage and storage.startswith("file://"):
+            storage = storage.removeprefix("file://")
+        if storage and "://" not in storage:
+            return os.path.join(os.path.expanduser(storage), run.name)
+        return os.path.join(os.path.expanduser("~/ray_results"), run.name)
 
     def restartable_groups(self) -> frozenset[str]:
         """The groups a worker failure restarts alone (``ray_disagg.layout``)."""
@@ -374,7 +381,11 @@ class DisaggregatedTrainer(rc.TrainerBase):
                 train_run_context=ctx,
                 **controller_init_kwargs,
             )
-            with interrupt_aborts(controller), RunProgress(self) as progress:
+            fetch = functools.partial(_fetch, controller)
+            with (
+                RunProgress(self, fetch) as progress,
+                interrupt_aborts(controller, before_abort=progress.take),
+            ):
                 ray.get(controller.run.remote())
                 finished = True  # the result, or the run's failure
                 return progress.finish(ray.get(controller.get_result.remote()))

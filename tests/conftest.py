@@ -1,4 +1,5 @@
 import os
+import types
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -29,6 +30,33 @@ def ray_start_4_cpus():
     )
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3-API server (moto's) on 127.0.0.1 with fixed credentials and a bucket
+    ``runs``: the pyarrow ``S3FileSystem`` a run is given, its endpoint, and the
+    credentials as environment variables (for URIs, as AWS's tools read them)."""
+    import logging
+
+    import pyarrow.fs as pafs
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+    fs = pafs.S3FileSystem(
+        access_key="testing", secret_key="testing", region="us-east-1",
+        endpoint_override=endpoint, scheme="http", allow_bucket_creation=True,
+    )  # fmt: skip
+    fs.create_dir("runs")
+    yield types.SimpleNamespace(fs=fs, endpoint=endpoint, env=env)
+    server.stop()
 
 
 @pytest.fixture(autouse=True)

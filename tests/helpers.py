@@ -43,13 +43,15 @@ def run_layout(
     checkpoint_config=None,
     local: bool = False,
     build_only: bool = False,
+    storage_filesystem=None,
     **kwargs,
 ):
     """Fit one layout (``groups``: name -> ModuleGroup), keeping every checkpoint (their
     metrics are the per-step history) unless ``checkpoint_config`` says otherwise;
     ``kwargs`` go to the trainer (placement, ...). ``local``: the same workers without
     Ray (``ray_disagg.testing.local``), for numerics Ray adds nothing to;
-    ``build_only``: return the trainer unfitted."""
+    ``build_only``: return the trainer unfitted; ``storage_filesystem``: ``storage`` is a
+    path on it (e.g. the S3 test server's)."""
     datasets = {"train": data} if validation is None else {"train": data, "validation": validation}
     trainer = DisaggregatedTrainer(
         model=spec,
@@ -59,6 +61,7 @@ def run_layout(
         run_config=RunConfig(
             name=name,
             storage_path=str(storage),
+            storage_filesystem=storage_filesystem,
             failure_config=FailureConfig(max_failures=failures),
             checkpoint_config=checkpoint_config or CheckpointConfig(num_to_keep=None),
             callbacks=list(callbacks),

@@ -17,6 +17,7 @@ from ray_disagg.launch.launches import Colocation, Launch
 from ray_disagg.launch.policies import GroupRestartPolicy
 from ray_disagg.launch.ray_compat import ControllerBase
 from ray_disagg.launch.resize import ElasticPolicy
+from ray_disagg.launch.step_feed import StepFeed
 from ray_disagg.launch.worker_groups import ModuleWorkerGroups
 
 __all__ = ["DisaggregatedController"]
@@ -38,6 +39,8 @@ class DisaggregatedController(ControllerBase):
         restartable: frozenset[str] = frozenset(),
         **kwargs,
     ):
+        self.feed = StepFeed()  # every reported step, for the driver (reported_since)
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or ()), self.feed]
         super().__init__(**kwargs)
         self._colocation, self._side_timeout_s = colocation, side_timeout_s
         policy = None
@@ -50,6 +53,10 @@ class DisaggregatedController(ControllerBase):
             start_timeout_s=start_timeout_s,
             demand=demand,
         )
+
+    async def reported_since(self, n: int) -> list[dict]:
+        """The metrics of every reported step after the first ``n`` (the driver polls)."""
+        return self.feed.since(n)
 
     def start_worker_group(self) -> None:
         # The union scaling config only sizes autoscaler requests; each group uses its own.

@@ -3,10 +3,12 @@ parameters per group), one line per reported step (step/N, loss, lr, tokens/s, M
 time, ETA) or a live bar when stdout is a terminal, and an end summary (wall time,
 tokens, tokens/s, MFU, peak memory and MFU per group, restarts, the last checkpoint).
 
-The steps come from the run's ``metrics.jsonl`` (written by the LLM group's rank 0 at every
-reported step), polled by :class:`Progress` while ``fit()`` waits; the formatting is pure
-functions (:func:`step_line`, :func:`start_lines`, :func:`end_lines`). Each step also goes
-to Ray's metrics (:mod:`ray_disagg.launch.ray_metrics`) and the experiment trackers.
+The steps come through Ray Train's report path (the coordinator's
+:class:`~ray_disagg.launch.step_feed.StepFeed`), polled by :class:`Progress` while
+``fit()`` waits; the formatting is pure functions (:func:`step_line`, :func:`start_lines`,
+:func:`end_lines`). Each step also goes to the run's metrics history
+(:mod:`ray_disagg.run_files`), Ray's metrics (:mod:`ray_disagg.launch.ray_metrics`) and
+the experiment trackers.
 
 Example:
     >>> step_line({"step": 3, "loss": 1.25, "lr": 1e-3, "tokens_per_s": 900.0,
@@ -18,13 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
-import os
 import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable
+
+from ray.exceptions import RayActorError
+
+from ray_disagg.run_files import MetricsHistory
 
 __all__ = [
     "Progress",
@@ -98,7 +102,7 @@ def _describe(p) -> str:
 
 
 def end_lines(rows: list[dict], groups, wall_s: float, checkpoint: str | None) -> list[str]:
-    """The run's totals from its reported steps ``rows`` (``metrics.jsonl``)."""
+    """The run's totals from its reported steps ``rows``."""
     if not rows:
         return [f"done in {format_eta(wall_s)}: no step was reported"]
     last = rows[-1]
@@ -130,36 +134,31 @@ def _mean_mfu(rows: list[dict], key: str) -> str:
     return f", MFU {100 * sum(m * t for m, t in timed) / total:.1f}%"
 
 
-def _read_rows(path: str, offset: int) -> tuple[list[dict], int]:
-    """Complete lines of ``path`` from byte ``offset`` on, and the new offset."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except FileNotFoundError:
-        return [], offset
-    end = data.rfind(b"\n") + 1
-    rows = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
-    return rows, offset + end
-
-
 class Progress(threading.Thread):
-    """Polls ``path`` (the run's ``metrics.jsonl``) every ``interval_s`` and prints each
-    new step (a line, or a ``tqdm`` bar when ``stream`` is a terminal) until
-    :meth:`stop`. ``rows`` keeps every step seen (a restart's repeated steps replace
-    theirs)."""
+    """Takes the run's new reported steps from ``fetch(n)`` (the steps after the first
+    ``n``: the coordinator's :class:`~ray_disagg.launch.step_feed.StepFeed`) every
+    ``interval_s`` and prints each (a line, or a ``tqdm`` bar when ``stream`` is a
+    terminal) until :meth:`stop`; each also goes to ``on_step`` (the history, trackers,
+    gauges), and ``on_tick`` runs after every poll. ``rows`` keeps every step seen (a
+    restart's repeated steps replace theirs). A ``fetch`` that raises ``TimeoutError``
+    (the coordinator busy) is tried again at the next poll; one that raises
+    ``RayActorError`` (the coordinator gone) ends the polling."""
 
-    def __init__(self, path: str, max_steps: int, interval_s: float = 1.0, stream=None,
+    def __init__(self, fetch: Callable[[int], list[dict]], max_steps: int,
+                 interval_s: float = 1.0, stream=None,
                  echo: Callable[[str], None] | None = None,
-                 on_step: Callable[[dict], None] | None = None):  # fmt: skip
+                 on_step: Callable[[dict], None] | None = None,
+                 on_tick: Callable[[], None] | None = None):  # fmt: skip
         super().__init__(daemon=True, name="ray_disagg-progress")
-        self.path, self.max_steps, self.interval_s = path, max_steps, interval_s
-        self.on_step = on_step  # each new step's metrics also go here (the trackers)
+        self.fetch, self.max_steps, self.interval_s = fetch, max_steps, interval_s
+        self.on_step, self.on_tick = on_step, on_tick
         self.stream = stream or sys.stdout
         self.echo = echo or (lambda line: print(PREFIX + line, file=self.stream, flush=True))
-        self.offset = os.path.getsize(path) if os.path.isfile(path) else 0  # a resumed run's
+        self.taken = 0
         self.steps: dict[int, dict] = {}
         self.done = threading.Event()
+        self.gone = False
+        self.lock = threading.Lock()  # one poll at a time (the thread's, the last ones)
         self.bar = None
 
     @property
@@ -167,23 +166,44 @@ class Progress(threading.Thread):
         return [self.steps[s] for s in sorted(self.steps)]
 
     def run(self) -> None:
-        while not self.done.wait(self.interval_s):
+        while not self.done.wait(self.interval_s) and not self.gone:
             self.poll()
-        self.poll()
+
+    def stop(self, attempts: int = 3) -> None:
+        """Stop polling, then take the steps not taken yet (while the coordinator answers,
+        up to ``attempts`` tries when it is slow to)."""
+        self.done.set()
+        if self.ident is not None:  # (started)
+            self.join(timeout=30)
+        for _ in range(attempts):
+            if self.gone or self.poll() is not None:
+                break
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
 
-    def stop(self) -> None:
-        self.done.set()
-        self.join(timeout=10)
-
-    def poll(self) -> None:
-        rows, self.offset = _read_rows(self.path, self.offset)
-        for m in rows:
-            self.steps[m["step"]] = m
-            self.show(m)
-            if self.on_step is not None:
-                self.on_step(m)
+    def poll(self) -> int | None:
+        """Show the new steps; their number, or ``None`` when ``fetch`` timed out (or the
+        coordinator is gone: :attr:`gone`)."""
+        with self.lock:
+            if self.gone:
+                return None
+            try:
+                rows = self.fetch(self.taken)
+            except TimeoutError:
+                return None
+            except RayActorError:  # the coordinator died: fit() raises what happened
+                self.gone = True
+                return None
+            for m in rows:
+                self.taken += 1
+                self.steps[m["step"]] = m
+                self.show(m)
+                if self.on_step is not None:
+                    self.on_step(m)
+            if self.on_tick is not None:
+                self.on_tick()
+            return len(rows)
 
     def show(self, m: dict) -> None:
         line = step_line(m, self.max_steps)
@@ -199,14 +219,17 @@ class Progress(threading.Thread):
 
 
 class RunProgress:
-    """The driver's output around one ``fit()`` of a ``DisaggregatedTrainer``: the start
-    lines on entry, a :class:`Progress` polling the run's metrics file (when it is on a
-    local or mounted path), the end lines in :meth:`finish`."""
+    """The driver's side of one ``fit()`` of a ``DisaggregatedTrainer``: the start lines on
+    entry; a :class:`Progress` taking each reported step from ``fetch`` (the coordinator's
+    feed) to the display, the run's metrics history on its storage
+    (:class:`~ray_disagg.run_files.MetricsHistory`), Ray's gauges and the trackers; the
+    end lines in :meth:`finish`. The same on every storage: no file is read."""
 
-    def __init__(self, trainer, echo: Callable[[str], None] | None = None):
-        self.trainer, self.t0 = trainer, time.monotonic()
+    def __init__(self, trainer, fetch: Callable[[int], list[dict]],
+                 echo: Callable[[str], None] | None = None):  # fmt: skip
+        self.trainer, self.fetch, self.t0 = trainer, fetch, time.monotonic()
         self.echo = echo or (lambda line: print(PREFIX + line, flush=True))
-        self.progress = self.trackers = None
+        self.progress = self.trackers = self.history = None
 
     def __enter__(self) -> RunProgress:
         t = self.trainer
@@ -218,22 +241,25 @@ class RunProgress:
         }
         for line in start_lines(t.groups, params, cfg.max_steps, t.run_config.name):
             self.echo(line)
-        path = t.metrics_file()
-        if path is not None:
-            sinks = self._sinks(os.path.dirname(path))
-            self.progress = Progress(  # (its offset now: a resumed run's old steps skipped)
-                path, cfg.max_steps, echo=self.echo, on_step=sinks
-            )
-            self.progress.start()
+        self.history = MetricsHistory(t.run_dir())
+        sinks, tick = self._sinks(), self.history.flush_if_due
+        self.progress = Progress(self.fetch, cfg.max_steps, echo=self.echo, on_step=sinks,
+                                 on_tick=tick)  # fmt: skip
+        self.progress.start()
         return self
 
-    def _sinks(self, run_dir: str) -> Callable[[dict], None]:
-        """Where each step's metrics go besides the display: Ray's metrics and the
-        trackers (``report_to``)."""
+    def take(self) -> None:
+        """Take the steps reported so far (before the run is aborted)."""
+        if self.progress is not None:
+            self.progress.poll()
+
+    def _sinks(self) -> Callable[[dict], None]:
+        """Where each step's metrics go besides the display: the history, Ray's metrics
+        and the trackers (``report_to``)."""
         from ray_disagg.launch.ray_metrics import RayMetrics
 
         t = self.trainer
-        sinks = []
+        sinks = [self.history.add]
         try:
             sinks.append(RayMetrics(t.run_config.name, t.groups).log)
         except Exception as e:  # noqa: BLE001 - the run goes on without Ray's gauges
@@ -241,21 +267,27 @@ class RunProgress:
         if t.report_to:
             from ray_disagg.launch.trackers import Trackers, run_params
 
-            self.trackers = Trackers(t.report_to, run_dir, t.run_config.name, run_params(t))
+            where = t.tracker_dir()
+            self.trackers = Trackers(t.report_to, where, t.run_config.name, run_params(t))
             sinks.append(self.trackers.log)
+
+        failed = set()
 
         def log(m: dict) -> None:
             for sink in sinks:
-                sink(m)
+                try:
+                    sink(m)
+                except Exception as e:  # noqa: BLE001 - one sink never stops the others
+                    if sink not in failed:
+                        failed.add(sink)
+                        warnings.warn(f"A step's metrics were not recorded: {e!r}", stacklevel=2)
 
         return log
 
     def finish(self, result):
-        """Print the end lines; returns ``result`` (a ``ray.train.Result``)."""
-        if self.progress is None:
-            return result
-        self.progress.stop()
-        self._close_trackers()
+        """Take the last steps and print the end lines; returns ``result`` (a
+        ``ray.train.Result``)."""
+        self._stop()
         checkpoint = None if result.checkpoint is None else result.checkpoint.path
         wall = time.monotonic() - self.t0
         for line in end_lines(self.progress.rows, self.trainer.groups, wall, checkpoint):
@@ -263,11 +295,15 @@ class RunProgress:
         return result
 
     def __exit__(self, *exc) -> None:
-        if self.progress is not None and self.progress.is_alive():
-            self.progress.stop()
-        self._close_trackers()
+        self._stop()
 
-    def _close_trackers(self) -> None:
+    def _stop(self) -> None:
+        """The steps not taken yet taken, the history written, the trackers closed (once)."""
+        if self.progress is not None and not self.progress.done.is_set():
+            self.progress.stop()
+        if self.history is not None:
+            self.history.close()
+            self.history = None
         if self.trackers is not None:
             self.trackers.finish()
             self.trackers = None

@@ -29,11 +29,12 @@ __all__ = ["interrupt_aborts", "leave_nothing"]
 
 
 @contextlib.contextmanager
-def interrupt_aborts(controller, abort_timeout_s: float = 30.0):
+def interrupt_aborts(controller, before_abort=None, abort_timeout_s: float = 30.0):
     """Ctrl-C aborts the run of ``controller`` and raises ``KeyboardInterrupt`` (in the
-    main thread only: Python delivers signals there; elsewhere nothing changes). While
-    the coordinator starts the groups it answers the abort only once they started (up
-    to ``abort_timeout_s``; a second Ctrl-C stops waiting)."""
+    main thread only: Python delivers signals there; elsewhere nothing changes);
+    ``before_abort()`` runs first (the driver takes the steps reported so far). While the
+    coordinator starts the groups it answers the abort only once they started (up to
+    ``abort_timeout_s``; a second Ctrl-C stops waiting)."""
     presses = 0
 
     def on_sigint(signum, frame):
@@ -41,6 +42,8 @@ def interrupt_aborts(controller, abort_timeout_s: float = 30.0):
         presses += 1
         if presses == 1:
             logger.warning("Ctrl-C: aborting the run (press again to stop waiting).")
+            if before_abort is not None:
+                before_abort()
             # the abort ends the coordinator's actor: its call fails when it is done
             with contextlib.suppress(RayActorError, GetTimeoutError):
                 ray.get(controller.abort.remote(), timeout=abort_timeout_s)

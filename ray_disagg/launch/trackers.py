@@ -1,13 +1,15 @@
 """Experiment trackers (``DisaggregatedTrainer(report_to=["tensorboard", "mlflow",
 "wandb"])``, a recipe's ``run_config.report_to``): every reported step's metrics (the
-merged metrics of all groups, as ``metrics.jsonl`` has them) and the run's settings (the
-loop config and the layout, as parameters) are logged from one place per run, the
-driver, as its progress display reads each step (:mod:`ray_disagg.launch.progress`):
-never once per worker, and the same tracker run across the run's restarts (a resumed
-``fit()`` in the same run directory continues it: ``trackers.json`` keeps its ids).
+merged metrics of all groups, as the run's metrics history has them) and the run's
+settings (the loop config and the layout, as parameters) are logged from one place per
+run, the driver, as each step reaches it (:mod:`ray_disagg.launch.progress`): never once
+per worker, and the same tracker run across the run's restarts (a resumed ``fit()`` of
+the same run continues it: ``trackers.json`` keeps its ids).
 
-Where each logs by default, inside the run's directory; the driver's environment (the
-trackers' own ``MLFLOW_*`` / ``WANDB_*`` settings) applies as is:
+Where each logs by default, in ``<run>``: the run's directory when its storage is local or
+mounted, else ``~/ray_results/<name>`` on the driver (a run on S3 or GCS: the trackers'
+files stay on the driver); the driver's environment (the trackers' own ``MLFLOW_*`` /
+``WANDB_*`` settings) applies as is and points them elsewhere:
 
 - ``tensorboard``: ``<run>/tensorboard`` (event files; ``tensorboard --logdir``);
 - ``mlflow``: ``MLFLOW_TRACKING_URI``, else ``sqlite:///<run>/mlflow.db``; experiment
@@ -38,17 +40,10 @@ TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 """Each tracker and the package (and ``ray_disagg`` extra) it needs."""
 
 
-def check_report_to(report_to, metrics_file: str | None = "") -> tuple[str, ...]:
+def check_report_to(report_to) -> tuple[str, ...]:
     """``report_to`` as a tuple of tracker names, each installed (``ValueError`` naming
-    the fix: an unknown or repeated name, a missing extra, W&B online without a key, no
-    local ``metrics_file`` for the driver to read)."""
+    the fix: an unknown or repeated name, a missing extra, W&B online without a key)."""
     names = (report_to,) if isinstance(report_to, str) else tuple(report_to or ())
-    if names and metrics_file is None:
-        raise ValueError(
-            f"report_to={list(names)}: the driver logs each step as it reads the run's "
-            "metrics file, which needs a local or mounted RunConfig(storage_path=...); "
-            "log a remote run with a Ray Train callback."
-        )
     for name in names:
         if name not in TRACKERS:
             raise ValueError(
@@ -241,9 +236,9 @@ class Trackers:
         if step <= self.ids.get("last_step", 0):
             if not self.warned and self.open:
                 logger.warning(
-                    "report_to: steps up to %d were logged by an earlier attempt or fit in "
-                    "this run directory; the trackers keep those values (metrics.jsonl has "
-                    "the latest)", self.ids["last_step"],
+                    "report_to: steps up to %d were logged by an earlier attempt or fit of "
+                    "this run; the trackers keep those values (the run's metrics history, "
+                    "load_metrics, has the latest)", self.ids["last_step"],
                 )  # fmt: skip
                 self.warned = True
             return

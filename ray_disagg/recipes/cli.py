@@ -139,8 +139,10 @@ def _parser() -> argparse.ArgumentParser:
             _auto_arguments(p)
     p = sub.add_parser("plot", help="draw a run's loss, step times and traced steps",
                        description="draw a run's loss, step times and traced steps")  # fmt: skip
-    p.add_argument("run_dir", help="the run's directory (<storage_path>/<name>)")
-    p.add_argument("--out", help="where to write the pictures (default: the run's directory)")
+    p.add_argument("run_dir", help="the run's directory (<storage_path>/<name>): a local path "
+                   "or a URI such as s3://bucket/runs/name")  # fmt: skip
+    p.add_argument("--out", help="where to write the pictures (default: the run's directory "
+                   "when it is local, else ./<name>)")  # fmt: skip
     sub.add_parser("recipes", help="list the bundled recipes")
     return parser
 

@@ -162,7 +162,7 @@ def fit_local(trainer, timeout_s: float = 600.0):
     env = trainer.worker_env_vars()
     ctx = process_context()
     messages = ctx.SimpleQueue()  # put() writes at once: no message is lost to a kill
-    procs = {}
+    procs, reports = {}, []
     try:
         for i, (name, (loop, backend)) in enumerate(loops.items()):
             for rank in range(sizes[name]):
@@ -170,8 +170,9 @@ def fit_local(trainer, timeout_s: float = 600.0):
                 args = (loop, backend, name, rank, spec, env, run_dir, messages, lead)
                 procs[(name, rank)] = p = ctx.Process(target=_worker, args=args, daemon=True)
                 p.start()
-        reports = _collect(messages, procs, timeout_s)
+        _collect(messages, procs, timeout_s, reports)
     finally:
+        _keep_history(run_dir, reports)
         for p in procs.values():
             if p.is_alive():
                 p.join(timeout=5)
@@ -181,8 +182,23 @@ def fit_local(trainer, timeout_s: float = 600.0):
     return _result(run_dir, reports)
 
 
-def _collect(messages, procs: dict, timeout_s: float) -> list:
-    reports, done, deadline = [], set(), time.monotonic() + timeout_s
+def _keep_history(run_dir: str, reports: list) -> None:
+    """The run's metrics history from the union rank 0's reports, as the driver keeps it
+    (``ray_disagg.run_files``), however the run ended."""
+    from ray_disagg.launch.step_feed import StepFeed
+    from ray_disagg.run_files import MetricsHistory, RunDir
+
+    feed, history = StepFeed(), MetricsHistory(RunDir.of(run_dir))
+    for metrics, name in reports:
+        feed.add(metrics, checkpoint=name is not None)
+    for metrics in feed.since(0):
+        history.add(metrics)
+    history.close()
+
+
+def _collect(messages, procs: dict, timeout_s: float, reports: list) -> None:
+    """Wait for every worker, putting the union rank 0's reports into ``reports``."""
+    done, deadline = set(), time.monotonic() + timeout_s
     while len(done) < len(procs):
         if messages.empty():
             if time.monotonic() > deadline:
@@ -210,7 +226,6 @@ def _collect(messages, procs: dict, timeout_s: float) -> list:
                     errors.append(f"[{more[1]} failed]:\n{more[2]}")
             _kill(procs)
             raise RuntimeError("\n".join(errors))
-    return reports
 
 
 def _kill(procs: dict) -> None:

@@ -11,6 +11,7 @@ from ray_disagg.config import ModuleGroup, TrainLoopConfig
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan, CoveringPlan
 from ray_disagg.pipeline.budget import BudgetPlan
+from ray_disagg.run_files import RunDir
 from ray_disagg.worker.stats import StepStats
 
 
@@ -25,7 +26,7 @@ class LoopArgs:
     dataset_ref: list | None = None  # [ObjectRef]: a list keeps Ray from resolving it early
     resume_from_checkpoint: object = None
     samples_validated: bool = False  # the driver checked every sample before the run
-    metrics_path: str | None = None  # <run dir>/metrics.jsonl: every reported step
+    run_dir: RunDir | None = None  # the run's directory on its storage (trace files)
     driver_progress: bool = False  # the driver prints the steps (launch.progress), not rank 0
     frozen_parts: tuple[str, ...] = ()  # groups whose parameters are all frozen
     val_ref: list | None = None  # [ObjectRef] of the map-style validation samples

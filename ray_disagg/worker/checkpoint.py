@@ -48,8 +48,10 @@ def _report(
 ):
     """The session's report (``ray.train.report``) on every rank; with a ``model`` (a
     checkpoint step) every rank writes its shard and uploads it into the shared directory
-    ``checkpoint_<step>``. With ``background`` (``async_checkpoint``) the shard is written
-    in the background and reported by :func:`flush` at the next step."""
+    ``checkpoint_<step>``. With ``background`` (``async_checkpoint``) the step's metrics
+    are reported now, the shard is written in the background and reported by
+    :func:`flush`, with the same metrics, at a later step (the driver's feed takes that
+    second report of the step for the checkpoint only: ``launch.step_feed``)."""
     if model is None:
         get_session().report(metrics)
         return
@@ -58,6 +60,7 @@ def _report(
         tmp = tempfile.mkdtemp(prefix="ray_disagg_ckpt_")
         future = writer.write(tmp, step, model, optimizer, background)
         writer.hold(future, tmp, name, metrics)
+        get_session().report(metrics)
         return
     with tempfile.TemporaryDirectory() as tmp:
         writer.write(tmp, step, model, optimizer)

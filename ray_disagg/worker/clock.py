@@ -1,16 +1,15 @@
 """A worker's time in a step: :class:`StepClock` (computing and waiting, the wall time
 between two stats exchanges) and the trace of a traced step's actions
-(``<run>/trace/<group>.jsonl``, :func:`write_trace`)."""
+(``<run>/trace/``, :func:`write_trace`)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import time
 
 import torch
 
+from ray_disagg import run_files
 from ray_disagg.transport.channel import Channel
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.console import log_line
@@ -84,17 +83,13 @@ class StepClock:
 
 
 def write_trace(args: LoopArgs, part: str, trace: list | None, step: int) -> None:
-    """A traced step's actions (:meth:`StepClock.take_trace` of the group's rank 0) as one
-    line of ``<run>/trace/<group>.jsonl``: ``{"step", "group", "actions": [{"action",
-    "start", "end", "waiting"}, ...]}`` (wall clock seconds)."""
-    if trace is None or not args.metrics_path:
+    """A traced step's actions (:meth:`StepClock.take_trace` of the group's rank 0) in
+    ``<run>/trace/`` on the run's storage (:func:`ray_disagg.run_files.write_trace`; wall
+    clock seconds)."""
+    if trace is None or args.run_dir is None:
         return
-    folder = os.path.join(os.path.dirname(args.metrics_path), "trace")
     keys = ("action", "start", "end", "waiting")
-    line = {"step": step + 1, "group": part, "actions": [dict(zip(keys, a)) for a in trace]}
     try:
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, f"{part}.jsonl"), "a") as f:
-            f.write(json.dumps(line) + "\n")
-    except OSError as e:  # a trace never stops the training
+        run_files.write_trace(args.run_dir, part, step + 1, [dict(zip(keys, a)) for a in trace])
+    except Exception as e:  # noqa: BLE001 - a trace never stops the training
         log_line(f"{part}: could not write the trace of step {step + 1} ({e})")

@@ -1,7 +1,8 @@
 """When a step is reported and what the report does: the cadence (``report_every``,
-evaluation and checkpoint steps), each group's learning rate, the metrics logged and
-appended to ``metrics.jsonl`` by the LLM group's rank 0, and the report itself, with a
-checkpoint at checkpoint steps (:mod:`ray_disagg.worker.checkpoint`)."""
+evaluation and checkpoint steps), each group's learning rate, the metrics (printed by the
+LLM group's rank 0 when no driver prints them), and the report itself, with a checkpoint
+at checkpoint steps (:mod:`ray_disagg.worker.checkpoint`). The report carries the step's
+metrics to the driver, which keeps the run's history (:mod:`ray_disagg.run_files`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from ray_disagg.worker import checkpoint
 from ray_disagg.worker.checkpoint import is_checkpoint_step
 from ray_disagg.worker.clock import StepClock
 from ray_disagg.worker.console import log_step
-from ray_disagg.worker.run_files import append_metrics
 from ray_disagg.worker.shards import ShardWriter
 
 __all__ = ["group_lrs", "is_eval_step", "is_reported_step", "maybe_report"]
@@ -47,8 +47,8 @@ def maybe_report(
     background=None,
 ):  # fmt: skip
     """On the steps every rank agrees on (each ``report_every``, evaluation and checkpoint
-    steps, the last): the step's metrics, logged and appended to the metrics file by the
-    LLM group's rank 0, then reported, with a checkpoint at checkpoint steps
+    steps, the last): the step's metrics, printed by the LLM group's rank 0 when no driver
+    prints them, then reported, with a checkpoint at checkpoint steps
     (:func:`ray_disagg.worker.checkpoint.maybe_save`). First an asynchronous checkpoint
     whose files every rank has written is reported."""
     t0 = time.perf_counter()
@@ -60,10 +60,7 @@ def maybe_report(
     epoch = args.plan.epoch_of(step)
     metrics = args.stats.metrics(stats, step, epoch, group_lrs(args, step), clock.mean_step_time)
     metrics.update(extra)
-    if writer.module == args.adapter.llm_part and writer.lead:
-        if not args.driver_progress:
-            log_step(metrics, args.cfg.max_steps)
-        if args.metrics_path:
-            append_metrics(args.metrics_path, metrics)
+    if writer.module == args.adapter.llm_part and writer.lead and not args.driver_progress:
+        log_step(metrics, args.cfg.max_steps)
     checkpoint.maybe_save(args, step, metrics, writer, model, optimizer, background)
     clock.exclude(time.perf_counter() - t0)

@@ -4,7 +4,6 @@ LLM group's rank 0 appends to it (complete lines only; a restart's repeated step
 replace theirs)."""
 
 import io
-import json
 
 from ray.train import ScalingConfig
 
@@ -70,18 +69,18 @@ def test_start_and_end_summaries():
     assert end_lines([], groups, 3.0, None) == ["done in 0:00:03: no step was reported"]
 
 
-def test_the_poller_prints_complete_lines_and_keeps_each_steps_last(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    lines = []
-    progress = Progress(str(path), 4, stream=io.StringIO(), echo=lines.append)
-    progress.poll()  # no file yet
-    with open(path, "w") as f:
-        f.write(json.dumps({**STEP, "step": 1}) + "\n" + json.dumps({**STEP, "step": 2})[:20])
+def test_the_poller_takes_each_new_report_and_keeps_each_steps_last():
+    reports, lines, seen = [], [], []
+
+    def fetch(n):  # the coordinator's feed: the reports after the first n
+        return reports[n:]
+
+    progress = Progress(fetch, 4, stream=io.StringIO(), echo=lines.append, on_step=seen.append)
+    assert progress.poll() == 0 and lines == []  # nothing reported yet
+    reports += [{**STEP, "step": 1}, {**STEP, "step": 2}]
     progress.poll()
-    assert [line.split(" loss")[0] for line in lines] == ["step 1/4"]
-    with open(path, "a") as f:  # the rest of step 2, then a restart redoes it
-        f.write(json.dumps({**STEP, "step": 2})[20:] + "\n")
-        f.write(json.dumps({**STEP, "step": 2, "loss": 0.5}) + "\n")
+    assert [line.split(" loss")[0] for line in lines] == ["step 1/4", "step 2/4"]
+    reports.append({**STEP, "step": 2, "loss": 0.5})  # a restart redoes step 2
     progress.poll()
     assert len(lines) == 3 and [r["step"] for r in progress.rows] == [1, 2]
-    assert progress.rows[-1]["loss"] == 0.5
+    assert progress.rows[-1]["loss"] == 0.5 and len(seen) == 3

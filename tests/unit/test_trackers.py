@@ -1,5 +1,5 @@
 """Tier 1: experiment trackers with the real packages. Each step the progress display
-reads from ``metrics.jsonl`` reaches TensorBoard's event files (read back with
+takes from the coordinator's feed reaches TensorBoard's event files (read back with
 TensorBoard's event reader), an MLflow sqlite store (through ``MlflowClient``) and an
 offline W&B run (its run files hold the metrics and parameters), with the run's
 settings as parameters; a second ``fit()`` in the same run directory continues the same
@@ -21,12 +21,12 @@ from ray_disagg.launch.trackers import Trackers, check_report_to
 ALL = ("tensorboard", "mlflow", "wandb")
 
 
-def _write_steps(path, steps):
-    with open(path, "a") as f:
-        for s in steps:
-            row = {"step": s, "loss": 5.0 - 0.5 * s, "lr": 1e-3, "step_time_s": 0.1,
-                   "tokens_per_s": 900.0, "sample_ids": [1], "loss/docs": float("nan")}  # fmt: skip
-            f.write(json.dumps(row) + "\n")
+def _reports(steps) -> list[dict]:
+    return [
+        {"step": s, "loss": 5.0 - 0.5 * s, "lr": 1e-3, "step_time_s": 0.1,
+         "tokens_per_s": 900.0, "sample_ids": [1], "loss/docs": float("nan")}
+        for s in steps
+    ]  # fmt: skip
 
 
 @pytest.fixture
@@ -39,13 +39,13 @@ def offline(monkeypatch, tmp_path):
 
 
 def test_steps_reach_every_tracker_and_a_second_fit_continues_their_runs(tmp_path, offline):
-    run_dir, path = str(tmp_path / "run"), str(tmp_path / "run" / "metrics.jsonl")
+    run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
     params = {"loop.lr": "0.001", "group.text.workers": "2"}
     for steps in ([1, 2, 3], [3, 4, 5]):  # the second: a resumed fit redoing step 3
         sinks = Trackers(ALL, run_dir, "run", params)
-        progress = Progress(path, 5, echo=lambda line: None, on_step=sinks.log)
-        _write_steps(path, steps)
+        feed = _reports(steps)
+        progress = Progress(lambda n, f=feed: f[n:], 5, echo=lambda _: None, on_step=sinks.log)
         progress.poll()
         sinks.finish()
 
@@ -143,12 +143,13 @@ def test_a_recipe_names_its_trackers_and_a_remote_run_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"run_config.report_to\[1\]='neptune'"):
         recipe(["tensorboard", "neptune"])
     cfg, g = tiny_qwen2_5_vl_config(), ModuleGroup(scaling_config=ScalingConfig(num_workers=1))
-    with pytest.raises(ValueError, match=r"report_to=\['tensorboard'\].*local or mounted"):
-        DisaggregatedTrainer(
-            model=HFModelSpec(config=cfg),
-            groups={"vision": g, "text": g},
-            train_loop_config={"max_steps": 1, "global_batch_size": 4},
-            datasets={"train": synthetic_samples(cfg, 4)},
-            run_config=RunConfig(name="r", storage_path="s3://bucket/runs"),
-            report_to="tensorboard",
-        )
+    remote = DisaggregatedTrainer(  # trackers on remote storage: files stay on the driver
+        model=HFModelSpec(config=cfg),
+        groups={"vision": g, "text": g},
+        train_loop_config={"max_steps": 1, "global_batch_size": 4},
+        datasets={"train": synthetic_samples(cfg, 4)},
+        run_config=RunConfig(name="r", storage_path="s3://bucket/runs"),
+        report_to="tensorboard",
+    )
+    assert remote.report_to == ("tensorboard",)
+    assert remote.tracker_dir() == os.path.expanduser("~/ray_results/r")

@@ -36,7 +36,7 @@ from ray.train.v2._internal.constants import (
     is_v2_enabled,
 )
 from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
-from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+from ray.train.v2._internal.execution.callback import ReportCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.checkpoint.report_handler import ReportCallbackHandler
 from ray.train.v2._internal.execution.context import TrainRunContext
 from ray.train.v2._internal.execution.controller import TrainController
@@ -97,6 +97,7 @@ __all__ = [
     "TrainController",
     "TrainRunContext",
     "UserCallbackHandler",
+    "ReportCallback",
     "WorkerGroup",
     "WorkerGroupCallback",
     "WorkerGroupContext",
@@ -107,6 +108,7 @@ __all__ = [
     "WorkingDirectorySetupCallback",
     "available_resources_per_node",
     "live_actors",
+    "storage_location",
     "checkpoint_path",
     "label_selector_per_worker",
     "persist_checkpoint",
@@ -208,6 +210,14 @@ def available_resources_per_node() -> list[dict]:
     from ray._private import state
 
     return list(state.available_resources_per_node().values())
+
+
+def storage_location(storage_path, storage_filesystem=None):
+    """``(pyarrow filesystem, path)`` of a ``RunConfig``'s storage, as Ray Train resolves
+    it (a URI's scheme, a custom filesystem, or a local path)."""
+    from ray.train.v2._internal.execution.storage import get_fs_and_path
+
+    return get_fs_and_path(storage_path, storage_filesystem)
 
 
 def live_actors() -> list[dict]:
