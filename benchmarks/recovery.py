@@ -15,7 +15,7 @@ For each mode it prints:
 - ``kill -> next step``: from the kill (the drill's marker file, written just before
   the exit) to the first step the restarted run reports in its ``metrics.jsonl`` (polled
   every 20 ms; the driver appends each step as it takes it from the coordinator, within
-  about a second of the report, the same in both modes; the step the survivors were
+  a quarter second of the report, the same in both modes; the step the survivors were
   finishing when the worker died does not count);
 - ``step``: the median step time of the run (``step_time``), for scale;
 - ``fit``: the whole ``fit()``.

@@ -145,7 +145,7 @@ class Progress(threading.Thread):
     ``RayActorError`` (the coordinator gone) ends the polling."""
 
     def __init__(self, fetch: Callable[[int], list[dict]], max_steps: int,
-                 interval_s: float = 1.0, stream=None,
+                 interval_s: float = 0.25, stream=None,
                  echo: Callable[[str], None] | None = None,
                  on_step: Callable[[dict], None] | None = None,
                  on_tick: Callable[[], None] | None = None):  # fmt: skip
