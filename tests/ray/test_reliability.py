@@ -39,14 +39,14 @@ def test_nan_step_raises_naming_the_samples(ray_start_4_cpus, setup, tmp_path):
 def test_a_dead_coordinator_or_an_interrupt_leaves_nothing_behind(
     ray_start_4_cpus, setup, tmp_path
 ):
-    """Each fit asks for every CPU of the cluster (2 + 2 workers of 1 CPU), so anything
+    """Each fit asks for every CPU of the cluster (1 + 1 workers of 2 CPUs), so anything
     left behind would keep the next one waiting forever: the coordinator SIGKILLed while
     it starts the groups (a group's placement group reserved, the other's maybe not yet),
     then Ctrl-C mid-run; after each, the run's placement groups and actors are gone within
     a bounded time, and the last fit completes."""
     spec, data = setup
     data = data[:4] * 30  # finite data, more steps than the interrupted run reaches
-    groups, loop = vt(group(2, cpus=1.0), group(2, cpus=1.0)), dict(LOOP, max_steps=30)
+    groups, loop = vt(group(1, cpus=2.0), group(1, cpus=2.0)), dict(LOOP, max_steps=30)
     before = _Snapshot()
     kill = _when(lambda: before.new_pgs("CREATED"), lambda: _sigkill(before.new_coordinator()))
     with kill, pytest.raises(ray.exceptions.ActorDiedError):
