@@ -288,7 +288,9 @@ class DisaggregatedTrainer(rc.TrainerBase):
 
     def tracker_dir(self) -> str:
         """Where the trackers keep their files by default (``report_to``): the run
-        directory when it is local, else ``~/ray_results/<name>`` on the driver."""
+        directory when it is local, else ``~/ray_results/<name>`` on the driver. (Read from
+        the settings, not :meth:`run_dir`: resolving an S3 URI may ask the network for
+        the bucket's region.)"""
         run = self.run_config
         storage = run.storage_filesystem is None and os.fspath(run.storage_path)
         if storage and storage.startswith("file://"):

@@ -151,8 +151,9 @@ def fit_local(trainer, timeout_s: float = 600.0):
 
     if is_ray_dataset(trainer.train_data):
         raise ValueError("fit_local reads map-style datasets only; Ray Data needs Ray.")
-    run = trainer.run_config
-    run_dir = os.path.join(os.path.expanduser(run.storage_path), run.name)
+    run_dir = trainer.run_dir().local_path  # where the workers' traces go too
+    if run_dir is None:
+        raise ValueError("fit_local keeps its run on local storage: give a local storage_path.")
     if os.path.isdir(run_dir) and os.listdir(run_dir):
         raise ValueError(f"fit_local starts runs from scratch: {run_dir} is not empty.")
     os.makedirs(run_dir, exist_ok=True)

@@ -64,12 +64,16 @@ def test_segments_are_written_while_the_fit_runs(s3):
     assert history.pending == [] and [r["step"] for r in read_metrics(run)] == [1, 2]
 
 
-def test_a_failed_write_is_retried_with_the_next(s3, caplog):
-    no_new_buckets = type(s3.fs)(  # the bucket does not exist yet, and may not be made
+def _no_new_buckets(s3):
+    """The test server's filesystem without the right to make a bucket."""
+    return type(s3.fs)(
         access_key="testing", secret_key="testing", region="us-east-1",
         endpoint_override=s3.endpoint, scheme="http",
     )  # fmt: skip
-    run = RunDir(no_new_buckets, "later/run")
+
+
+def test_a_failed_write_is_retried_with_the_next(s3, caplog):
+    run = RunDir(_no_new_buckets(s3), "later/run")  # the bucket does not exist yet
     history = MetricsHistory(run, flush_every_s=0.0)  # (listing a missing bucket: none)
     history.add({"step": 1, "loss": 1.0})  # never raises: the run goes on
     assert "Could not write the metrics history" in caplog.text
@@ -80,11 +84,7 @@ def test_a_failed_write_is_retried_with_the_next(s3, caplog):
 
 
 def test_what_cannot_be_written_at_the_end_goes_to_a_local_file(s3, caplog):
-    no_new_buckets = type(s3.fs)(
-        access_key="testing", secret_key="testing", region="us-east-1",
-        endpoint_override=s3.endpoint, scheme="http",
-    )  # fmt: skip
-    history = MetricsHistory(RunDir(no_new_buckets, "never/run"))
+    history = MetricsHistory(RunDir(_no_new_buckets(s3), "never/run"))
     history.add({"step": 1, "loss": 1.0})
     history.close()
     path = caplog.text.split("they are in ")[1].split()[0]
