@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["WORDS", "digits_samples", "synthetic_pairs", "synthetic_samples"]
+__all__ = ["WORDS", "digits_samples", "synthetic_pairs", "synthetic_rollouts", "synthetic_samples"]
 
 NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 # Word-level vocabulary of the captions; ids 100-103 are Qwen2.5-VL's vision tokens in
@@ -134,4 +134,40 @@ def synthetic_pairs(config, n: int, *, seed: int = 0, grids: list | None = None)
             pair[f"{name}_input_ids"] = np.asarray(prefix + target, dtype=np.int64)
             pair[f"{name}_labels"] = np.asarray([-100] * len(prefix) + target, dtype=np.int64)
         out.append({**sample, **pair})
+    return out
+
+
+def synthetic_rollouts(
+    config, n: int, num_generations: int, *, max_completion_length: int = 6, seed: int = 0,
+    grids: list | None = None, reward_names=("exact", "short"),
+) -> list[dict]:  # fmt: skip
+    """Random recorded rollouts (for ``ray_disagg.GRPO``): each the prompt of
+    :func:`synthetic_samples` (media by ``grids``) as ``prompt_input_ids``, with
+    ``num_generations`` random completions of 1 to ``max_completion_length`` words
+    (``<eos>`` last unless the completion is cut at ``max_completion_length``:
+    ``truncated``) and per reward name one random reward per completion in {0, 0.5, 1}
+    (``None`` now and then; one group of each few with equal rewards)."""
+    rng = np.random.default_rng(seed + 2)
+    out = []
+    for sample in synthetic_samples(config, n, seed=seed, grids=grids):
+        labels = np.asarray(sample.pop("labels"))
+        ids = np.asarray(sample.pop("input_ids"))
+        prompt = ids[: int(np.argmax(labels != -100))]
+        completions, truncated = [], []
+        for _ in range(num_generations):
+            k = int(rng.integers(1, max_completion_length + 2))  # > max: cut there
+            words = rng.integers(3, len(WORDS), size=min(k, max_completion_length))
+            c = [int(w) for w in words]
+            if k <= max_completion_length:
+                c[-1] = EOS
+            completions.append(np.asarray(c, dtype=np.int64))
+            truncated.append(k > max_completion_length)
+        same = sample["id"] % 4 == 3  # a group whose rewards are all equal (advantage 0)
+        rewards = {}
+        for name in reward_names:
+            values = [float(v) / 2 for v in rng.integers(0, 3, size=num_generations)]
+            values = [values[0]] * num_generations if same else values
+            rewards[name] = [None if rng.random() < 0.1 and not same else v for v in values]
+        out.append({**sample, "prompt_input_ids": prompt, "completion_ids": completions,
+                    "rewards": rewards, "truncated": truncated})  # fmt: skip
     return out

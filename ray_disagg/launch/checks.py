@@ -260,6 +260,7 @@ def resolve_objective(cfg: TrainLoopConfig, data, lora, trained):
             f"train_loop_config['objective']={name}: validation sets are not evaluated "
             "under a per-sequence objective yet; drop datasets['validation']."
         )
+    _check_iterations(cfg, data)
     if obj.needs_reference and obj.reference == "precompute" and data.kind != "map":
         raise ValueError(
             f"train_loop_config['objective']={name}(reference='precompute') reads map-style "
@@ -278,6 +279,29 @@ def resolve_objective(cfg: TrainLoopConfig, data, lora, trained):
     obj = copy.copy(obj)
     object.__setattr__(obj, "reference", "copy" if why else "adapters_disabled")
     return dataclasses.replace(cfg, objective=obj)
+
+
+def _check_iterations(cfg: TrainLoopConfig, data) -> None:
+    """``num_iterations > 1`` repeats each global batch: map-style data in fixed batches,
+    checkpoints where a batch's iterations end (a resumed run needs no log-probs of an
+    unfinished batch)."""
+    mu = cfg.objective.num_iterations
+    if mu == 1:
+        return
+    where = f"train_loop_config['objective'] {type(cfg.objective).__name__}(num_iterations={mu})"
+    if data.kind != "map" or cfg.max_tokens_per_microbatch is not None:
+        raise ValueError(
+            f"{where} trains several steps on each global batch, which needs a map-style "
+            "dataset in fixed batches; pass a list of samples without "
+            "max_tokens_per_microbatch, or set num_iterations=1."
+        )
+    for name in ("checkpoint_every", "max_steps"):  # the last step saves one too
+        every = getattr(cfg, name)
+        if every and every % mu:
+            raise ValueError(
+                f"{where} with {name}={every}: a checkpoint inside a batch's iterations "
+                f"could not resume them; set {name} to a multiple of {mu}."
+            )
 
 
 def _adapters_not_reference(lora, trained) -> str:

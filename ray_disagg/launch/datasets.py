@@ -71,7 +71,8 @@ def batch_plan(data, adapter, cfg: TrainLoopConfig, groups, validated: bool) -> 
     if cfg.max_tokens_per_microbatch is not None:  # a stream: each leader fills its own
         return StreamBudgetPlan(**common, **_budget(cfg), streamed_costs=True)
     streamed = cfg.assignment == "balanced" and is_stream(data)
-    return BatchPlan(**common, costs=costs, streamed_costs=streamed)
+    repeats = getattr(cfg.objective, "num_iterations", 1)
+    return BatchPlan(**common, costs=costs, streamed_costs=streamed, repeats=repeats)
 
 
 def _cp_size(adapter, groups) -> int:

@@ -60,7 +60,7 @@ def format_count(n: float) -> str:
 
 def step_line(m: dict, max_steps: int) -> str:
     """One reported step: ``step s/N loss ... lr ... tokens/s ... step ...s ETA h:mm:ss``
-    (``val_loss`` when the step evaluated; an objective's ``rewards/margins``; ``MFU``
+    (``val_loss`` when the step evaluated; DPO's ``rewards/margins``, GRPO's ``reward``; ``MFU``
     when the devices' peak is known)."""
     left = (max_steps - m["step"]) * m.get("mean_step_time_s", m["step_time_s"])
     parts = [f"step {m['step']}/{max_steps}", f"loss {m['loss']:.4f}"]
@@ -68,6 +68,8 @@ def step_line(m: dict, max_steps: int) -> str:
         parts.append(f"val_loss {m['val_loss']:.4f}")
     if "rewards/margins" in m:
         parts.append(f"margin {m['rewards/margins']:.4f}")
+    if "reward" in m:
+        parts.append(f"reward {m['reward']:.4f}")
     parts += [f"lr {m['lr']:.3g}", f"tokens/s {m['tokens_per_s']:.0f}"]
     if "mfu" in m:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")

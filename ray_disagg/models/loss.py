@@ -1,6 +1,6 @@
 """The LLM's loss: the summed next-token cross-entropy over the label positions (vocab-
 parallel under TP, in chunks with ``loss_chunk_tokens``), divided by the caller; and the
-per-sequence log-probabilities that preference objectives take, through the same path."""
+per-token log-probabilities that objectives take, through the same path."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 from ray_disagg.models.base import IGNORE_INDEX
 
-__all__ = ["lm_loss", "lm_loss_by_sequence", "loss_index", "sequence_logps"]
+__all__ = ["lm_loss", "lm_loss_by_sequence", "loss_index", "sequence_logps", "token_logps"]
 
 
 def loss_index(labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
@@ -34,9 +34,12 @@ def _token_loss_sum(hidden, targets, lm_head, tp_group, vocab_start) -> torch.Te
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _token_ce(hidden, targets, lm_head, tp_group, vocab_start) -> torch.Tensor:
-    """Per-position cross-entropy ``(n,)`` of ``hidden`` ``(n, d)`` against ``targets``."""
+def _token_ce(hidden, targets, lm_head, tp_group, vocab_start, temperature=1.0) -> torch.Tensor:
+    """Per-position cross-entropy ``(n,)`` of ``hidden`` ``(n, d)`` against ``targets``
+    (the logits divided by ``temperature``)."""
     logits = lm_head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
     if tp_group is not None:
         from ray_disagg.parallel.tensor_parallel import VocabParallelCrossEntropy
 
@@ -72,12 +75,10 @@ def _per_chunk(fn, flat, targets, chunk_tokens, min_chunks, *args) -> list[torch
     ]  # fmt: skip
 
 
-def sequence_logps(
+def token_logps(
     hidden: torch.Tensor,
     lm_head: nn.Module,
     labels: torch.Tensor,
-    sequence: torch.Tensor,
-    num_sequences: int,
     tp_group=None,
     vocab_start: int = 0,
     *,
@@ -85,18 +86,27 @@ def sequence_logps(
     chunk_tokens: int | None = None,
     shifted: bool = False,
     min_chunks: int = 1,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """``(num_sequences,)`` float32: each sequence's summed log-probability of its label
-    tokens (``log p(label | prefix)``), through the path of :func:`lm_loss` (label
-    positions only, vocab-parallel under ``tp_group``, ``chunk_tokens`` positions at a time
-    under activation checkpointing, a context slice's targets with ``shifted``).
-    ``sequence`` ``(len(index),)``: the sequence of each label position (several per row
-    when rows are packed). With a context slice these are the slice's partial sums."""
+    """``(len(index),)`` float32: the log-probability of each label token
+    (``log p(label | prefix)``, the logits divided by ``temperature``), through the path
+    of :func:`lm_loss` (label positions only, vocab-parallel under ``tp_group``,
+    ``chunk_tokens`` positions at a time under activation checkpointing, a context
+    slice's targets with ``shifted``)."""
     flat, targets = _label_positions(hidden, labels, index, shifted)
-    args = (lm_head, tp_group, vocab_start)
-    ce = torch.cat(_per_chunk(_token_ce, flat, targets, chunk_tokens, min_chunks, *args))
-    sums = ce.new_zeros(num_sequences, dtype=torch.float32)
-    return -sums.index_add(0, sequence.to(ce.device), ce.float())
+    args = (lm_head, tp_group, vocab_start, temperature)
+    return -torch.cat(_per_chunk(_token_ce, flat, targets, chunk_tokens, min_chunks, *args)).float()
+
+
+def sequence_logps(
+    hidden, lm_head, labels, sequence, num_sequences, tp_group=None, vocab_start=0, **kwargs
+) -> torch.Tensor:
+    """``(num_sequences,)`` float32: each sequence's summed :func:`token_logps` (same
+    keyword arguments); ``sequence`` ``(len(index),)``: the sequence of each label
+    position (several per row when rows are packed). With a context slice these are the
+    slice's partial sums."""
+    logps = token_logps(hidden, lm_head, labels, tp_group, vocab_start, **kwargs)
+    return logps.new_zeros(num_sequences).index_add(0, sequence.to(logps.device), logps)
 
 
 def lm_loss(

@@ -39,7 +39,7 @@ from ray_disagg.parallel.ulysses import HeadsToSeq, SeqToHeads
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "ContextSlice",
-    "SumOverContext",
+    "AllReduceOverContext",
     "context_attention",
     "enable_context_parallel",
     "local_targets",
@@ -72,23 +72,27 @@ def local_targets(labels: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return shifted[:, lo:hi]
 
 
-class SumOverContext(torch.autograd.Function):
+class AllReduceOverContext(torch.autograd.Function):
     """Per-sequence values summed over the ``cp`` ranks of a replica, with gradients.
 
     Forward: ``x`` (any shape; this rank's partial sums, e.g. a slice's log-probabilities
     of each sequence) all-reduced (SUM) over ``group``: every rank gets the replica's
-    totals and computes the same loss from them. Backward: the gradient passes unchanged,
-    since each rank's partial enters the total with coefficient 1 (the parameters'
-    gradients are then summed over the ``cp`` ranks with the rest)."""
+    totals. Backward: the incoming gradients all-reduced (SUM) too, since every rank's
+    partial enters every rank's total and each rank's loss may use the totals with its
+    own coefficient (a term counted once is multiplied by 1 on one rank and 0 on the
+    others). Every rank must run the backward (the same graph on every rank)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
         out = x.clone()
         dist.all_reduce(out, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
 

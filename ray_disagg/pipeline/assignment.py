@@ -97,6 +97,9 @@ class BatchPlan:
     keep contiguous shares, the other groups are balanced by the step's costs
     (``assign(step, step_costs)``), and every reader replica sends every replica of the
     other groups its inputs (possibly none)."""
+    repeats: int = 1
+    """Consecutive steps on each global batch (an objective's ``num_iterations``): step
+    ``s`` takes the samples of batch ``s // repeats``."""
 
     def __post_init__(self) -> None:
         k = self.micro_batches
@@ -124,10 +127,10 @@ class BatchPlan:
 
     def epoch_of(self, step: int) -> int:
         """The epoch (from 0) that ``step`` belongs to."""
-        return step // self.steps_per_epoch
+        return step // self.repeats // self.steps_per_epoch
 
     def global_indices(self, step: int) -> list[int]:
-        epoch, pos = divmod(step, self.steps_per_epoch)
+        epoch, pos = divmod(step // self.repeats, self.steps_per_epoch)
         order = sample_order(self.num_samples, self.seed, epoch) if self.shuffle else None
         b = self.global_batch_size
         if order is None:

@@ -184,8 +184,7 @@ def step_samples(r) -> int:
     llm = r.groups.get(r.model.adapter.llm_part)
     if budget is None or llm is None:
         return b
-    keys = getattr(r.loop.objective, "sequence_keys", ("input_ids", "labels"))
-    per_sample = seq_len(r) * max(1, len(keys) // 2)  # a preference pair: two sequences
+    per_sample = seq_len(r) * getattr(r.loop.objective, "sequences_per_sample", 1)
     return min(b, max(1, budget // per_sample) * llm.dp_size * r.loop.micro_batches)
 
 

@@ -146,48 +146,65 @@ def _pair_logps(spec: HFModelSpec, model, pairs) -> tuple[torch.Tensor, torch.Te
     return logps.view(-1, 2), mask.sum(-1).float().view(-1, 2)
 
 
-def reference_preference(
+def reference_objective(
     spec: HFModelSpec,
-    pairs,
+    data,
     cfg: TrainLoopConfig,
-    pair_loss,
+    step_loss,
     groups=None,
     peft_model=None,
     peft_reference: str = "adapters_disabled",
     plan=None,
 ):
-    """Single-process preference training of the whole HF model against a frozen copy
-    of its initial weights (the reference), on the same global batches of pairs as
-    ``DisaggregatedTrainer``: ``pair_loss(policy, reference, tokens, pairs)`` (each
-    ``(B, 2)``: chosen, rejected; the batch's pairs) gives the per-pair losses, whose
-    mean is the step's loss; AdamW with the run's schedule. ``peft_model``: train this
-    ``PeftModel`` instead (its trainable parameters), the reference being the same model
-    under PEFT's ``disable_adapter()`` or, with ``peft_reference="copy"``, a frozen copy
-    of it; ``plan``: the trainer's (a token budget's steps). Returns ``(losses,
-    [(policy, reference) log-probs per step], model)``."""
+    """Single-process training of the whole HF model on an objective, on the same global
+    batches as ``DisaggregatedTrainer``, against a frozen copy of its initial weights
+    (the reference): ``step_loss(model, reference, step, batch) -> (loss, info)`` gives
+    each step's loss, ``reference(fn)`` being ``fn(reference model)`` without gradients;
+    AdamW with the run's schedule. ``peft_model``: train this ``PeftModel`` instead (its
+    trainable parameters), the reference being the same model under PEFT's
+    ``disable_adapter()`` or, with ``peft_reference="copy"``, a frozen copy of it;
+    ``plan``: the trainer's (a token budget's steps, repeated batches). Returns
+    ``(losses, [info per step], model)``."""
     import contextlib
     import copy
 
     if peft_model is None:
         model = spec.build_full()
-        reference = copy.deepcopy(model).requires_grad_(False)
+        ref_model = copy.deepcopy(model).requires_grad_(False)
         param_groups, off = _param_groups(spec, model, groups), contextlib.nullcontext
     else:
-        model = reference = peft_model
+        model = ref_model = peft_model
         trained = [p for p in model.parameters() if p.requires_grad]
         param_groups, off = [{"params": trained, "mult": 1.0}], model.disable_adapter
         if peft_reference == "copy":
-            reference, off = copy.deepcopy(model).requires_grad_(False), contextlib.nullcontext
-    updates = _Updates(param_groups, len(pairs), cfg, plan)
-    losses, logps = [], []
-    for step in range(cfg.max_steps):
-        batch = updates.batch(pairs, step)
-        policy, tokens = _pair_logps(spec, model, batch)
+            ref_model, off = copy.deepcopy(model).requires_grad_(False), contextlib.nullcontext
+
+    def reference(fn):
         with torch.no_grad(), off():
-            ref, _ = _pair_logps(spec, reference, batch)
-        loss = pair_loss(policy, ref, tokens, batch).mean()
+            return fn(ref_model)
+
+    updates = _Updates(param_groups, len(data), cfg, plan)
+    losses, infos = [], []
+    for step in range(cfg.max_steps):
+        loss, info = step_loss(model, reference, step, updates.batch(data, step))
         loss.backward()
         updates.apply(step)
         losses.append(loss.item())
-        logps.append((policy.detach(), ref))
-    return losses, logps, model
+        infos.append(info)
+    return losses, infos, model
+
+
+def reference_preference(
+    spec: HFModelSpec, pairs, cfg: TrainLoopConfig, pair_loss, groups=None, **kwargs
+):
+    """:func:`reference_objective` on preference pairs: ``pair_loss(policy, reference,
+    tokens, pairs)`` (each ``(B, 2)``: chosen, rejected; the batch's pairs) gives the
+    per-pair losses, whose mean is the step's loss. Returns ``(losses, [(policy,
+    reference) log-probs per step], model)``."""
+
+    def step_loss(model, reference, _step, batch):
+        policy, tokens = _pair_logps(spec, model, batch)
+        ref, _ = reference(lambda m: _pair_logps(spec, m, batch))
+        return pair_loss(policy, ref, tokens, batch).mean(), (policy.detach(), ref)
+
+    return reference_objective(spec, pairs, cfg, step_loss, groups, **kwargs)

@@ -80,7 +80,9 @@ class LoopArgs:
         a = self.adapter
         counters = [c for p in a.encoder_parts for c in a.counter_names(p)]
         objective = self.cfg.objective
-        metrics = None if objective is None else objective.metric_names
+        metrics = None
+        if objective is not None:
+            metrics = (*objective.metric_names, *objective.step_metric_names)
         return StepStats(list(self.groups), counters, metrics, self.sources)
 
     def leader_side_rank(self, channel, group: str, dp_rank: int) -> int:

@@ -35,14 +35,14 @@ __all__ = [
     "loss",
     "router_aux",
     "sequence_index",
-    "sequence_logps",
+    "token_logps",
 ]
 
 
 @dataclass(frozen=True, kw_only=True)
 class LossInputs:
     """What the LLM's loss of one microbatch takes besides the model (:func:`loss`,
-    :func:`sequence_logps`)."""
+    :func:`token_logps`)."""
 
     adapter: Any
     """The family's adapter: the LLM's outputs (HF's merge of the crossings and rope)."""
@@ -62,10 +62,13 @@ class LossInputs:
     """Label positions per loss chunk (``TrainLoopConfig.loss_chunk_tokens``)."""
     context: cp.ContextSlice | None = None
     """This rank's context-parallel slice (else ``None``)."""
+    temperature: float = 1.0
+    """An objective's log-probabilities divide the logits by this."""
 
     @classmethod
     def of_part(cls, ctx: WorkerContext, parallel: ParallelPart, batch: dict, received: dict,
-                context=None, normalizer: float = 1.0) -> LossInputs:  # fmt: skip
+                context=None, normalizer: float = 1.0, temperature: float = 1.0,
+                ) -> LossInputs:  # fmt: skip
         """The inputs of a microbatch of the part ``parallel`` describes (its ``lm_head``
         and vocabulary shard), with the run's adapter and loss chunks."""
         return cls(
@@ -78,6 +81,7 @@ class LossInputs:
             vocab_start=parallel.vocab_start,
             chunk_tokens=ctx.cfg.loss_chunk_tokens,
             context=context,
+            temperature=temperature,
         )
 
     def hidden(self, model):
@@ -121,17 +125,14 @@ def loss(inputs: LossInputs, model):
     return (total if aux is None else total + aux), per_sequence
 
 
-def sequence_logps(inputs: LossInputs, model):
-    """``(per-sequence log-probs of the microbatch (summed over the context slices), the
-    router's auxiliary loss share or None)`` (a per-sequence objective)."""
+def token_logps(inputs: LossInputs, model):
+    """``(the log-probability of each label token this rank holds, the router's
+    auxiliary loss share or None)`` (an objective's)."""
     hidden, router_logits, kwargs = inputs.hidden(model)
-    batch, piece = inputs.batch, inputs.context
-    logps = models_loss.sequence_logps(
-        hidden, inputs.lm_head, inputs.labels, batch["loss_seq"], batch["num_sequences"],
-        inputs.tp_group, inputs.vocab_start, **kwargs,
+    logps = models_loss.token_logps(
+        hidden, inputs.lm_head, inputs.labels, inputs.tp_group, inputs.vocab_start,
+        temperature=inputs.temperature, **kwargs,
     )  # fmt: skip
-    if piece is not None:
-        logps = cp.SumOverContext.apply(logps, piece.group)
     return logps, inputs.router_aux(router_logits)
 
 
@@ -227,7 +228,9 @@ class LLMModel:
         if objective is not None:
             objective.load = self.load
         obj = ctx.cfg.objective
-        keys = ("input_ids", "labels") if obj is None else (*obj.sequence_keys, *obj.fields)
+        keys = ("input_ids", "labels")
+        if obj is not None:
+            keys = tuple(dict.fromkeys((*obj.sequence_keys, *obj.fields, *obj.step_keys)))
         keys += (SOURCE_KEY,) if ctx.args.sources else ()  # a mixture's per-source metrics
         self.text_keys = ("id", *keys, *adapter.llm_fields())
         self.grad_names = {  # crossings whose encoder has something to train
@@ -242,6 +245,12 @@ class LLMModel:
             return self.objective.label_tokens(list(items))
         return sum(count_label_tokens(self.w.ctx.adapter.labels(it)) for it in items)
 
+    def sequences(self, items) -> int:
+        """Sequences in ``items`` (an objective's samples may hold several)."""
+        if self.objective is None:
+            return len(items)
+        return len(self.objective.sequences(list(items))[0])
+
     def tokens(self, items) -> int:
         seqs = items if self.objective is None else self.objective.sequences(items)[0]
         return sum(len(q["input_ids"]) for q in seqs)
@@ -255,15 +264,17 @@ class LLMModel:
 
     def loss(self, items, mb, received, rows, n_labels, grad: bool, by_source=None):
         """The microbatch's loss: the token loss over ``n_labels`` (the global batch's
-        label tokens), or the objective's (``n_labels``: the global batch's samples);
+        label tokens), or the objective's (its totals set at the step's start);
         ``by_source``: a mixture's per-source sums of the token loss, added to."""
         ctx = self.w.ctx
         if self.load is not None:  # count this forward's routing (not recomputations)
             self.load.active = grad
         try:
             if self.objective is not None:
-                samples = [items[p] for p in mb[ctx.part][ctx.dp_rank]]
-                return self.objective.loss(self.policy, samples, received, rows, n_labels, grad)
+                positions = mb[ctx.part][ctx.dp_rank]
+                samples = [items[p] for p in positions]
+                args = (self.policy, positions, samples, received, rows, grad)
+                return self.objective.loss(*args)
             return self._token_loss(items, mb, received, n_labels, grad, by_source)
         finally:
             if self.load is not None:

@@ -3,7 +3,8 @@
 1. **Read inputs** (``SEND_INPUTS``): LLM data-parallel replica ``t``'s leader (its tp
    rank 0) reads its share of the global batch (``BatchPlan.assign``), sends every encoder
    replica the encoder fields of the samples it will encode, for every microbatch, and
-   shares the text fields with its tp ranks; the global label-token count is all-reduced.
+   shares the text fields with its tp ranks; the global batch's samples, sequences and
+   label tokens are all-reduced (an objective's step begins with them).
 2. **Exchange, forward and backward per action** (``llm_actions``): microbatch by
    microbatch it receives the crossing tensors (image/video/audio embeddings, DeepStack
    features) of its samples from the encoder replicas (``RECV_CROSSINGS``), puts them in
@@ -117,11 +118,20 @@ class LLMStep:
             self.local_labels = sum(self.source_labels)
         else:
             self.local_labels = self.llm.label_tokens(self.items.values())
-        if self.grad:  # the loss's normaliser: label tokens, or an objective's samples
-            local = self.local_labels if self.llm.objective is None else len(self.items)
-            n = torch.tensor([local], dtype=torch.float64, device=ctx.device)
-            dist.all_reduce(n, group=ctx.dp_mesh.get_group())
-            self.n_labels = max(float(n), 1.0)
+        if self.grad:  # the global batch's samples, sequences and label tokens
+            local = [0, 0, 0]  # each replica's leader counts it (over gloo: no device sync)
+            if ctx.leader:
+                local = [
+                    len(self.items),
+                    self.llm.sequences(self.items.values()),
+                    self.local_labels,
+                ]
+            n = torch.tensor(local, dtype=torch.float64)
+            dist.all_reduce(n, group=ctx.rt.object_group)
+            totals = tuple(max(float(v), 1.0) for v in n)
+            self.n_labels = totals[2]  # the token loss's normaliser
+            if self.llm.objective is not None:
+                self.llm.objective.begin_step(self.plan_step, self.items, totals)
 
     def recv_crossings(self, j: int) -> None:
         w = self.w

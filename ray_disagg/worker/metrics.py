@@ -32,7 +32,8 @@ def plain(v):
 
 
 def step_stats(ctx: WorkerContext, run, objective_sums=None):
-    """The LLM's slots; ``objective_sums``: ``[samples, *metric sums]`` of an objective."""
+    """The LLM's slots; ``objective_sums``: an objective's metrics (its shares of the
+    metric values, then the step's values)."""
     stats = ctx.args.stats.new()
     if ctx.leader:
         ix = ctx.args.stats.index
@@ -46,7 +47,7 @@ def step_stats(ctx: WorkerContext, run, objective_sums=None):
             for src, total, n in zip(ctx.args.sources, sums, run.source_labels):
                 stats[ix[f"loss/{src}"]], stats[ix[f"label_tokens/{src}"]] = total, n
         if objective_sums:
-            first = ix["objective_samples"]
+            first = ix[ctx.args.stats.objective_metrics[0]]
             stats[first : first + len(objective_sums)] = torch.tensor(
                 objective_sums, dtype=torch.float64
             )

@@ -29,8 +29,9 @@ class StepStats:
       its DP leaders; ``<group>_peak_flops``: the sum of its ranks' peak FLOP/s (NaN when
       one has none), every rank of the group;
     - counters (``images``, ``videos``, ``audios``, ``tiles``): the encoder groups' DP leaders;
-    - with a per-sequence objective, ``objective_samples`` and the sums of its
-      ``metric_names`` (reported as means over the samples): the LLM's DP leaders;
+    - with an objective, its ``metric_names`` (each microbatch's share of the step's
+      value) and ``step_metric_names`` (the step's values, from the LLM's first DP
+      leader): the LLM's DP leaders;
     - a mixture's ``loss/<source>`` (summed token loss) and ``label_tokens/<source>``:
       the LLM's DP leaders.
     """
@@ -46,7 +47,7 @@ class StepStats:
         names += [f"{g}_{k}" for g in groups for k in per_group]
         names += list(counters)
         if objective_metrics is not None:
-            names += ["objective_samples", *objective_metrics]
+            names += list(objective_metrics)
         names += [f"{k}/{src}" for src in self.sources for k in ("loss", "label_tokens")]
         self.index = {n: i for i, n in enumerate(names)}
 
@@ -82,8 +83,7 @@ class StepStats:
         out.update(_mfu(s, self.groups, cycle))
         out.update({c: int(s[c]) for c in self.counters})
         if self.objective_metrics is not None:
-            n = max(s["objective_samples"], 1.0)
-            out.update({m: s[m] / n for m in self.objective_metrics})
+            out.update({m: s[m] for m in self.objective_metrics})
         for src in self.sources:  # the source's mean token loss (NaN: none in the step)
             n = s[f"label_tokens/{src}"]
             out[f"loss/{src}"] = s[f"loss/{src}"] / n if n else float("nan")

@@ -147,10 +147,11 @@ class WeightedSimPO(Objective):
         return DPO().sequences(sample)
 
     def loss(self, logps):
-        avg = (logps.policy / logps.tokens).view(-1, 2)
+        avg = (logps.totals() / logps.tokens).view(-1, 2)
         w = torch.tensor([s["weight"] for s in logps.samples], dtype=avg.dtype)
         losses = -F.logsigmoid(self.beta * (avg[:, 0] - avg[:, 1]) - self.gamma)
-        return (w * losses).sum() / logps.global_samples, {"weight": w.sum()}
+        share = logps.whole / logps.global_samples  # a mean over the global batch's pairs
+        return (w * losses).sum() * share, {"weight": w.sum() * share}
 
 
 def test_custom_objective_through_the_interface(setup, tmp_path):

@@ -17,7 +17,7 @@ from ray_disagg import (
     HFModelSpec,
     ModuleGroup,
     SampleError,
-    SequenceLogps,
+    TokenLogps,
     TrainLoopConfig,
     tiny_qwen2_5_vl_config,
 )
@@ -77,22 +77,28 @@ def test_dpo_losses_and_metrics_are_trls(dpo):
     g = torch.Generator().manual_seed(0)
     policy, ref = -10 * torch.rand(6, 2, generator=g), -10 * torch.rand(6, 2, generator=g)
     tokens = torch.randint(1, 9, (6, 2), generator=g).float()
-    inputs = SequenceLogps(
-        policy=policy.flatten(),
-        reference=ref.flatten(),
-        tokens=tokens.flatten(),
-        samples=[{}] * 6,
-        global_samples=12.0,
-    )
+    inputs = sequence_totals(policy.flatten(), ref.flatten(), tokens.flatten(), 12.0)
     loss, metrics = dpo.loss(inputs)
     want = trl_pair_loss(dpo.loss_type, dpo.beta, dpo.label_smoothing)(policy, ref, tokens)
     torch.testing.assert_close(loss, want.sum() / 12.0)
     rewards = dpo.beta * (policy - ref)
-    torch.testing.assert_close(metrics["rewards/margins"], (rewards[:, 0] - rewards[:, 1]).sum())
-    acc = (rewards[:, 0] > rewards[:, 1]).float().sum()
+    margins = (rewards[:, 0] - rewards[:, 1]).sum() / 12.0
+    torch.testing.assert_close(metrics["rewards/margins"], margins)
+    acc = (rewards[:, 0] > rewards[:, 1]).float().sum() / 12.0
     torch.testing.assert_close(metrics["rewards/accuracies"], acc)
-    torch.testing.assert_close(metrics["logps/rejected"], policy[:, 1].sum())
+    torch.testing.assert_close(metrics["logps/rejected"], policy[:, 1].sum() / 12.0)
     assert set(metrics) == set(dpo.metric_names)
+
+
+def sequence_totals(policy, ref, tokens, global_samples: float) -> TokenLogps:
+    """Each sequence's totals as one token each (the sum of one value is itself)."""
+    n = len(policy)
+    return TokenLogps(
+        policy=policy, reference=ref, old=None, sequence=torch.arange(n), tokens=tokens,
+        samples=[{}] * (n // 2), positions=list(range(n // 2)), global_samples=global_samples,
+        global_sequences=2 * global_samples,
+        global_tokens=float(tokens.sum()),
+    )  # fmt: skip
 
 
 def test_sequence_of_each_label_position():

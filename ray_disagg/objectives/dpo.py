@@ -1,16 +1,5 @@
-"""Training objectives that take per-sequence log-probabilities: the interface the loops
-call (:class:`Objective`) and Direct Preference Optimization (:class:`DPO`).
-
-Without an objective (``train_loop_config["objective"]`` unset) the LLM trains on the
-token cross-entropy (SFT). With one, each sample of the dataset holds one or more
-sequences (:meth:`Objective.sequences`; DPO: the chosen and the rejected answer to one
-prompt, whose images the encoders encode once); the LLM group computes, for every
-microbatch, each sequence's summed log-probability of its label tokens through the same
-label-position, chunked, vocab-parallel, packed and context-parallel path as the SFT loss,
-and the reference model's when the objective asks for one, and hands them to
-:meth:`Objective.loss`. The loops know nothing else about the objective: a new one (e.g.
-per-sample advantages for GRPO-style training, read from a sample field listed in
-:attr:`Objective.fields`) is a subclass.
+"""Direct Preference Optimization (:class:`DPO`): on each pair's summed log-probabilities
+of the chosen and the rejected answer (the prompt's images encoded once for both).
 
 Example:
     >>> from ray_disagg import DPO
@@ -24,89 +13,18 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ray_disagg.models.base import IGNORE_INDEX, SampleError, sample_name
+from ray_disagg.objectives.base import Objective, TokenLogps
 from ray_disagg.settings import check_settings, setting
 
-__all__ = ["DPO", "Objective", "SequenceLogps", "objective_from_any"]
-
-
-@dataclass(frozen=True)
-class SequenceLogps:
-    """What :meth:`Objective.loss` gets for one LLM microbatch (on every rank of the
-    replica; tensors on the LLM's device)."""
-
-    policy: torch.Tensor
-    """``(n,)`` float32: each sequence's summed log-probability of its label tokens under
-    the trained model, with gradients; sequences in sample order, each sample's
-    :meth:`Objective.sequences` together."""
-    reference: torch.Tensor | None
-    """``(n,)`` float32, no gradients: the same under the reference model, or ``None``
-    when the objective needs none."""
-    tokens: torch.Tensor
-    """``(n,)`` float32: each sequence's number of label tokens."""
-    samples: list[dict]
-    """The microbatch's samples: ``id`` and the keys of :attr:`Objective.fields`."""
-    global_samples: float
-    """Samples in the step's global batch (over every data-parallel replica): a loss that
-    is a mean over the global batch sums its samples' terms divided by this."""
-
-
-class Objective:
-    """The interface of a per-sequence objective.
-
-    A subclass says how a sample splits into sequences (:meth:`sequences`), which sample
-    keys the LLM needs (:attr:`sequence_keys`, :attr:`fields`), whether it needs the
-    reference model's log-probabilities (:attr:`needs_reference`), and computes the loss
-    and metrics of one microbatch (:meth:`loss`). The loss of the step is the sum of its
-    microbatches' losses (over replicas too); the gradients are those of that sum.
-
-    Example (a REINFORCE-style objective on a per-sample ``advantage``):
-        >>> class Reinforce(Objective):
-        ...     fields = ("advantage",)
-        ...     metric_names = ("advantage",)
-        ...     def loss(self, logps):
-        ...         adv = [s["advantage"] for s in logps.samples]
-        ...         adv = torch.tensor(adv, device=logps.policy.device)
-        ...         loss = -(adv * logps.policy).sum() / logps.global_samples
-        ...         return loss, {"advantage": adv.sum()}
-    """
-
-    sequence_keys: ClassVar[tuple[str, ...]] = ("input_ids", "labels")
-    """Sample keys holding the sequences' tokens (read by the LLM group)."""
-    fields: ClassVar[tuple[str, ...]] = ()
-    """Further sample keys the loss reads (handed over in :attr:`SequenceLogps.samples`)."""
-    metric_names: ClassVar[tuple[str, ...]] = ()
-    """Metrics :meth:`loss` returns as sums over its samples; reported per step as means
-    over the global batch, under these names."""
-    needs_reference: bool = False
-    """Whether :meth:`loss` needs :attr:`SequenceLogps.reference`."""
-    reference: str = "copy"
-    """How the reference model is held (see :attr:`DPO.reference`)."""
-
-    def sequences(self, sample: dict) -> list[dict]:
-        """The sample's sequences (each a dict with ``input_ids`` and ``labels``, plus the
-        sample's other keys), in the order of :attr:`SequenceLogps.policy`."""
-        return [sample]
-
-    def check_sample(self, sample: dict, index: int | None = None) -> None:
-        """Raise :class:`~ray_disagg.SampleError` naming a sample this objective cannot
-        train on (called on the driver for map-style data, before the run)."""
-        missing = [k for k in (*self.sequence_keys, *self.fields) if sample.get(k) is None]
-        if missing:
-            raise SampleError(f"{sample_name(sample, index)} has no {missing}.")
-
-    def loss(self, logps: SequenceLogps) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The microbatch's share of the step's loss (a scalar with gradients) and
-        ``{metric: sum over the microbatch's samples}`` (0-d tensors, no gradients)."""
-        raise NotImplementedError
+__all__ = ["ANSWERS", "DPO", "PAIR_KEYS", "same_prompt"]
 
 
 LossType = Literal["sigmoid", "hinge", "ipo", "robust"]
@@ -172,6 +90,7 @@ class DPO(Objective):
         "logps/rejected",
     )
     needs_reference: ClassVar[bool] = True
+    sequences_per_sample: ClassVar[int] = 2
 
     def __post_init__(self) -> None:
         check_settings(self, self._where)
@@ -226,8 +145,10 @@ class DPO(Objective):
                 "chosen and rejected; both answers must follow the same prompt tokens."
             )
 
-    def loss(self, logps: SequenceLogps) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        policy, ref, tokens = (t.view(-1, 2) for t in (logps.policy, logps.reference, logps.tokens))
+    def loss(self, logps: TokenLogps) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        policy = logps.totals("policy").view(-1, 2)
+        ref = logps.totals("reference").view(-1, 2)
+        tokens = logps.tokens.view(-1, 2)
         chosen_ratio, rejected_ratio = (policy - ref).unbind(1)
         delta = chosen_ratio - rejected_ratio
         b = self.beta
@@ -244,7 +165,7 @@ class DPO(Objective):
                 1 - 2 * e
             )
         rewards = b * (policy - ref).detach()
-        metrics = {
+        sums = {
             "rewards/chosen": rewards[:, 0].sum(),
             "rewards/rejected": rewards[:, 1].sum(),
             "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).float().sum(),
@@ -252,30 +173,5 @@ class DPO(Objective):
             "logps/chosen": policy[:, 0].detach().sum(),
             "logps/rejected": policy[:, 1].detach().sum(),
         }
-        return losses.sum() / logps.global_samples, metrics
-
-
-OBJECTIVES = {"dpo": DPO}
-
-
-def objective_from_any(value: Any) -> Objective | None:
-    """An :class:`Objective`, or one from a dict such as ``{"type": "dpo", "beta": 0.1}``
-    (the recipe form); ``None`` (SFT) stays ``None``."""
-    if value is None or isinstance(value, Objective):
-        return value
-    if isinstance(value, dict) and value.get("type") in OBJECTIVES:
-        cls = OBJECTIVES[value["type"]]
-        kwargs = {k: v for k, v in value.items() if k != "type"}
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(
-                f"train_loop_config['objective']: unknown keys {unknown} for "
-                f"type={value['type']!r}; known keys are {sorted(known)}."
-            )
-        return cls(**kwargs)
-    raise ValueError(
-        f"train_loop_config['objective']={value!r}: give an Objective (e.g. "
-        f"ray_disagg.DPO(beta=0.1)), a dict with 'type' one of {sorted(OBJECTIVES)}, "
-        "or None for SFT."
-    )
+        share = logps.whole / logps.global_samples  # means over the global batch's pairs
+        return losses.sum() * share, {k: v * share for k, v in sums.items()}
