@@ -146,3 +146,40 @@ def test_tp_vision_tower_matches_dense():
         assert sorted(tg) == sorted(dg)
         for name, g in dg.items():
             torch.testing.assert_close(tg[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+SAMPLING = [
+    {"greedy": True},
+    {"temperature": 0.8},
+    {"temperature": 1.2, "top_k": 5},
+    {"temperature": 0.9, "top_p": 0.7},
+    {"top_k": 9, "top_p": 0.5},
+]
+
+
+def _sampling(rank, world):
+    from ray_disagg.rollout.sampling import completion_keys, next_tokens
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(24, 36, generator=g) * 2
+    logits[:6, 5:30] = 3.0  # the best tied across the slices' boundaries
+    keys = completion_keys(2, 4, list(range(6)), 4)
+    positions = torch.arange(24) % 5
+    v = 36 // world
+    mine = logits[:, rank * v : (rank + 1) * v]
+    return [
+        (
+            next_tokens(mine, keys, positions, vocab_start=rank * v, group=dist.group.WORLD, **o),
+            next_tokens(logits, keys, positions, **o),
+        )
+        for o in SAMPLING
+    ]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_seeded_sampling_on_vocabulary_slices_equals_the_whole_vocabulary(world):
+    """Greedy, temperature, top-k and top-p draws with the vocabulary split over ranks
+    equal the draws on the whole row (ties included), on every rank."""
+    for rank_out in run_distributed(_sampling, world):
+        for (split, whole), opts in zip(rank_out, SAMPLING):
+            assert torch.equal(split, whole), opts

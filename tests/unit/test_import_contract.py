@@ -11,7 +11,7 @@ import pytest
 import ray_disagg
 
 ROOT = pathlib.Path(ray_disagg.__file__).parent
-LOWER = ("models", "parallel", "transport", "pipeline")
+LOWER = ("models", "parallel", "transport", "pipeline", "rollout")
 FORBIDDEN = (
     "ray",
     "ray_disagg.worker",

@@ -8,11 +8,12 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from ray_disagg.models.qwen2_5_vl.flavors import tiny_qwen2_5_vl_config
 from ray_disagg.models.qwen2_5_vl.parallelize import TOWER_MLP, TOWER_PLAN
 from ray_disagg.models.qwen_common.adapter import QwenVLAdapter
+from ray_disagg.models.qwen_common.decode import QwenDecodeMixin
 
 __all__ = ["Qwen2_5_VLAdapter"]
 
 
-class Qwen2_5_VLAdapter(QwenVLAdapter):
+class Qwen2_5_VLAdapter(QwenDecodeMixin, QwenVLAdapter):
     model_type = "qwen2_5_vl"
     config_class = Qwen2_5_VLConfig
     hf_class = Qwen2_5_VLForConditionalGeneration

@@ -1,0 +1,170 @@
+"""Tier 2 (real gloo processes): completions from the LLM part as it is placed for
+training (``ray_disagg.rollout.decode``: left-padded prompts prefilled once with the
+crossings of each prompt's media encoded once, a KV cache, the vocabulary split under
+text TP) equal the single-process HF model's: greedy ones token for token
+``generate(do_sample=False)``; seeded samples the draws of a sampler written here on the
+whole model (a full forward per token, HF's warpers, the same per-completion noise)."""
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from tests.dist_utils import run_distributed
+
+G, NEW = 2, 7
+SAMPLED = {"temperature": 0.9, "top_k": 40, "top_p": 0.9}
+STOP_SAMPLED = tuple(range(24))
+
+
+def prompts_of(cfg):
+    from ray_disagg.data.examples import synthetic_samples
+
+    out = []
+    for s in synthetic_samples(cfg, 3, seed=1, grids=[(1, 4, 4), None, (1, 8, 4)]):
+        labels, ids = np.asarray(s.pop("labels")), np.asarray(s.pop("input_ids"))
+        n = int(np.argmax(labels != -100))
+        out.append({**s, "input_ids": ids[:n], "labels": np.full(n, -100)})
+    return out
+
+
+def _completions(rank, world, sampled: bool, fsdp: bool = False):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
+    from ray_disagg.parallel.fsdp import PartRunner, end_forward_only
+    from ray_disagg.parallel.tensor_parallel import parallelize_text
+    from ray_disagg.rollout.decode import DecodeSettings, generate, left_padded
+    from ray_disagg.rollout.sampling import completion_keys
+    from ray_disagg.worker.objective import repeat_rows
+
+    cfg = tiny_qwen2_5_vl_config()
+    spec = HFModelSpec(config=cfg, seed=4)
+    adapter, prompts = spec.adapter, prompts_of(cfg)
+    if fsdp:  # data parallel: each rank its own prompts, which end at different steps
+        prompts = prompts[rank::world]
+    with torch.no_grad():  # each prompt's image encoded once, its rows repeated per completion
+        received = adapter.encode(spec.build_part("vision").eval(), "vision", prompts, "cpu")
+    rows = {n: [adapter.crossing_rows("vision", p)[n] for p in prompts] for n in received}
+    received = repeat_rows(received, rows, [G] * len(prompts))
+    rows_prompts = [p for p in prompts for _ in range(G)]
+    batch = adapter.collate_llm(rows_prompts)
+    batch = left_padded(batch, [len(p["input_ids"]) for p in rows_prompts])
+    part = spec.build_part("text").eval()
+    tp, start, runner = None, 0, PartRunner(part)
+    if fsdp:  # as the group places it: the layers and a root unit around the part
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        for layer in adapter.llm_modules(part)[0].layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(runner, mesh=mesh)
+    elif world > 1:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        lm, head = adapter.llm_modules(part)
+        tp, start = parallelize_text(part, lm, head, mesh, adapter.llm_tp_plan(),
+                                     adapter.per_head_norms)  # fmt: skip
+    keys = completion_keys(1, 3, [p["id"] for p in prompts], G)  # rank 1's rows end first
+    stop_ids = STOP_SAMPLED if sampled else (0, 2)  # pad and eos; more: rows end sooner
+    settings = DecodeSettings(max_new_tokens=NEW, stop_ids=stop_ids, greedy=not sampled,
+                              **(SAMPLED if sampled else {}))  # fmt: skip
+
+    def run(model):  # the whole loop in one root forward (FSDP2's root hooks once)
+        head = adapter.llm_modules(model)[1]
+        return generate(adapter, model, head, batch, received, keys, settings, tp_group=tp,
+                        vocab_start=start, sync_group=dist.group.WORLD)  # fmt: skip
+
+    out = runner(run)
+    end_forward_only(runner)
+    return out, keys, settings.stop_ids
+
+
+def hf_greedy(spec, prompts):
+    """``generate(do_sample=False)`` of the whole HF model, one prompt at a time."""
+    full, out = spec.build_full().eval(), []
+    for p in prompts:
+        kwargs = spec.adapter.reference_inputs([p])
+        kwargs.pop("labels")
+        ids = full.generate(**kwargs, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)  # fmt: skip
+        out.append(ids[0, len(p["input_ids"]) :].tolist())
+    return out
+
+
+def sampled_separately(spec, prompts, keys, stop_ids):
+    """The draws written independently: a full forward of the whole model per token,
+    HF's warpers in ``generate``'s order, Gumbel-max with the completion's noise."""
+    from ray_disagg.rollout.sampling import gumbel_noise
+
+    full, out = spec.build_full().eval(), []
+    warpers = [TemperatureLogitsWarper(SAMPLED["temperature"]), TopKLogitsWarper(SAMPLED["top_k"]),
+               TopPLogitsWarper(SAMPLED["top_p"])]  # fmt: skip
+    for i, p in enumerate(q for q in prompts for _ in range(G)):
+        kwargs = spec.adapter.reference_inputs([p])
+        kwargs.pop("labels")
+        ids, drawn = kwargs.pop("input_ids"), []
+        for step in range(NEW):
+            types = (ids == spec.config.image_token_id).int()
+            inputs = kwargs | {"attention_mask": torch.ones_like(ids), "mm_token_type_ids": types}
+            with torch.no_grad():
+                logits = full(input_ids=ids, **inputs).logits
+            scores = logits[:, -1].float()
+            for w in warpers:
+                scores = w(ids, scores)
+            noise = gumbel_noise(keys[i : i + 1], torch.tensor([step]), 0, scores.shape[-1])
+            token = int(torch.argmax(scores + noise, -1))
+            drawn.append(token)
+            if token in stop_ids:
+                break
+            ids = torch.cat([ids, torch.tensor([[token]])], 1)
+        out.append(drawn)
+    return out
+
+
+def test_greedy_completions_on_the_training_layout_equal_hf_generate():
+    from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
+
+    cfg = tiny_qwen2_5_vl_config()
+    spec = HFModelSpec(config=cfg, seed=4)
+    want = [c for c in hf_greedy(spec, prompts_of(cfg)) for _ in range(G)]
+    single = _completions(0, 1, False)[0]
+    tp2 = run_distributed(_completions, 2, False)
+    for out in [single, *(o[0] for o in tp2)]:
+        # HF ran to NEW tokens without stopping: its completion up to its first stop
+        for got, ref in zip(out.tokens, want):
+            ends = [i for i, t in enumerate(ref) if t in (0, 2)]
+            assert got == (ref[: ends[0] + 1] if ends else ref)
+        assert out.truncated == [len(t) == NEW and t[-1] not in (0, 2) for t in out.tokens]
+    assert sum(len(t) for t in single.tokens) > 2 * len(single.tokens)  # not stopped at once
+
+
+def test_seeded_samples_under_text_tp_equal_a_sampler_on_the_whole_model():
+    from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
+
+    cfg = tiny_qwen2_5_vl_config()
+    spec = HFModelSpec(config=cfg, seed=4)
+    tp2 = run_distributed(_completions, 2, True)
+    (first, keys, stop_ids), (second, _, _) = tp2
+    assert first.tokens == second.tokens  # every tp rank draws the same
+    want = sampled_separately(spec, prompts_of(cfg), keys, stop_ids)
+    assert first.tokens == want
+    assert len({tuple(t) for t in first.tokens}) > len(first.tokens) // 2  # they differ
+
+
+def test_fsdp2_ranks_decode_in_lockstep_and_draw_what_one_process_draws():
+    """Text FSDP2 (2): each rank its own prompts, whose completions end at different
+    steps; the ranks' forwards (their all-gathers) go on together until every row of
+    both has ended, and each completion is the single process's draw (its seed)."""
+    single = _completions(0, 1, True)[0]
+    per_rank = run_distributed(_completions, 2, True, True)
+    by_prompt = {}
+    for rank, (out, _, _) in enumerate(per_rank):
+        for i, tokens in enumerate(out.tokens):
+            by_prompt[(rank + 2 * (i // G), i % G)] = tokens
+    assert [by_prompt[(p, g)] for p in range(3) for g in range(G)] == single.tokens
+    longest = [max(len(t) for t in out.tokens) for out, _, _ in per_rank]
+    assert longest[1] < longest[0] == NEW  # rank 1 went on with rank 0 after its rows ended
