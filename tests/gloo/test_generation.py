@@ -6,6 +6,7 @@ text TP) equal the single-process HF model's: greedy ones token for token
 whole model (a full forward per token, HF's warpers, the same per-completion noise)."""
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from transformers.generation.logits_process import (
@@ -32,7 +33,9 @@ def prompts_of(cfg):
     return out
 
 
-def _completions(rank, world, sampled: bool, fsdp: bool = False):
+def _completions(rank, world, fsdp: bool = False):
+    """``{"greedy": Completions, "sampled": Completions}`` of the prompts on this rank's
+    layout (text TP over ``world`` ranks, or with ``fsdp`` FSDP2 and its own prompts)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
@@ -69,18 +72,20 @@ def _completions(rank, world, sampled: bool, fsdp: bool = False):
         tp, start = parallelize_text(part, lm, head, mesh, adapter.llm_tp_plan(),
                                      adapter.per_head_norms)  # fmt: skip
     keys = completion_keys(1, 3, [p["id"] for p in prompts], G)  # rank 1's rows end first
-    stop_ids = STOP_SAMPLED if sampled else (0, 2)  # pad and eos; more: rows end sooner
-    settings = DecodeSettings(max_new_tokens=NEW, stop_ids=stop_ids, greedy=not sampled,
-                              **(SAMPLED if sampled else {}))  # fmt: skip
+    out = {}
+    for name, settings in (
+        ("greedy", DecodeSettings(max_new_tokens=NEW, stop_ids=(0, 2), greedy=True)),  # pad, eos
+        ("sampled", DecodeSettings(max_new_tokens=NEW, stop_ids=STOP_SAMPLED, **SAMPLED)),
+    ):
 
-    def run(model):  # the whole loop in one root forward (FSDP2's root hooks once)
-        head = adapter.llm_modules(model)[1]
-        return generate(adapter, model, head, batch, received, keys, settings, tp_group=tp,
-                        vocab_start=start, sync_group=dist.group.WORLD)  # fmt: skip
+        def run(model, settings=settings):  # the loop in one root forward (FSDP2's hooks once)
+            head = adapter.llm_modules(model)[1]
+            return generate(adapter, model, head, batch, received, keys, settings, tp_group=tp,
+                            vocab_start=start, sync_group=dist.group.WORLD)  # fmt: skip
 
-    out = runner(run)
-    end_forward_only(runner)
-    return out, keys, settings.stop_ids
+        out[name] = runner(run)
+        end_forward_only(runner)
+    return out
 
 
 def hf_greedy(spec, prompts):
@@ -125,46 +130,55 @@ def sampled_separately(spec, prompts, keys, stop_ids):
     return out
 
 
-def test_greedy_completions_on_the_training_layout_equal_hf_generate():
+@pytest.fixture(scope="module")
+def spec():
     from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
 
-    cfg = tiny_qwen2_5_vl_config()
-    spec = HFModelSpec(config=cfg, seed=4)
-    want = [c for c in hf_greedy(spec, prompts_of(cfg)) for _ in range(G)]
-    single = _completions(0, 1, False)[0]
-    tp2 = run_distributed(_completions, 2, False)
-    for out in [single, *(o[0] for o in tp2)]:
+    return HFModelSpec(config=tiny_qwen2_5_vl_config(), seed=4)
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    return run_distributed(_completions, 2)
+
+
+@pytest.fixture(scope="module")
+def whole_model_samples(spec):
+    from ray_disagg.rollout.sampling import completion_keys
+
+    prompts = prompts_of(spec.config)
+    keys = completion_keys(1, 3, [p["id"] for p in prompts], G)
+    return sampled_separately(spec, prompts, keys, STOP_SAMPLED)
+
+
+def test_greedy_completions_under_text_tp_equal_hf_generate(spec, tp2):
+    want = [c for c in hf_greedy(spec, prompts_of(spec.config)) for _ in range(G)]
+    for out in (o["greedy"] for o in tp2):
         # HF ran to NEW tokens without stopping: its completion up to its first stop
         for got, ref in zip(out.tokens, want):
             ends = [i for i, t in enumerate(ref) if t in (0, 2)]
             assert got == (ref[: ends[0] + 1] if ends else ref)
         assert out.truncated == [len(t) == NEW and t[-1] not in (0, 2) for t in out.tokens]
-    assert sum(len(t) for t in single.tokens) > 2 * len(single.tokens)  # not stopped at once
+        assert sum(len(t) for t in out.tokens) > 2 * len(out.tokens)  # not stopped at once
 
 
-def test_seeded_samples_under_text_tp_equal_a_sampler_on_the_whole_model():
-    from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
-
-    cfg = tiny_qwen2_5_vl_config()
-    spec = HFModelSpec(config=cfg, seed=4)
-    tp2 = run_distributed(_completions, 2, True)
-    (first, keys, stop_ids), (second, _, _) = tp2
+def test_seeded_samples_under_text_tp_equal_a_sampler_on_the_whole_model(tp2, whole_model_samples):
+    first, second = (o["sampled"] for o in tp2)
     assert first.tokens == second.tokens  # every tp rank draws the same
-    want = sampled_separately(spec, prompts_of(cfg), keys, stop_ids)
-    assert first.tokens == want
+    assert first.tokens == whole_model_samples
     assert len({tuple(t) for t in first.tokens}) > len(first.tokens) // 2  # they differ
+    assert first.truncated == [len(t) == NEW and t[-1] not in STOP_SAMPLED for t in first.tokens]
 
 
-def test_fsdp2_ranks_decode_in_lockstep_and_draw_what_one_process_draws():
+def test_fsdp2_ranks_decode_in_lockstep_and_draw_what_one_process_draws(whole_model_samples):
     """Text FSDP2 (2): each rank its own prompts, whose completions end at different
     steps; the ranks' forwards (their all-gathers) go on together until every row of
-    both has ended, and each completion is the single process's draw (its seed)."""
-    single = _completions(0, 1, True)[0]
-    per_rank = run_distributed(_completions, 2, True, True)
+    both has ended, and each completion is the whole model's draw (its seed)."""
+    per_rank = [o["sampled"] for o in run_distributed(_completions, 2, True)]
     by_prompt = {}
-    for rank, (out, _, _) in enumerate(per_rank):
+    for rank, out in enumerate(per_rank):
         for i, tokens in enumerate(out.tokens):
             by_prompt[(rank + 2 * (i // G), i % G)] = tokens
-    assert [by_prompt[(p, g)] for p in range(3) for g in range(G)] == single.tokens
-    longest = [max(len(t) for t in out.tokens) for out, _, _ in per_rank]
+    assert [by_prompt[(p, g)] for p in range(3) for g in range(G)] == whole_model_samples
+    longest = [max(len(t) for t in out.tokens) for out in per_rank]
     assert longest[1] < longest[0] == NEW  # rank 1 went on with rank 0 after its rows ended
