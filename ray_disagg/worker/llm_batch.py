@@ -245,11 +245,12 @@ class LLMModel:
             return self.objective.label_tokens(list(items))
         return sum(count_label_tokens(self.w.ctx.adapter.labels(it)) for it in items)
 
-    def sequences(self, items) -> int:
-        """Sequences in ``items`` (an objective's samples may hold several)."""
-        if self.objective is None:
-            return len(items)
-        return len(self.objective.sequences(list(items))[0])
+    def counts(self, items) -> tuple[int, int]:
+        """``(sequences, label tokens)`` of ``items`` (an objective's samples may hold
+        several sequences)."""
+        if self.objective is not None:
+            return self.objective.counts(list(items))
+        return len(items), self.label_tokens(items)
 
     def tokens(self, items) -> int:
         seqs = items if self.objective is None else self.objective.sequences(items)[0]

@@ -113,19 +113,16 @@ class LLMStep:
         keys = self.llm.text_keys
         items = {p: {k: s[k] for k in keys if k in s} for p, s in self.samples.items()}
         self.items = ctx.broadcast_object(items)
+        sequences = len(self.items)
         if self.by_source is not None:  # a mixture (token loss): counted per source
             self.source_labels = label_tokens_by_source(ctx, self.items.values())
             self.local_labels = sum(self.source_labels)
         else:
-            self.local_labels = self.llm.label_tokens(self.items.values())
+            sequences, self.local_labels = self.llm.counts(self.items.values())
         if self.grad:  # the global batch's samples, sequences and label tokens
             local = [0, 0, 0]  # each replica's leader counts it (over gloo: no device sync)
             if ctx.leader:
-                local = [
-                    len(self.items),
-                    self.llm.sequences(self.items.values()),
-                    self.local_labels,
-                ]
+                local = [len(self.items), sequences, self.local_labels]
             n = torch.tensor(local, dtype=torch.float64)
             dist.all_reduce(n, group=ctx.rt.object_group)
             totals = tuple(max(float(v), 1.0) for v in n)

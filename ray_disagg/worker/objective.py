@@ -70,8 +70,12 @@ class ObjectiveRunner:
         return [q for ss in seqs for q in ss], [len(ss) for ss in seqs]
 
     def label_tokens(self, samples: list[dict]) -> int:
+        return self.counts(samples)[1]
+
+    def counts(self, samples: list[dict]) -> tuple[int, int]:
+        """``(sequences, label tokens)`` of ``samples``."""
         seqs, _ = self.sequences(samples)
-        return sum(count_label_tokens(self.w.ctx.adapter.labels(q)) for q in seqs)
+        return len(seqs), sum(count_label_tokens(self.w.ctx.adapter.labels(q)) for q in seqs)
 
     def begin_step(self, step: int, items: dict, totals: tuple[float, float, float]) -> None:
         """A training step begins (every LLM rank): ``items``, this replica's samples by
