@@ -59,7 +59,7 @@ class ObjectiveRunner:
         self.step_values = [0.0] * len(self.obj.step_metric_names)  # this rank's share
         self.totals = (1.0, 1.0, 1.0)  # the global batch's samples, sequences, label tokens
         self.step, self.iteration = None, 0  # prepare_step's values; the step's iteration
-        self.old = {}  # microbatch's sample ids -> the first iteration's token log-probs
+        self.old = {}  # a microbatch's batch positions -> the first iteration's token log-probs
         self.load = None  # the LLM's moe.ExpertLoad, set by its owner
         self.reported = None  # the last microbatch's loss as reported (see loss)
         self.recording, self.recorded = False, []  # the reference's pass (precompute)
