@@ -31,6 +31,7 @@ from ray_disagg.config import ModuleGroup
 from ray_disagg.freezing import frozen_parts
 from ray_disagg.launch.checks import (
     check_budget,
+    check_generation,
     resolve_objective,
     resolve_schedule,
     validate_groups,
@@ -68,6 +69,10 @@ class DataSpec:
     """Whether the data are preference pairs (a stream through a ``PreferenceProcessor``,
     a recipe's ``preference`` source); ``None``: known from the samples only."""
 
+    recorded: bool = False
+    """The samples carry completions (GRPO's recorded rollouts: the first map-style
+    sample has ``completion_ids``); else GRPO generates them."""
+
     @property
     def streamed(self) -> bool:
         return self.kind != "map"
@@ -83,12 +88,15 @@ class DataSpec:
         train = train_set(datasets)
         kind = "ray" if is_ray_dataset(train) else "stream" if is_record_stream(train) else "map"
         has_validation = datasets.get("validation") is not None
-        pairs = None
+        pairs, recorded = None, False
         if kind == "stream":
             pairs = isinstance(train.processor, PreferenceProcessor)
+        elif kind == "map" and len(train):
+            recorded = "completion_ids" in train[0]
         return cls(
-            kind=kind, validation=has_validation, validate_samples=validate_samples, pairs=pairs
-        )
+            kind=kind, validation=has_validation, validate_samples=validate_samples,
+            pairs=pairs, recorded=recorded,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,6 +165,7 @@ def resolve(
     validate_loop(adapter, loop, model.attn_implementation)
     trained = [p for p in groups if p not in frozen]
     loop = resolve_objective(loop, data, lora, trained)
+    check_generation(adapter, groups, loop, model)
     if loop.eval_every is not None and not data.validation:
         raise ValueError(
             "train_loop_config['eval_every'] is set but there is no validation set: "

@@ -118,15 +118,90 @@ def compute_loss(logps, old, ref, adv, mask, opts: dict):
     return loss, m
 
 
-def reference_grpo(spec, rollouts, cfg, opts: dict, plan, **kwargs):
+def sample_completions(spec, model, prompts, keys, opts: dict, stop_ids):
+    """``(completions, truncated)``: ``num_generations`` per prompt, drawn one token at a
+    time from a full forward of the single-process ``model`` over the prompt and the
+    tokens so far (the media placeholders suppressed, HF's warpers in ``generate``'s
+    order, then the argmax of the scores plus each completion's Gumbel noise at its
+    position; ``keys`` one per completion)."""
+    from transformers.generation.logits_process import (
+        SuppressTokensLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from ray_disagg.rollout.sampling import gumbel_noise
+
+    suppress = list(spec.adapter.placeholder_ids())  # media placeholders: never drawn
+    warpers = [
+        SuppressTokensLogitsProcessor(suppress),
+        TemperatureLogitsWarper(opts.get("temperature", 1.0)),
+    ]
+    if opts.get("top_k"):
+        warpers.append(TopKLogitsWarper(opts["top_k"]))
+    if opts.get("top_p", 1.0) < 1.0:
+        warpers.append(TopPLogitsWarper(opts["top_p"]))
+    g, most = opts["num_generations"], opts["max_completion_length"]
+    completions, truncated = [], []
+    for i, p in enumerate(q for q in prompts for _ in range(g)):
+        kwargs = spec.adapter.reference_inputs([p])
+        kwargs.pop("labels")
+        ids, drawn = kwargs.pop("input_ids"), []
+        for step in range(most):
+            types = (ids == spec.config.image_token_id).int()
+            inputs = kwargs | {"attention_mask": torch.ones_like(ids), "mm_token_type_ids": types}
+            with torch.no_grad():
+                scores = model(input_ids=ids, **inputs).logits[:, -1].float()
+            for w in warpers:
+                scores = w(ids, scores)
+            noise = gumbel_noise(keys[i : i + 1], torch.tensor([step]), 0, scores.shape[-1])
+            token = int(torch.argmax(scores + noise, -1))
+            drawn.append(token)
+            if token in stop_ids:
+                break
+            ids = torch.cat([ids, torch.tensor([[token]])], 1)
+        completions.append(drawn)
+        truncated.append(drawn[-1] not in stop_ids)
+    return completions, truncated
+
+
+def rollout_records(prompts, completions, truncated, funcs, decode, g):
+    """The prompts with their completions and each reward function's values, called as
+    TRL calls it (keywords ``prompts``, ``completions`` (text), ``completion_ids`` and the
+    record's other columns, one per completion)."""
+    import numpy as np
+
+    rows = [p for p in prompts for _ in range(g)]
+    columns = {k: [r[k] for r in rows] for k in ("id", "prompt", "solution") if k in rows[0]}
+    texts = [decode(c) for c in completions]
+    prompts_text = columns.pop("prompt", [None] * len(rows))
+    values = {f.__name__: f(prompts=prompts_text, completions=texts, completion_ids=completions,
+                            **columns) for f in funcs}  # fmt: skip
+    out = []
+    for k, p in enumerate(prompts):
+        cut = slice(k * g, (k + 1) * g)
+        out.append({**p, "prompt_input_ids": np.asarray(p["input_ids"]),
+                    "completion_ids": [np.asarray(c) for c in completions[cut]],
+                    "truncated": truncated[cut],
+                    "rewards": {n: v[cut] for n, v in values.items()}})  # fmt: skip
+    return out
+
+
+def reference_grpo(spec, rollouts, cfg, opts: dict, plan, rollout=None, **kwargs):
     """Single-process GRPO with TRL's formulas on recorded rollouts (``opts``: the GRPO
-    settings, ``names`` the reward functions'); the old log-probs are a no-grad forward
-    before the first of ``num_iterations`` steps on a batch (TRL's). Returns ``(losses,
-    [metrics per step], model)``."""
+    settings, ``names`` the reward functions'), or with ``rollout(model, step, prompts)``
+    (the completed records) at the first of each batch's ``num_iterations`` steps; the old
+    log-probs are a no-grad forward before the first of ``num_iterations`` steps on a
+    batch (TRL's). Returns ``(losses, [metrics per step], model)``."""
     mu, temperature = opts.get("num_iterations", 1), opts.get("temperature", 1.0)
     kept = {}
 
     def step_loss(model, reference, step, batch):
+        if rollout is not None:
+            if step % mu == 0:
+                kept["batch"] = rollout(model, step, batch)
+            batch = kept["batch"]
         adv, truncated, metrics = advantages_and_metrics(batch, opts)
         logps, mask = per_token_logps(spec, model, batch, temperature)
         if opts.get("mask_truncated_completions"):

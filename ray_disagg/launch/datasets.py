@@ -175,6 +175,8 @@ def scan(data, adapter, cfg: TrainLoopConfig, validate: bool, min_tokens: int = 
         if validate and keyed:
             _check_unique(sample, i, ids)
         if validate:
+            if getattr(cfg.objective, "generates", False):
+                _check_prompt(sample, i, cfg)
             for seq in seqs:
                 _check_sequence(seq, i, cfg, min_tokens)
         lengths = tuple(len(s["input_ids"]) for s in seqs)
@@ -197,6 +199,21 @@ def _check_budget(sample: dict, i: int, lengths, patches: dict, cfg: TrainLoopCo
         raise ValueError(
             f"sample {sample.get('id', i)!r} {why}: no microbatch holds it. Raise the limit, "
             "or drop, shorten or resize (its media) the sample."
+        )
+
+
+def _check_prompt(sample: dict, i: int, cfg: TrainLoopConfig) -> None:
+    """A prompt GRPO completes: the reward functions' columns, and room for its longest
+    completion in a packed row."""
+    obj = cfg.objective
+    obj.check_columns(sample, i)
+    n, m = len(sample["input_ids"]), obj.max_completion_length
+    if cfg.pack_sequences and n + m > cfg.max_seq_len:
+        raise ValueError(
+            f"sample {sample.get('id', i)!r}: its prompt's {n} tokens + GRPO's "
+            f"max_completion_length={m} exceed train_loop_config['max_seq_len']="
+            f"{cfg.max_seq_len}; raise max_seq_len to {n + m}, lower max_completion_length, "
+            "or shorten the prompt."
         )
 
 

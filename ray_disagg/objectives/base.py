@@ -120,6 +120,8 @@ class Objective:
     """Further sample keys the loss reads (handed over in :attr:`TokenLogps.samples`)."""
     step_keys: ClassVar[tuple[str, ...]] = ()
     """Sample keys :meth:`prepare_step` reads, of every sample of the global batch."""
+    generates: ClassVar[bool] = False
+    """The training groups generate each step's sequences (GRPO's rollouts)."""
     metric_names: ClassVar[tuple[str, ...]] = ()
     """Metrics :meth:`loss` returns as shares of the step's value (summed over the
     step's microbatches, replicas and ranks), under these names."""

@@ -32,8 +32,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -44,6 +42,12 @@ import torch
 from ray_disagg.models.base import IGNORE_INDEX, SampleError, sample_name
 from ray_disagg.models.packing import host_to_device
 from ray_disagg.objectives.base import Objective, TokenLogps
+from ray_disagg.objectives.reward_funcs import (
+    check_reward_func,
+    missing_columns,
+    resolve,
+    reward_name,
+)
 from ray_disagg.settings import check_settings, setting
 
 __all__ = ["GRPO", "ROLLOUT_KEYS", "GRPOStep", "nanstd", "reward_name"]
@@ -54,55 +58,6 @@ LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 CLIPS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 LENGTHS = ("mean_length", "min_length", "max_length", "clipped_ratio", "mean_terminated_length",
            "min_terminated_length", "max_terminated_length")  # fmt: skip
-
-
-def reward_name(fn) -> str:
-    """TRL's name of a reward function: its ``__name__`` (``"module:function"``: the
-    function)."""
-    return fn.rsplit(":", 1)[-1] if isinstance(fn, str) else getattr(fn, "__name__", repr(fn))
-
-
-def _resolve(fn):
-    """The callable of a reward function given as ``"module:function"``."""
-    if not isinstance(fn, str):
-        return fn
-    module, _, name = fn.partition(":")
-    if not name:
-        raise ValueError(
-            f"train_loop_config['objective'] GRPO(reward_funcs=[{fn!r}]): name a function "
-            "as 'module:function' (importable where the run starts)."
-        )
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(
-            f"train_loop_config['objective'] GRPO(reward_funcs=[{fn!r}]): cannot import it "
-            f"({e}); give a function importable where the run starts."
-        ) from None
-
-
-def _check_reward_func(fn) -> None:
-    """A reward function TRL can call: ``fn(prompts=, completions=, completion_ids=,
-    **columns)``."""
-    f = _resolve(fn)
-    where = f"train_loop_config['objective'] GRPO(reward_funcs=[{reward_name(fn)}])"
-    if not callable(f):
-        raise ValueError(f"{where}: {f!r} is not callable; give a function.")
-    try:
-        sig = inspect.signature(f)
-    except (TypeError, ValueError):
-        return  # a builtin: not checkable
-    params = sig.parameters.values()
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        raise ValueError(
-            f"{where}: TRL calls a reward function with keywords prompts, completions, "
-            "completion_ids and every other column of the record; add **kwargs to its "
-            f"signature {sig}."
-        )
-    try:
-        sig.bind_partial(prompts=[], completions=[], completion_ids=[])
-    except TypeError as e:
-        raise ValueError(f"{where}: not callable as TRL calls it ({e}).") from None
 
 
 def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -170,6 +125,16 @@ class GRPO(Objective):
     """Leave completions that reached ``max_completion_length`` out of the loss."""
     reference: Literal["auto", "copy", "adapters_disabled"] = setting("auto")
     """The reference model when ``beta > 0`` (see :attr:`DPO.reference`)."""
+    rollouts: Literal["auto", "generate", "recorded"] = setting("auto")
+    """Where a step's completions come from: ``"generate"``: the training groups sample
+    them from the prompts (each sample a prompt: ``input_ids`` after the chat template
+    with the generation prompt, its media fields and the columns the reward functions
+    read); ``"recorded"``: the samples carry them (``prompt_input_ids``,
+    ``completion_ids``, ``rewards``, ``truncated``: a replay); ``"auto"``: recorded when
+    the first sample of a map-style dataset has ``completion_ids``, else generated."""
+    tokenizer: object = None
+    """What decodes completions for the reward functions: a local tokenizer directory or
+    a loaded tokenizer (``None``: the model's ``pretrained_path``)."""
 
     sequence_keys = ROLLOUT_KEYS
     fields = ("rewards", "truncated")
@@ -184,7 +149,7 @@ class GRPO(Objective):
         if not self.reward_funcs:
             raise ValueError(f"{self._where('reward_funcs', [])}: give at least one function.")
         for fn in self.reward_funcs:
-            _check_reward_func(fn)
+            check_reward_func(fn)
         check_settings(self, self._where)
         n, weights = len(self.reward_funcs), self.reward_weights
         if weights is None:
@@ -207,6 +172,22 @@ class GRPO(Objective):
     def reward_names(self) -> tuple[str, ...]:
         return tuple(reward_name(f) for f in self.reward_funcs)
 
+    def reward_callables(self) -> list:
+        """The reward functions as callables (``"module:function"`` imported)."""
+        return [resolve(f) for f in self.reward_funcs]
+
+    def check_columns(self, sample: dict, index: int | None = None) -> None:
+        """A prompt ``sample`` has every column a reward function names without a default
+        (TRL passes the record's columns as keywords); ``SampleError`` naming both."""
+        for fn, name in zip(self.reward_callables(), self.reward_names):
+            needed = missing_columns(fn, sample)
+            if needed:
+                raise SampleError(
+                    f"{sample_name(sample, index)} has no column {needed} that reward "
+                    f"function {name} takes: add it to every prompt record, or give the "
+                    "parameter a default."
+                )
+
     @property
     def needs_reference(self) -> bool:
         return self.beta > 0
@@ -225,7 +206,17 @@ class GRPO(Objective):
         lengths = [f"completions/{k}" for k in LENGTHS]
         return ("reward", "reward_std", *per_func, "frac_reward_zero_std", *lengths)
 
+    @property
+    def generates(self) -> bool:
+        """The training groups generate the completions (``rollouts`` resolved on the
+        driver to ``"generate"``)."""
+        return self.rollouts == "generate"
+
     def sequences(self, sample: dict) -> list[dict]:
+        if self.generates and "completion_ids" not in sample:  # a prompt: its longest
+            ids = np.asarray(sample["input_ids"], dtype=np.int64)  # sequence (checks, costs)
+            ids = np.concatenate([ids, np.zeros(self.max_completion_length, np.int64)])
+            return [{**sample, "input_ids": ids, "labels": np.full(len(ids), IGNORE_INDEX)}]
         rest = {k: v for k, v in sample.items() if k not in (*ROLLOUT_KEYS, *self.fields)}
         prompt = np.asarray(sample["prompt_input_ids"], dtype=np.int64)
         out = []
@@ -237,6 +228,13 @@ class GRPO(Objective):
 
     def check_sample(self, sample: dict, index: int | None = None) -> None:
         name, g = sample_name(sample, index), self.num_generations
+        if self.generates:
+            if sample.get("input_ids") is None or not len(sample["input_ids"]):
+                raise SampleError(
+                    f"{name} has no input_ids: GRPO generates from prompts, each its "
+                    "input_ids after the chat template with the generation prompt."
+                )
+            return
         missing = [k for k in (*ROLLOUT_KEYS, "rewards", "truncated") if sample.get(k) is None]
         if missing:
             raise SampleError(

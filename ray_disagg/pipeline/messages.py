@@ -11,9 +11,11 @@ message of another step or microbatch is an error naming both, never silently us
 Example:
     >>> key = StepKey(step=3)
     >>> expect(Crossings(key=key, mb=1), Crossings, key, mb=1, receiver="text group")
-    Crossings(key=StepKey(step=3, val_batch=None), mb=1)
+    Crossings(key=StepKey(step=3, val_batch=None, rollout=False), mb=1)
     >>> str(StepKey(step=3, val_batch=0))
     'validation batch 0 at step 4'
+    >>> str(StepKey(step=3, rollout=True))
+    'rollout of step 4'
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ __all__ = ["StepKey", "SampleRef", "Inputs", "Crossings", "Grads", "expect"]
 class StepKey:
     """Which step a message belongs to: training step ``step`` (0-based), or with
     ``val_batch`` the validation batch ``val_batch`` run at that step (step ``-1``: the
-    reference model's pass before training)."""
+    reference model's pass before training); with ``rollout`` the forward-only pass that
+    generates the step's completions (GRPO)."""
 
     step: int
     val_batch: int | None = None
+    rollout: bool = False
 
     def __str__(self) -> str:
+        if self.rollout:
+            return f"rollout of step {self.step + 1}"
         if self.step < 0:  # before the first step: the reference's pass (worker.objective)
             return f"reference pass batch {self.val_batch}"
         if self.val_batch is None:

@@ -44,6 +44,8 @@ class DecodeSettings:
     top_p: float = 1.0
     pad_id: int = 0
     """The token fed to rows that have ended."""
+    suppress_ids: tuple[int, ...] = ()
+    """Tokens never drawn (the family's media placeholders)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.temperature <= 0 or not 0 < self.top_p <= 1:
@@ -127,6 +129,7 @@ def _draw(logits, keys, step, settings: DecodeSettings, tp_group, vocab_start):
     return next_tokens(
         logits, keys, positions, vocab_start=vocab_start, temperature=settings.temperature,
         top_k=settings.top_k, top_p=settings.top_p, greedy=settings.greedy, group=tp_group,
+        suppress=settings.suppress_ids,
     )  # fmt: skip
 
 

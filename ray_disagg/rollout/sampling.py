@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import math
 import numbers
 
 import torch
@@ -129,6 +130,7 @@ def next_tokens(
     top_p: float = 1.0,
     greedy: bool = False,
     group=None,
+    suppress: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """``(n,)`` int64 vocabulary ids drawn from ``logits`` ``(n, V_r)`` (this rank's slice
     ``[vocab_start, vocab_start + V_r)``; ``group``: the tensor-parallel group holding the
@@ -136,9 +138,13 @@ def next_tokens(
     completions ``keys`` at
     ``positions``: ``greedy`` takes the best logit; else the scores are ``logits /
     temperature``, top-k (0: off) and top-p (1.0: off) filtered, plus the noise. The
-    same on every rank of ``group``."""
+    same on every rank of ``group``. The ids in ``suppress`` are never drawn (HF's
+    ``suppress_tokens``: e.g. the media placeholders, whose rows only encoders fill)."""
     vocab_start = vocab_start if group is not None else 0
     scores = logits.float()
+    local = [i - vocab_start for i in suppress if 0 <= i - vocab_start < scores.shape[-1]]
+    if local:
+        scores = scores.index_fill(-1, torch.tensor(local, device=scores.device), -math.inf)
     if not greedy:
         scores = scores / temperature
         if top_k > 0:

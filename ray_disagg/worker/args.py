@@ -71,6 +71,12 @@ class LoopArgs:
         obj = self.cfg.objective
         return obj is not None and obj.reference == "precompute" and start == 0 and not restarts
 
+    def generates(self, step: int) -> bool:
+        """Whether ``step`` begins with a rollout (``GRPO(rollouts="generate")``: the first
+        of each batch's ``num_iterations`` steps)."""
+        obj = self.cfg.objective
+        return obj is not None and obj.generates and step % obj.num_iterations == 0
+
     @property
     def adapter(self):
         return self.spec.adapter

@@ -41,8 +41,16 @@ def train_step(w: PartWorker, data, step: int, actions, reference=None, evaluate
     faults_hook.drill(ctx.part, ctx.group_rank, step)
     w.state.clock.begin(step, ctx.cfg.trace_steps)
     plan, grad = ctx.args.plan, not ctx.frozen
-    run = EncoderStep(w, data, plan, step, StepKey(step), grad=grad, reference=reference)
-    run.run(actions)  # receive inputs, forward, exchange and backward per action
+    run = None
+    if ctx.args.generates(step):  # GRPO's rollout first: the prompts' media, once
+        run = EncoderStep(w, data, plan, step, StepKey(step, rollout=True), grad=False)
+        run.run(encoder_actions(ctx.cfg.micro_batches, trains=False))
+    if run is None or grad:  # a frozen tower's rollout rows serve the update too
+        rollout = run
+        run = EncoderStep(w, data, plan, step, StepKey(step), grad=grad, reference=reference)
+        run.run(actions)  # receive inputs, forward, exchange and backward per action
+        if rollout is not None:  # the step's encoded items and FLOPs: both passes'
+            run.add(rollout)
     stats = run.measure()
     sq = step_end.reduce(w)
     stats = step_end.exchange(w, step, stats, sq, inflight=peak_in_flight(actions))
@@ -203,6 +211,12 @@ class EncoderStep:
         self.flops += mb.flops
         if self.grad:
             self.live[j] = mb
+
+    def add(self, other: EncoderStep) -> None:
+        """Count ``other``'s items and FLOPs too (a step's rollout pass)."""
+        for name, n in other.counts.items():
+            self.counts[name] = self.counts.get(name, 0) + n
+        self.flops += other.flops
 
     def measure(self):
         """The step's stats slots of this group: the items encoded (images, videos, ...)

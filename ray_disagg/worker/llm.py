@@ -21,6 +21,7 @@ from ray_disagg.worker.llm_step import LLMStep, train_step
 from ray_disagg.worker.metrics import plain
 from ray_disagg.worker.objective import ObjectiveRunner
 from ray_disagg.worker.part_worker import PartWorker
+from ray_disagg.worker.rollout import Rollouts
 from ray_disagg.worker.session import get_session
 
 
@@ -104,12 +105,13 @@ def llm_train_loop(args: LoopArgs) -> None:
         val_data = get_session().fetch(args.val_ref[0])
         val = ingest.MapStyleSource(val_data, args.val_plan, ctx.part, split="validation")
         evaluate = functools.partial(_evaluate, llm, val)
+    rollouts = Rollouts(llm) if objective is not None and cfg.objective.generates else None
     limit = cfg.max_in_flight or 1
     actions = llm_actions(cfg.micro_batches, limit, sends_grads=bool(llm.grad_names))
     step = start
     while step < cfg.max_steps:
         try:
-            train_step(w, llm, source, step, actions, evaluate)
+            train_step(w, llm, source, step, actions, evaluate, rollouts)
         except recovery.GroupFailed:  # an encoder group restarts; this group waits
             step = recovery.recover(w, model)
             if llm.load is not None:  # the abandoned step's routing is not counted

@@ -231,6 +231,7 @@ class LLMModel:
         keys = ("input_ids", "labels")
         if obj is not None:
             keys = tuple(dict.fromkeys((*obj.sequence_keys, *obj.fields, *obj.step_keys)))
+            keys += ("input_ids",) if obj.generates else ()  # the prompt a rollout completes
         keys += (SOURCE_KEY,) if ctx.args.sources else ()  # a mixture's per-source metrics
         self.text_keys = ("id", *keys, *adapter.llm_fields())
         self.grad_names = {  # crossings whose encoder has something to train

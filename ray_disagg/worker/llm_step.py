@@ -40,15 +40,21 @@ from ray_disagg.worker.state import WorkerState
 __all__ = ["LLMStep", "train_step"]
 
 
-def train_step(w: PartWorker, llm: LLMModel, source, step: int, actions, evaluate) -> None:
+def train_step(
+    w: PartWorker, llm: LLMModel, source, step: int, actions, evaluate, rollouts=None
+) -> None:
     """One training step of the LLM group (``actions``: its ``llm_actions``;
-    ``evaluate``: the validation pass, run on evaluation steps)."""
+    ``evaluate``: the validation pass, run on evaluation steps; ``rollouts``: GRPO's
+    generation (``worker/rollout.py``), which a generating step begins with)."""
     ctx = w.ctx
     faults_hook.drill(ctx.part, ctx.group_rank, step)
     w.state.clock.begin(step, ctx.cfg.trace_steps)
-    run = LLMStep(llm, source, ctx.args.plan, step, StepKey(step), grad=True)
+    rollout = None if rollouts is None else rollouts.before_update(source, step)
+    run = LLMStep(llm, source, ctx.args.plan, step, StepKey(step), grad=True, rollout=rollout)
     run.run(actions)  # read inputs, exchange, forward and backward per action
     stats, ids, extra = run.measure()
+    if rollouts is not None:
+        extra.update(rollouts.times)
     sq = step_end.reduce(w)
     stats = step_end.exchange(w, step, stats, sq)
     step_end.apply(w, step, stats, ids)
@@ -59,9 +65,11 @@ class LLMStep:
     """Executes one step's LLM actions (a training step, or with ``grad=False`` a
     validation batch: forward only, unnormalised loss sums)."""
 
-    def __init__(self, llm: LLMModel, source, plan, plan_step: int, key: StepKey, grad: bool):
+    def __init__(
+        self, llm: LLMModel, source, plan, plan_step: int, key: StepKey, grad: bool, rollout=None
+    ):
         self.w: PartWorker = llm.w
-        self.llm, self.source, self.plan = llm, source, plan
+        self.llm, self.source, self.plan, self.rollout = llm, source, plan, rollout
         self.plan_step, self.key, self.grad = plan_step, key, grad
         self.mbs = plan.assign(plan_step)
         self.samples, self.items, self.local_labels, self.n_labels = {}, {}, 0, 1.0
@@ -96,19 +104,19 @@ class LLMStep:
     def send_inputs(self, _mb) -> None:
         """Read the replica's samples (leader), send the encoders theirs, share the LLM
         items over tp, and (training) count the global batch's label tokens."""
-        w, mbs = self.w, self.mbs
+        w, rollout = self.w, self.rollout
         ctx = w.ctx
-        share = [p for mb in mbs for p in mb[ctx.part][ctx.dp_rank]]
-        read = ingest.read_samples(self.source, self.plan_step, share, ctx.args)
-        if self.plan.streamed_costs:  # a balanced stream: split by this step's costs
-            self.mbs = mbs = self.plan.assign(self.plan_step, self.source.step_costs)
-            share = [p for mb in mbs for p in mb[ctx.part][ctx.dp_rank]]  # a budget's: known now
+        share, read = self._read()
         if ctx.leader:
+            if rollout is not None:  # GRPO: the prompts with their completions
+                read = [{**s, **rollout.fields[p]} for p, s in zip(share, read)]
             self.samples = dict(zip(share, read))
             refs = None  # map-style: the encoders read their fields themselves
             if isinstance(self.source, ingest.MapStyleSource):
                 refs = self.source.refs(self.plan_step, share)
-            args = (ctx, w.state, self.samples, mbs, self.plan, self.key, self.plan_step, refs)
+            skip = rollout.parts if rollout is not None else ()
+            args = (ctx, w.state, self.samples, self.mbs, self.plan, self.key, self.plan_step,
+                    refs, skip)  # fmt: skip
             recovery.guarded(w, _send_inputs, *args)
         keys = self.llm.text_keys
         items = {p: {k: s[k] for k in keys if k in s} for p, s in self.samples.items()}
@@ -130,6 +138,21 @@ class LLMStep:
             if self.llm.objective is not None:
                 self.llm.objective.begin_step(self.plan_step, self.items, totals)
 
+    def _read(self) -> tuple[list[int], list[dict]]:
+        """``(the replica's batch positions, its samples (leader))``: read, or as the
+        step's rollout read them (its microbatches too)."""
+        ctx, rollout = self.w.ctx, self.rollout
+        if rollout is not None and rollout.samples is not None:
+            self.mbs = rollout.mbs
+            share = [p for mb in self.mbs for p in mb[ctx.part][ctx.dp_rank]]
+            return share, [rollout.samples[p] for p in share] if ctx.leader else []
+        share = [p for mb in self.mbs for p in mb[ctx.part][ctx.dp_rank]]
+        read = ingest.read_samples(self.source, self.plan_step, share, ctx.args)
+        if self.plan.streamed_costs:  # a balanced stream: split by this step's costs
+            self.mbs = self.plan.assign(self.plan_step, self.source.step_costs)
+            share = [p for mb in self.mbs for p in mb[ctx.part][ctx.dp_rank]]  # known now
+        return share, read
+
     def recv_crossings(self, j: int) -> None:
         w = self.w
         ctx = w.ctx
@@ -137,7 +160,7 @@ class LLMStep:
             faults_hook.drill(ctx.part, ctx.group_rank, self.key.step, j)
         got = (None, None, None)
         if ctx.leader:
-            args = (ctx, self.plan, self.key, j, self.mbs[j], self.samples)
+            args = (ctx, self.plan, self.key, j, self.mbs[j], self.samples, self.rollout)
             got = recovery.guarded(w, _receive_crossings, *args, default=got)
         self.received[j] = (got[0] or {}, got[1] or [], got[2] or {})
 
@@ -148,7 +171,7 @@ class LLMStep:
         recovery.agree(w)  # every rank has its crossings, or the step is abandoned
         received, routes, rows = self.received[j]
         with torch.set_grad_enabled(self.grad):
-            shared, rows = _share(ctx, received, rows)
+            shared, rows = share_crossings(ctx, received, rows)
             names = self.llm.grad_names if self.grad else ()
             received = {n: v.requires_grad_(n in names) for n, v in shared.items()}
             loss = self.llm.loss(
@@ -198,13 +221,17 @@ class LLMStep:
 
 
 def _send_inputs(
-    ctx: WorkerContext, state: WorkerState, samples: dict, mbs, plan, key: StepKey, plan_step, refs
-):
+    ctx: WorkerContext, state: WorkerState, samples: dict, mbs, plan, key: StepKey, plan_step,
+    refs, skip=(),
+):  # fmt: skip
     """One message per encoder replica it shares samples with: per microbatch, the
     encoder fields of those samples, or with ``refs`` (map-style data) their
-    :class:`~ray_disagg.pipeline.messages.SampleRef` s (so encoders can run ahead)."""
+    :class:`~ray_disagg.pipeline.messages.SampleRef` s (so encoders can run ahead);
+    none to the parts in ``skip`` (their rows came with the step's rollout)."""
     adapter, mine = ctx.adapter, [set(mb[ctx.part][ctx.dp_rank]) for mb in mbs]
     for part in adapter.encoder_parts:
+        if part in skip:
+            continue
         keys = ("id", *adapter.encoder_fields(part))
 
         def fields(p, keys=keys):
@@ -216,14 +243,21 @@ def _send_inputs(
             state.post(ctx.channel.send_tensors(ctx.side_rank(part, d), {}, msg, False))
 
 
-def _receive_crossings(ctx: WorkerContext, plan, key: StepKey, j: int, mb, samples: dict):
+def _receive_crossings(
+    ctx: WorkerContext, plan, key: StepKey, j: int, mb, samples: dict, rollout=None
+):
     """``{crossing: rows of this replica's microbatch, in its samples' order}`` (float32;
     a trained encoder's reference outputs under ``REF`` names), per encoder replica it
     heard from the positions, dtypes and every sample's crossing rows (for the
-    gradients), and ``{crossing: rows of each of its samples}``."""
+    gradients), and ``{crossing: rows of each of its samples}``. The rows of the parts
+    the step's ``rollout`` kept come from it (a frozen tower encodes once per step)."""
     adapter, mine = ctx.adapter, mb[ctx.part][ctx.dp_rank]
     pieces, routes, own, rows_by_part = {}, [], set(mine), {}
     for part in adapter.encoder_parts:
+        if rollout is not None and part in rollout.parts:
+            rows_by_part[part] = {p: adapter.crossing_rows(part, samples[p]) for p in mine}
+            pieces.update({k: v for k, v in rollout.rows.items() if k[1] in own})
+            continue
         part_rows = None  # {position: {crossing: rows}} of this replica's samples
         for d in range(plan.dp_sizes[part]):
             positions = [p for p in mb[part][d] if p in own]
@@ -276,7 +310,7 @@ def _sum_over_cp(ctx: WorkerContext, tensors: list[torch.Tensor]) -> None:
         dist.all_reduce(t, group=ctx.cp_mesh.get_group())
 
 
-def _share(ctx: WorkerContext, received: dict, rows: dict):
+def share_crossings(ctx: WorkerContext, received: dict, rows: dict):
     """The leader's crossing tensors and their rows per sample on every rank of its
     replica (tp, cp)."""
     meta = ({k: tuple(v.shape) for k, v in received.items()}, rows) if ctx.leader else None

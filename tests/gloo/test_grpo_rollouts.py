@@ -1,0 +1,156 @@
+"""Tier 2 (the groups' workers without Ray, ``testing.local``): GRPO that generates its
+completions on the training groups (``GRPO(rollouts="generate")``: each step's prompts
+encoded once by the encoder group, ``num_generations`` completions per prompt sampled
+by the LLM group as it is placed for training, rewards on its leaders) equals an
+independently written single-process GRPO that samples each completion token by token
+from full forwards of the HF model (HF's warpers, the same per-completion noise), calls
+the reward functions as TRL does and applies TRL's formulas: losses and parameters
+within 1e-5 relative, the reward and length metrics within 1e-6 (a single different
+token would change them). Layouts: vision SP2 + text TP2 (a trained tower that encodes
+each prompt twice a step: the rollout's pass and the update's with gradients; the
+vocabulary split while sampling); a frozen tower whose rollout rows serve the update
+(one encode per prompt per step) + text FSDP2 (2) in lockstep, 2 microbatches,
+``num_iterations=2`` (the second step reuses the completions) and a KL to a copy."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from ray_disagg import (
+    GRPO,
+    DataParallel,
+    HFModelSpec,
+    SequenceParallel,
+    TensorParallel,
+    TrainLoopConfig,
+    load_metrics,
+    tiny_qwen2_5_vl_config,
+)
+from ray_disagg.data.examples import NUMBER_WORDS, WORDS, synthetic_samples
+from ray_disagg.rollout.sampling import completion_keys
+from tests.grpo_reference import reference_grpo, rollout_records, sample_completions
+from tests.helpers import (
+    assert_params_close,
+    built_trainer,
+    checkpoint_state,
+    group,
+    losses,
+    run_layout,
+    vt,
+)
+
+G, MAX_LEN, SEED = 4, 5, 3
+STOP = (2, *range(6, 16))  # <eos> and the number words end a completion
+LOOP = {"global_batch_size": 4, "max_steps": 3, "eps": 1e-6, "seed": SEED, "lr": 5e-3}
+GRIDS = [(1, 4, 4), (1, 8, 4), None, (1, 4, 8)]
+SAMPLING = {"temperature": 0.9, "top_k": 60, "top_p": 0.95}
+
+
+def parity(prompts, completions, solution, **kwargs):
+    """1.0 when the completion ends with a digit of the same parity as the prompt's."""
+    odd = {w: i % 2 for i, w in enumerate(NUMBER_WORDS)}
+    return [float(odd.get(c.split()[-1] if c else None) == odd[s])
+            for c, s in zip(completions, solution)]  # fmt: skip
+
+
+def brief(prompts, completions, completion_ids, **kwargs):
+    return [-0.1 * len(c) for c in completion_ids]
+
+
+def build_tokenizer(path) -> None:
+    """A word-level tokenizer over the tiny model's 128 ids (``WORDS`` first)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = WORDS + [f"w{i}" for i in range(len(WORDS), 128)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>").save_pretrained(path)
+
+
+def prompts_of(cfg, n: int) -> list[dict]:
+    """Each synthetic sample's prompt (its text up to the caption), a question and the
+    digit a reward function looks for."""
+    out = []
+    for s in synthetic_samples(cfg, n, seed=1, grids=GRIDS):
+        labels, ids = np.asarray(s.pop("labels")), np.asarray(s.pop("input_ids"))
+        cut = int(np.argmax(labels != -100))
+        solution = NUMBER_WORDS[s["id"] % 10]
+        out.append({**s, "input_ids": ids[:cut], "prompt": "which digit?", "solution": solution})
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    cfg = tiny_qwen2_5_vl_config()
+    cfg.text_config.eos_token_id = list(STOP)
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(path)
+    return HFModelSpec(config=cfg, seed=4), prompts_of(cfg, 8), str(path)
+
+
+def frozen(n: int):
+    return dataclasses.replace(group(n), trainable=False)
+
+
+CASES = {
+    "vision-sp2-text-tp2-dapo": (
+        lambda: vt(group(2, SequenceParallel(size=2)), group(2, TensorParallel(size=2))),
+        {},
+        {"loss_type": "dapo", "epsilon_high": 0.28, **SAMPLING},
+    ),
+    "frozen-vision-text-fsdp2-1f1b-2-iterations-kl": (
+        lambda: vt(frozen(1), group(2, DataParallel(fsdp=True))),
+        {"micro_batches": 2, "max_steps": 4},
+        {"loss_type": "grpo", "num_iterations": 2, "beta": 0.04, "reference": "copy"},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_generating_grpo_equals_single_process_sampling_and_trl(setup, tmp_path, case):
+    spec, prompts, tokenizer_dir = setup
+    groups, loop, opts = CASES[case]
+    obj = GRPO(reward_funcs=[parity, brief], num_generations=G, max_completion_length=MAX_LEN,
+               tokenizer=tokenizer_dir, **opts)  # fmt: skip
+    run = LOOP | loop | {"objective": obj}
+    plan = built_trainer(spec, prompts, run, groups(), tmp_path).plan
+    settings = opts | {"names": obj.reward_names, "num_generations": G,
+                       "max_completion_length": MAX_LEN}  # fmt: skip
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    def rollout(model, step, batch):
+        keys = completion_keys(SEED, step, [p["id"] for p in batch], G)
+        model.eval()
+        completions, truncated = sample_completions(spec, model, batch, keys, settings, STOP)
+        model.train()
+        decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        return rollout_records(batch, completions, truncated, [parity, brief], decode, G)
+
+    ref_losses, ref_metrics, ref_model = reference_grpo(
+        spec, prompts, TrainLoopConfig(**LOOP | loop), settings, plan, rollout=rollout,
+        groups=groups(),
+    )  # fmt: skip
+    result = run_layout(spec, prompts, run, groups(), tmp_path, case, local=True)
+
+    torch.testing.assert_close(losses(result), ref_losses, rtol=1e-5, atol=1e-7)
+    assert_params_close(checkpoint_state(result.checkpoint), ref_model.state_dict(), 1e-5)
+    frame = load_metrics(result)
+    names = ["reward", "reward_std", "rewards/parity/mean", "rewards/brief/mean",
+             "completions/mean_length", "completions/clipped_ratio", *obj.metric_names]  # fmt: skip
+    for name in names:
+        want = [m[name] for m in ref_metrics]
+        torch.testing.assert_close(frame[name].tolist(), want, atol=1e-6, rtol=0.0, msg=name)
+    clipped = frame["completions/clipped_ratio"]
+    assert ((clipped > 0) & (clipped < 1)).any()  # some stopped, some ran to the end
+    assert frame["rewards/parity/mean"].max() > 0  # the text reward saw decoded completions
+    images = [sum(int(prompts[i].get("image_grid_thw") is not None)
+                  for i in plan.global_indices(s)) for s in range(run["max_steps"])]  # fmt: skip
+    passes = 1 if "frozen" in case else 2  # a frozen tower: once; a trained one: twice
+    assert frame["images"].tolist() == [n * passes for n in images]
+    generating = [s % obj.num_iterations == 0 for s in range(run["max_steps"])]
+    assert [s > 0 for s in frame["rollout_s"]] == generating
