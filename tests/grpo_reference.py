@@ -118,12 +118,12 @@ def compute_loss(logps, old, ref, adv, mask, opts: dict):
     return loss, m
 
 
-def sample_completions(spec, model, prompts, keys, opts: dict, stop_ids):
+def sample_completions(spec, model, prompts, keys, opts: dict, stop_ids, greedy=False):
     """``(completions, truncated)``: ``num_generations`` per prompt, drawn one token at a
     time from a full forward of the single-process ``model`` over the prompt and the
     tokens so far (the media placeholders suppressed, HF's warpers in ``generate``'s
     order, then the argmax of the scores plus each completion's Gumbel noise at its
-    position; ``keys`` one per completion)."""
+    position; ``keys`` one per completion); ``greedy``: one per prompt, the argmax."""
     from transformers.generation.logits_process import (
         SuppressTokensLogitsProcessor,
         TemperatureLogitsWarper,
@@ -142,7 +142,9 @@ def sample_completions(spec, model, prompts, keys, opts: dict, stop_ids):
         warpers.append(TopKLogitsWarper(opts["top_k"]))
     if opts.get("top_p", 1.0) < 1.0:
         warpers.append(TopPLogitsWarper(opts["top_p"]))
-    g, most = opts["num_generations"], opts["max_completion_length"]
+    g, most = 1 if greedy else opts["num_generations"], opts["max_completion_length"]
+    if greedy:
+        warpers = warpers[:1]
     completions, truncated = [], []
     for i, p in enumerate(q for q in prompts for _ in range(g)):
         kwargs = spec.adapter.reference_inputs([p])
@@ -155,8 +157,10 @@ def sample_completions(spec, model, prompts, keys, opts: dict, stop_ids):
                 scores = model(input_ids=ids, **inputs).logits[:, -1].float()
             for w in warpers:
                 scores = w(ids, scores)
-            noise = gumbel_noise(keys[i : i + 1], torch.tensor([step]), 0, scores.shape[-1])
-            token = int(torch.argmax(scores + noise, -1))
+            if not greedy:
+                noise = gumbel_noise(keys[i : i + 1], torch.tensor([step]), 0, scores.shape[-1])
+                scores = scores + noise
+            token = int(torch.argmax(scores, -1))
             drawn.append(token)
             if token in stop_ids:
                 break

@@ -255,16 +255,17 @@ def resolve_objective(cfg: TrainLoopConfig, data, lora, trained):
     if obj is None:
         return cfg
     name = type(obj).__name__
-    if data.validation:
-        raise ValueError(
-            f"train_loop_config['objective']={name}: validation sets are not evaluated "
-            "under a per-sequence objective yet; drop datasets['validation']."
-        )
-    _check_iterations(cfg, data)
     if getattr(obj, "rollouts", None) == "auto":  # GRPO: replay recorded completions, or generate
         obj = copy.copy(obj)
         object.__setattr__(obj, "rollouts", "recorded" if data.recorded else "generate")
         cfg = dataclasses.replace(cfg, objective=obj)
+    if data.validation and not obj.generates:
+        raise ValueError(
+            f"train_loop_config['objective']={name}: validation sets are evaluated under "
+            "a per-sequence objective only for GRPO's generated completions (the rewards "
+            "of greedy completions of validation prompts); drop datasets['validation']."
+        )
+    _check_iterations(cfg, data)
     if obj.needs_reference and obj.reference == "precompute" and data.kind != "map":
         raise ValueError(
             f"train_loop_config['objective']={name}(reference='precompute') reads map-style "
@@ -308,6 +309,12 @@ def check_generation(adapter, groups, cfg: TrainLoopConfig, model) -> None:
             "sequence over its ranks, and the decode loop needs each prompt whole with its "
             "KV cache on one rank; generate with TensorParallel or FSDP2 instead, or train "
             "on recorded rollouts."
+        )
+    if cfg.max_tokens_per_microbatch is not None:
+        raise ValueError(
+            f"{where}: max_tokens_per_microbatch plans each step from the samples' lengths, "
+            "and a generated completion's length is known only once it is drawn; drop the "
+            "budget (global_batch_size counts prompts)."
         )
     from ray_disagg.worker.rollout import load_tokenizer
 

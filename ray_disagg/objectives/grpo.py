@@ -212,6 +212,41 @@ class GRPO(Objective):
         driver to ``"generate"``)."""
         return self.rollouts == "generate"
 
+    @property
+    def eval_width(self) -> int:
+        """Length of :meth:`eval_sums`."""
+        return 2 + 2 * len(self.reward_funcs)
+
+    def eval_sums(self, rewards: list[dict]) -> list[float]:
+        """``[summed reward, completions scored, per function: its summed values, their
+        count]`` of validation completions (``rewards``: per prompt, per function, one
+        value or ``None`` per completion), summed over ranks into :meth:`eval_metrics`."""
+        names, weights = self.reward_names, self.reward_weights or (1.0,) * len(self.reward_names)
+        out = [0.0] * self.eval_width
+        for per_prompt in rewards:
+            for values in zip(*(per_prompt[n] for n in names)):
+                scored = [(w, v) for w, v in zip(weights, values) if v is not None]
+                if scored:
+                    out[0] += sum(w * v for w, v in scored)
+                    out[1] += 1
+                for i, v in enumerate(values):
+                    if v is not None:
+                        out[2 + 2 * i] += v
+                        out[3 + 2 * i] += 1
+        return out
+
+    def eval_metrics(self, sums: list[float]) -> dict[str, float]:
+        """``eval_reward`` and ``eval_rewards/<name>/mean`` (TRL's evaluation names) of
+        the summed :meth:`eval_sums`."""
+
+        def mean(total, n):
+            return total / n if n else float("nan")
+
+        out = {"eval_reward": mean(sums[0], sums[1])}
+        for i, name in enumerate(self.reward_names):
+            out[f"eval_rewards/{name}/mean"] = mean(sums[2 + 2 * i], sums[3 + 2 * i])
+        return out
+
     def sequences(self, sample: dict) -> list[dict]:
         if self.generates and "completion_ids" not in sample:  # a prompt: its longest
             ids = np.asarray(sample["input_ids"], dtype=np.int64)  # sequence (checks, costs)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ray_disagg.rollout.sampling import next_tokens
+from ray_disagg.rollout.sampling import next_tokens, suppress_mask
 
 __all__ = ["Completions", "DecodeSettings", "generate", "left_padded"]
 
@@ -108,7 +108,11 @@ def generate(
         ended = torch.zeros(rows, dtype=torch.bool, device=device)
         tokens, lengths = [], torch.zeros(rows, dtype=torch.long, device=device)
         for step in range(settings.max_new_tokens):
-            token = _draw(lm_head(hidden), keys, step, settings, tp_group, vocab_start)
+            logits = lm_head(hidden)
+            if step == 0:  # this rank's slice of the vocabulary: its suppressed ids once
+                start = vocab_start if tp_group is not None else 0
+                mask = suppress_mask(settings.suppress_ids, start, logits.shape[-1], device)
+            token = _draw(logits, keys, step, settings, tp_group, vocab_start, mask)
             token = torch.where(ended, torch.full_like(token, settings.pad_id), token)
             lengths += (~ended).long()
             ended = ended | torch.isin(token, stop)
@@ -124,12 +128,12 @@ def generate(
     )
 
 
-def _draw(logits, keys, step, settings: DecodeSettings, tp_group, vocab_start):
+def _draw(logits, keys, step, settings: DecodeSettings, tp_group, vocab_start, suppress):
     positions = torch.full_like(keys, step)
     return next_tokens(
         logits, keys, positions, vocab_start=vocab_start, temperature=settings.temperature,
         top_k=settings.top_k, top_p=settings.top_p, greedy=settings.greedy, group=tp_group,
-        suppress=settings.suppress_ids,
+        suppress=suppress,
     )  # fmt: skip
 
 

@@ -28,7 +28,7 @@ import numbers
 import torch
 import torch.distributed as dist
 
-__all__ = ["completion_keys", "gumbel_noise", "next_tokens"]
+__all__ = ["completion_keys", "gumbel_noise", "next_tokens", "suppress_mask"]
 
 
 def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -119,6 +119,18 @@ def _top_p(scores: torch.Tensor, p: float, vocab_start: int, group) -> torch.Ten
     return scores.masked_fill(mine, float("-inf"))
 
 
+def suppress_mask(ids, vocab_start: int, size: int, device) -> torch.Tensor | None:
+    """``(size,)`` bool: which of the vocabulary ids ``[vocab_start, vocab_start + size)``
+    are among ``ids`` (``None`` when none is), built once per decode (no host copy per
+    token)."""
+    local = [i - vocab_start for i in ids if 0 <= i - vocab_start < size]
+    if not local:
+        return None
+    mask = torch.zeros(size, dtype=torch.bool)
+    mask[local] = True
+    return mask.to(device)
+
+
 def next_tokens(
     logits: torch.Tensor,
     keys: torch.Tensor,
@@ -130,7 +142,7 @@ def next_tokens(
     top_p: float = 1.0,
     greedy: bool = False,
     group=None,
-    suppress: tuple[int, ...] = (),
+    suppress: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(n,)`` int64 vocabulary ids drawn from ``logits`` ``(n, V_r)`` (this rank's slice
     ``[vocab_start, vocab_start + V_r)``; ``group``: the tensor-parallel group holding the
@@ -138,13 +150,13 @@ def next_tokens(
     completions ``keys`` at
     ``positions``: ``greedy`` takes the best logit; else the scores are ``logits /
     temperature``, top-k (0: off) and top-p (1.0: off) filtered, plus the noise. The
-    same on every rank of ``group``. The ids in ``suppress`` are never drawn (HF's
-    ``suppress_tokens``: e.g. the media placeholders, whose rows only encoders fill)."""
+    same on every rank of ``group``. Where ``suppress`` (``(V_r,)`` bool, this rank's
+    slice: :func:`suppress_mask`) is set, nothing is drawn (HF's ``suppress_tokens``:
+    e.g. the media placeholders, whose rows only encoders fill)."""
     vocab_start = vocab_start if group is not None else 0
     scores = logits.float()
-    local = [i - vocab_start for i in suppress if 0 <= i - vocab_start < scores.shape[-1]]
-    if local:
-        scores = scores.index_fill(-1, torch.tensor(local, device=scores.device), -math.inf)
+    if suppress is not None:
+        scores = scores.masked_fill(suppress, -math.inf)
     if not greedy:
         scores = scores / temperature
         if top_k > 0:

@@ -44,7 +44,12 @@ def train_step(w: PartWorker, data, step: int, actions, reference=None, evaluate
     run = None
     if ctx.args.generates(step):  # GRPO's rollout first: the prompts' media, once
         run = EncoderStep(w, data, plan, step, StepKey(step, rollout=True), grad=False)
-        run.run(encoder_actions(ctx.cfg.micro_batches, trains=False))
+        training = w.model.training
+        w.model.eval()  # as the LLM generates: no dropout
+        try:
+            run.run(encoder_actions(ctx.cfg.micro_batches, trains=False))
+        finally:
+            w.model.train(training)
     if run is None or grad:  # a frozen tower's rollout rows serve the update too
         rollout = run
         run = EncoderStep(w, data, plan, step, StepKey(step), grad=grad, reference=reference)
@@ -245,7 +250,7 @@ def _encode_all(w: PartWorker, data, plan, step: int) -> None:
 def _evaluate(w: PartWorker, data, plan, step: int) -> list[float]:
     """Encode the validation set for the LLM group (which computes the loss)."""
     _encode_all(w, data, plan, step)
-    return [0.0, 0.0]
+    return [0.0] * step_end.eval_width(w.ctx.cfg)
 
 
 def _reference_pass(w: PartWorker, data, plan) -> None:

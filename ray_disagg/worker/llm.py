@@ -100,12 +100,14 @@ def llm_train_loop(args: LoopArgs) -> None:
     llm = LLMModel(w, model, objective)
     if objective is not None and cfg.objective.reference == "precompute":
         _precompute(w, llm, data, start)
+    rollouts = Rollouts(llm) if objective is not None and cfg.objective.generates else None
     evaluate = None
     if args.val_plan is not None:
         val_data = get_session().fetch(args.val_ref[0])
         val = ingest.MapStyleSource(val_data, args.val_plan, ctx.part, split="validation")
         evaluate = functools.partial(_evaluate, llm, val)
-    rollouts = Rollouts(llm) if objective is not None and cfg.objective.generates else None
+        if rollouts is not None:  # GRPO: greedy completions of the validation prompts
+            evaluate = functools.partial(rollouts.evaluate, val)
     limit = cfg.max_in_flight or 1
     actions = llm_actions(cfg.micro_batches, limit, sends_grads=bool(llm.grad_names))
     step = start

@@ -93,9 +93,11 @@ class RolloutStep(LLMStep):
     """The forward-only pass of a generating step (see the module): ``completions``,
     per batch position of this replica, ``(token lists, truncated flags)``."""
 
-    def __init__(self, llm, source, plan, step: int, reused: frozenset):
-        super().__init__(llm, source, plan, step, StepKey(step, rollout=True), grad=False)
-        self.reused, self.rows, self.completions = reused, {}, {}
+    def __init__(self, llm, source, plan, step: int, key: StepKey, reused=frozenset(),
+                 greedy: bool = False):  # fmt: skip
+        super().__init__(llm, source, plan, step, key, grad=False)
+        self.reused, self.greedy, self.rows, self.completions = reused, greedy, {}, {}
+        self.generations = 1 if greedy else llm.w.ctx.cfg.objective.num_generations
 
     def train(self, j: int) -> None:  # the GENERATE of microbatch j
         w, mine = self.w, self.mbs[j][self.w.ctx.part][self.w.ctx.dp_rank]
@@ -105,8 +107,9 @@ class RolloutStep(LLMStep):
         if ctx.leader:
             self._keep_rows(received, rows, mine)
         shared, rows = share_crossings(ctx, received, rows)
-        tokens, truncated = draw(self.llm, [self.items[p] for p in mine], shared, rows, self.key)
-        g = ctx.cfg.objective.num_generations
+        samples, g = [self.items[p] for p in mine], self.generations
+        tokens, truncated = draw(self.llm, samples, mine, shared, rows, self.key.step, g,
+                                 self.greedy)  # fmt: skip
         for i, p in enumerate(mine):
             self.completions[p] = (tokens[i * g : (i + 1) * g], truncated[i * g : (i + 1) * g])
         self.received[j] = None
@@ -121,24 +124,25 @@ class RolloutStep(LLMStep):
                     self.rows[(name, p)] = piece
 
 
-def draw(llm, samples: list[dict], received: dict, rows: dict, key: StepKey):
-    """``(completion tokens, truncated)``, ``num_generations`` rows per sample in order,
-    from the LLM part as placed for training (eval mode, no gradients)."""
+def draw(llm, samples: list[dict], positions: list[int], received: dict, rows: dict, step: int,
+         g: int, greedy: bool = False):  # fmt: skip
+    """``(completion tokens, truncated)``, ``g`` rows per sample in order, sampled with
+    the keys of ``(seed, step, the sample's batch position, completion)`` (or
+    ``greedy``), from the LLM part as placed for training (eval mode, no gradients)."""
     w = llm.w
     ctx, obj, adapter = w.ctx, w.ctx.cfg.objective, w.ctx.adapter
-    g = obj.num_generations
     per_row = [s for s in samples for _ in range(g)]
     batch = left_padded(adapter.collate_llm(per_row), [len(s["input_ids"]) for s in per_row])
     batch = {
         k: host_to_device(v, ctx.device) if torch.is_tensor(v) else v for k, v in batch.items()
     }
     crossings = repeat_rows(received, rows, [g] * len(samples))
-    keys = completion_keys(ctx.cfg.seed, key.step, [s.get("id") for s in samples], g)
+    keys = completion_keys(ctx.cfg.seed, step, positions, g)
     pad = getattr(adapter.config.text_config, "pad_token_id", None) or 0
     settings = DecodeSettings(
         max_new_tokens=obj.max_completion_length, stop_ids=adapter.stop_token_ids(),
         temperature=obj.temperature, top_k=obj.top_k, top_p=obj.top_p, pad_id=pad,
-        suppress_ids=tuple(adapter.placeholder_ids()),
+        suppress_ids=tuple(adapter.placeholder_ids()), greedy=greedy,
     )  # fmt: skip
     part = llm.policy.parallel
     # ranks whose forwards run collectives across replicas decode until all have ended
@@ -150,16 +154,13 @@ def draw(llm, samples: list[dict], received: dict, rows: dict, key: StepKey):
             tp_group=part.tp_group, vocab_start=part.vocab_start, sync_group=sync,
         )  # fmt: skip
 
+    training = llm.model.training
     llm.model.eval()
     try:
         with torch.autocast(ctx.device.type, torch.bfloat16, enabled=ctx.cfg.bf16):
-            if llm.objective is not None:
-                with llm.objective.uncounted():
-                    out = w.runner(run)
-            else:
-                out = w.runner(run)
+            out = w.runner(run)
     finally:
-        llm.model.train()
+        llm.model.train(training)
         fsdp.end_forward_only(w.runner)
     return out.tokens, out.truncated
 
@@ -187,43 +188,59 @@ class Rollouts:
         if not args.generates(step):
             return Rollout(fields=self.fields)
         t0 = time.perf_counter()
-        run = RolloutStep(self.llm, source, args.plan, step, self.reused)
+        key = StepKey(step, rollout=True)
+        run = RolloutStep(self.llm, source, args.plan, step, key, self.reused)
         run.run(self.actions)
         t1 = time.perf_counter()
-        self.fields = self._score(run)
+        positions, rewards = self._rewards(run)
+        self.fields = {p: self._fields(run, p, r) for p, r in zip(positions, rewards)}
         self.times = {"rollout_s": t1 - t0, "reward_s": time.perf_counter() - t1}
         return Rollout(
             fields=self.fields, samples=run.samples, mbs=run.mbs, rows=run.rows, parts=self.reused
         )
 
-    def _score(self, run: RolloutStep) -> dict:
-        """Each sample's rollout fields (leaders), its rewards from the reward functions;
-        a failing function raises :class:`RewardError` on every rank of the group."""
-        ctx, error, out = self.w.ctx, None, {}
+    def evaluate(self, source, step: int) -> list[float]:
+        """This rank's sums over the validation prompts' greedy completions
+        (:meth:`~ray_disagg.objectives.GRPO.eval_sums`; non-zero on replica leaders)."""
+        plan, sums = self.w.ctx.args.val_plan, [0.0] * self.obj.eval_width
+        for v in range(plan.steps_per_epoch):
+            run = RolloutStep(self.llm, source, plan, v, StepKey(step, v), greedy=True)
+            run.run(self.actions)
+            _, rewards = self._rewards(run)
+            sums = [a + b for a, b in zip(sums, self.obj.eval_sums(rewards))]
+        return sums
+
+    def _rewards(self, run: RolloutStep) -> tuple[list[int], list[dict]]:
+        """``(this replica's batch positions, each one's rewards)`` on leaders (else empty):
+        a failing reward function raises :class:`RewardError` on every rank of the group."""
+        ctx, error, positions, rewards = self.w.ctx, None, [], []
         if ctx.leader:
             positions = sorted(run.completions)
-            records = [self._record(run.samples[p]) for p in positions]
-            completions = [run.completions[p][0] for p in positions]
-            try:
+            try:  # whatever fails here, every rank hears of it (no rank waits alone)
+                records = [self._record(run.samples[p]) for p in positions]
+                completions = [run.completions[p][0] for p in positions]
                 names = self.obj.reward_names
                 rewards = score(self.funcs, records, completions, self._decode, names)
             except RewardError as e:
                 error = str(e)
-            else:
-                for p, r in zip(positions, rewards):
-                    tokens, truncated = run.completions[p]
-                    out[p] = {
-                        "prompt_input_ids": np.asarray(run.samples[p]["input_ids"], np.int64),
-                        "completion_ids": [np.asarray(t, np.int64) for t in tokens],
-                        "rewards": r,
-                        "truncated": list(truncated),
-                    }
+            except Exception as e:
+                error = f"scoring the completions of prompts {positions} failed: {e!r}"
         errors = [None] * dist.get_world_size(ctx.rt.object_group)
         dist.all_gather_object(errors, error, group=ctx.rt.object_group)
         failed = [e for e in errors if e is not None]
         if failed:
-            raise RewardError(f"step {run.key.step + 1}: {failed[0]}")
-        return out
+            raise RewardError(f"{run.key}: {failed[0]}")
+        return positions, rewards
+
+    @staticmethod
+    def _fields(run: RolloutStep, p: int, rewards: dict) -> dict:
+        tokens, truncated = run.completions[p]
+        return {
+            "prompt_input_ids": np.asarray(run.samples[p]["input_ids"], np.int64),
+            "completion_ids": [np.asarray(t, np.int64) for t in tokens],
+            "rewards": rewards,
+            "truncated": list(truncated),
+        }
 
     def _record(self, sample: dict) -> dict:
         """The columns a reward function gets: the sample's own (not the model's inputs)."""

@@ -87,15 +87,25 @@ def apply_update(w: PartWorker, step: int, total_norm: float) -> None:
 
 
 def validate(w: PartWorker, evaluate, step: int) -> dict:
-    """``val_loss``: the validation set's summed token losses over its label tokens,
-    all-reduced over every rank of every group (its time is not step time)."""
+    """``val_loss``: the validation set's summed token losses over its label tokens (or,
+    for a generating objective, its rewards of greedy completions), all-reduced over
+    every rank of every group (its time is not step time)."""
     t0 = time.perf_counter()
     local = torch.tensor(evaluate(step), dtype=torch.float64)
     sums = recovery.guarded(w, w.ctx.channel.all_reduce_sum, local, default=local)
     recovery.agree(w)
     w.state.clock.exclude(time.perf_counter() - t0)
+    obj = w.ctx.cfg.objective
+    if obj is not None and obj.generates:  # GRPO: the rewards of greedy completions
+        return obj.eval_metrics([float(v) for v in sums])
     loss_sum, labels = float(sums[0]), float(sums[1])
     return {"val_loss": loss_sum / labels if labels else float("nan")}
+
+
+def eval_width(cfg) -> int:
+    """Length of a rank's validation sums (:func:`validate`)."""
+    obj = cfg.objective
+    return obj.eval_width if obj is not None and obj.generates else 2
 
 
 def reduce(w: PartWorker) -> float:

@@ -13,6 +13,7 @@ from ray.train import ScalingConfig
 
 from ray_disagg import (
     GRPO,
+    ContextParallel,
     DisaggregatedTrainer,
     HFModelSpec,
     ModuleGroup,
@@ -20,11 +21,13 @@ from ray_disagg import (
     TokenLogps,
     TrainLoopConfig,
     tiny_qwen2_5_vl_config,
+    tiny_qwen2_vl_config,
 )
 from ray_disagg.data.examples import synthetic_rollouts
 from ray_disagg.launch.progress import step_line
 from ray_disagg.objectives.grpo import GRPOStep, nanstd
 from tests.grpo_reference import advantages_and_metrics, compute_loss
+from tests.rollout_data import build_tokenizer, prompts_of
 
 CFG = tiny_qwen2_5_vl_config()
 G = 4
@@ -196,3 +199,66 @@ def test_the_step_line_shows_the_reward():
     m = {"step": 2, "loss": 0.5, "reward": 0.25, "lr": 1e-3, "tokens_per_s": 10.0,
          "step_time_s": 1.0}  # fmt: skip
     assert "reward 0.2500" in step_line(m, 4)
+
+
+def needs_solution(prompts, completions, solution, **kwargs):
+    return [0.0 for _ in completions]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(path)
+    return str(path)
+
+
+def test_generating_runs_refused_on_the_driver(tokenizer_dir):
+    """Prompts (no completion_ids): GRPO generates; what it cannot do is refused before
+    any worker starts, naming the setting and the fix."""
+    prompts = prompts_of(CFG, 8)
+    obj = grpo(tokenizer=tokenizer_dir, max_completion_length=8)
+    assert make(data=prompts, objective=obj).loop_config.objective.rollouts == "generate"
+    assert make().loop_config.objective.rollouts == "recorded"  # the samples carry them
+    with pytest.raises(ValueError, match=r"GRPO\(tokenizer=<a local tokenizer directory"):
+        make(data=prompts)
+    with pytest.raises(SampleError, match=r"sample 0 has no column \['solution'\] that reward fu"):
+        funcs = [exact, needs_solution]
+        make(data=[{k: v for k, v in p.items() if k != "solution"} for p in prompts],
+             objective=grpo(tokenizer=tokenizer_dir, reward_funcs=funcs))  # fmt: skip
+    with pytest.raises(ValueError, match=r"sample 0.*max_completion_length=8 exceed .*max_seq_len"):
+        make(data=prompts, objective=obj, pack_sequences=True, max_seq_len=12)
+    with pytest.raises(ValueError, match="max_tokens_per_microbatch plans each step from"):
+        make(data=prompts, objective=obj, max_tokens_per_microbatch=200)
+    with pytest.raises(ValueError, match="context parallelism splits each sequence"):
+        DisaggregatedTrainer(
+            model=HFModelSpec(config=CFG),
+            groups={"vision": g(), "text": ModuleGroup(
+                scaling_config=ScalingConfig(num_workers=2), parallelism=ContextParallel(size=2))},
+            train_loop_config={"max_steps": 2, "global_batch_size": 4, "objective": obj},
+            datasets={"train": prompts},
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="the qwen2_vl family does not generate yet"):
+        DisaggregatedTrainer(
+            model=HFModelSpec(config=tiny_qwen2_vl_config()),
+            groups={"vision": g(), "text": g()},
+            train_loop_config={"max_steps": 2, "global_batch_size": 4, "objective": obj},
+            datasets={"train": prompts},
+        )
+    with pytest.raises(ValueError, match=r"GRPO: validation sets are evaluated under .* GRPO's"):
+        DisaggregatedTrainer(
+            model=HFModelSpec(config=CFG),
+            groups={"vision": g(), "text": g()},
+            train_loop_config={"max_steps": 2, "global_batch_size": 4, "objective": grpo()},
+            datasets={"train": ROLLOUTS, "validation": ROLLOUTS[:4]},
+        )
+
+
+def test_validation_rewards_are_means_over_scored_completions():
+    obj = grpo(reward_weights=[1.0, 2.0])
+    sums = obj.eval_sums([{"exact": [1.0], "short": [None]}, {"exact": [None], "short": [None]},
+                          {"exact": [0.0], "short": [0.5]}])  # fmt: skip
+    assert obj.eval_metrics(sums) == {
+        "eval_reward": (1.0 + 0.0 + 2 * 0.5) / 2,  # the unscored completion left out
+        "eval_rewards/exact/mean": 0.5,
+        "eval_rewards/short/mean": 0.5,
+    }

@@ -186,7 +186,7 @@ def test_bad_pairs_refused_on_the_driver():
 def test_runs_a_preference_objective_does_not_take_yet_are_refused():
     with pytest.raises(ValueError, match="global_batch_size=4 is not divisible by the text"):
         make(groups={"vision": g(), "text": g(3, DataParallel())})
-    with pytest.raises(ValueError, match=r"objective'\]=DPO: validation sets are not evaluated"):
+    with pytest.raises(ValueError, match=r"objective'\]=DPO: validation sets are evaluated under"):
         make(validation=PAIRS)
 
 
