@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["WORDS", "digits_samples", "synthetic_pairs", "synthetic_rollouts", "synthetic_samples"]
+__all__ = [
+    "WORDS",
+    "digit_prompts",
+    "digits_samples",
+    "save_word_tokenizer",
+    "synthetic_pairs",
+    "synthetic_prompts",
+    "synthetic_rollouts",
+    "synthetic_samples",
+]
 
 NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 # Word-level vocabulary of the captions; ids 100-103 are Qwen2.5-VL's vision tokens in
@@ -171,3 +180,42 @@ def synthetic_rollouts(
         out.append({**sample, "prompt_input_ids": prompt, "completion_ids": completions,
                     "rewards": rewards, "truncated": truncated})  # fmt: skip
     return out
+
+
+QUESTION = "which digit is this?"
+
+
+def _as_prompt(sample: dict) -> dict:
+    """A caption sample as a GRPO prompt: its text up to the caption, the question (TRL's
+    ``prompt`` column) and the caption's digit (``solution``, for a reward function)."""
+    labels, ids = np.asarray(sample.pop("labels")), np.asarray(sample.pop("input_ids"))
+    cut = int(np.argmax(labels != -100))
+    solution = next(WORDS[i] for i in ids[cut:] if WORDS[i] in NUMBER_WORDS)
+    return {**sample, "input_ids": ids[:cut], "prompt": QUESTION, "solution": solution}
+
+
+def synthetic_prompts(config, n: int, *, seed: int = 0, grids: list | None = None) -> list[dict]:
+    """Prompts for ``ray_disagg.GRPO`` to complete: each :func:`synthetic_samples`'s text
+    up to its caption (media by ``grids``), with ``prompt`` and ``solution`` (the
+    caption's digit word) columns."""
+    return [_as_prompt(s) for s in synthetic_samples(config, n, seed=seed, grids=grids)]
+
+
+def digit_prompts(config, n: int | None = None, image_size: int = 16, start: int = 0):
+    """:func:`digits_samples` as GRPO prompts: the image, ``solution`` its digit word."""
+    return [_as_prompt(s) for s in digits_samples(config, n, image_size, start)]
+
+
+def save_word_tokenizer(path, vocab_size: int = 128) -> str:
+    """Save (``save_pretrained``) a word-level tokenizer over :data:`WORDS` (then
+    ``w<id>`` up to ``vocab_size``) to ``path``: the tiny models' ids as words, for
+    reward functions that read decoded completions. Returns ``path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = WORDS + [f"w{i}" for i in range(len(WORDS), vocab_size)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    fast.save_pretrained(str(path))
+    return str(path)

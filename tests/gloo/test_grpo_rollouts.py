@@ -29,7 +29,7 @@ from ray_disagg import (
     load_metrics,
     tiny_qwen2_5_vl_config,
 )
-from ray_disagg.data.examples import NUMBER_WORDS
+from ray_disagg.data.examples import NUMBER_WORDS, save_word_tokenizer
 from ray_disagg.rollout.sampling import completion_keys
 from tests.grpo_reference import reference_grpo, rollout_records, sample_completions
 from tests.helpers import (
@@ -41,7 +41,7 @@ from tests.helpers import (
     run_layout,
     vt,
 )
-from tests.rollout_data import build_tokenizer, prompts_of
+from tests.rollout_data import prompts_of
 
 G, MAX_LEN, SEED = 4, 5, 3
 STOP = (2, *range(6, 16))  # <eos> and the number words end a completion
@@ -65,7 +65,7 @@ def setup(tmp_path_factory):
     cfg = tiny_qwen2_5_vl_config()
     cfg.text_config.eos_token_id = list(STOP)
     path = tmp_path_factory.mktemp("tokenizer")
-    build_tokenizer(path)
+    save_word_tokenizer(path)
     return HFModelSpec(config=cfg, seed=4), prompts_of(cfg, 8), str(path), prompts_of(cfg, 4, 7)
 
 

@@ -23,11 +23,11 @@ from ray_disagg import (
     tiny_qwen2_5_vl_config,
     tiny_qwen2_vl_config,
 )
-from ray_disagg.data.examples import synthetic_rollouts
+from ray_disagg.data.examples import save_word_tokenizer, synthetic_rollouts
 from ray_disagg.launch.progress import step_line
 from ray_disagg.objectives.grpo import GRPOStep, nanstd
 from tests.grpo_reference import advantages_and_metrics, compute_loss
-from tests.rollout_data import build_tokenizer, prompts_of
+from tests.rollout_data import prompts_of
 
 CFG = tiny_qwen2_5_vl_config()
 G = 4
@@ -208,7 +208,7 @@ def needs_solution(prompts, completions, solution, **kwargs):
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenizer")
-    build_tokenizer(path)
+    save_word_tokenizer(path)
     return str(path)
 
 
