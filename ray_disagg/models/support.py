@@ -1,10 +1,11 @@
 """What each family supports, read from its adapter's declarations (``sp_parts``,
 ``sp_refusals``, ``tower_tp_plan``, ``tp_parts``, ``tp_refusals``, ``cp_parts``,
-``packing_refusal``, ``media``, the config's experts): the README's support matrix is
-generated from it (between the markers :data:`BEGIN` and :data:`END`; a test fails when
-they disagree) and ``ray-disagg plan`` prints the recipe family's row. The driver's
-checks (``ray_disagg.launch.checks``) read the same declarations, so a "yes" here is a
-layout the driver accepts and a refusal is the reason its ``ValueError`` names.
+``packing_refusal``, ``generation_refusal``, ``media``, the config's experts): the
+README's support matrix is generated from it (between the markers :data:`BEGIN` and
+:data:`END`; a test fails when they disagree) and ``ray-disagg plan`` prints the recipe
+family's row. The driver's checks (``ray_disagg.launch.checks``) read the same
+declarations, so a "yes" here is a layout the driver accepts and a refusal is the reason
+its ``ValueError`` names.
 
 Regenerate the README's table with ``python -m ray_disagg.models.support --write
 README.md``.
@@ -45,6 +46,7 @@ COLUMNS = (
     "LLM CP",
     "experts (EP)",
     "packing",
+    "generation",
 )
 """The matrix's columns after ``model_type`` (``encoder``: each encoder group, named
 where there are several)."""
@@ -63,7 +65,8 @@ class Support(NamedTuple):
 def family_checks(adapter_cls) -> list[Support]:
     """The parallelisms of one family (an adapter class; its tiny config is read) per
     part: every encoder group's ``SequenceParallel`` and ``TensorParallel``, the LLM's
-    ``TensorParallel`` and ``ContextParallel``, and ``pack_sequences``."""
+    ``TensorParallel`` and ``ContextParallel``, ``pack_sequences``, and generation
+    (GRPO's rollouts on the training groups)."""
     a = adapter_cls(adapter_cls.tiny_config())
     llm, out = a.llm_part, []
     text = getattr(a.config, "text_config", a.config)
@@ -78,6 +81,7 @@ def family_checks(adapter_cls) -> list[Support]:
     out.append(Support("LLM CP", llm, cp, f"tp=1: {a.cp_tp_refusal}" if a.cp_tp_refusal else ""))
     aux = "with output_router_logits off" if getattr(text, "num_experts", None) else ""
     out.append(Support("packing", llm, a.packing_refusal, aux))
+    out.append(Support("generation", llm, a.generation_refusal))
     return out
 
 

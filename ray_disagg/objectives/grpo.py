@@ -132,6 +132,9 @@ class GRPO(Objective):
     read); ``"recorded"``: the samples carry them (``prompt_input_ids``,
     ``completion_ids``, ``rewards``, ``truncated``: a replay); ``"auto"``: recorded when
     the first sample of a map-style dataset has ``completion_ids``, else generated."""
+    reward_workers: int = setting(0, ge=0)
+    """Score each replica's completions in this many Ray tasks (one CPU each; for slow
+    verifiers) instead of on the LLM group's leaders (0)."""
     tokenizer: object = None
     """What decodes completions for the reward functions: a local tokenizer directory or
     a loaded tokenizer (``None``: the model's ``pretrained_path``)."""

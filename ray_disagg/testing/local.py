@@ -75,6 +75,10 @@ class LocalSession:
     def fetch(self, ref):
         return pickle.loads(ref)  # the parent pickled it once (no tensor fds to pass)
 
+    def run_tasks(self, fn, calls: list[tuple], timeout_s: float) -> list:
+        """In this process, one after the other (a local run has no cluster)."""
+        return [fn(*args) for args in calls]
+
     def report(self, metrics: dict, checkpoint_dir=None, name=None, async_upload=False):
         if checkpoint_dir is not None:  # every rank adds its files, as Ray Train's upload
             if name is None:

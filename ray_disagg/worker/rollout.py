@@ -41,6 +41,7 @@ from ray_disagg.rollout.sampling import completion_keys
 from ray_disagg.worker import recovery
 from ray_disagg.worker.llm_step import LLMStep, share_crossings
 from ray_disagg.worker.objective import repeat_rows
+from ray_disagg.worker.session import get_session
 
 __all__ = ["Rollout", "Rollouts", "load_tokenizer"]
 
@@ -219,8 +220,7 @@ class Rollouts:
             try:  # whatever fails here, every rank hears of it (no rank waits alone)
                 records = [self._record(run.samples[p]) for p in positions]
                 completions = [run.completions[p][0] for p in positions]
-                names = self.obj.reward_names
-                rewards = score(self.funcs, records, completions, self._decode, names)
+                rewards = self._score(records, completions)
             except RewardError as e:
                 error = str(e)
             except Exception as e:
@@ -231,6 +231,26 @@ class Rollouts:
         if failed:
             raise RewardError(f"{run.key}: {failed[0]}")
         return positions, rewards
+
+    def _score(self, records: list[dict], completions: list) -> list[dict]:
+        """Each record's rewards: here, or split over ``reward_workers`` Ray tasks."""
+        texts = [[self._decode(c) for c in cs] for cs in completions]
+        args = (self.funcs, self.obj.reward_names)
+        n = min(self.obj.reward_workers, len(records))
+        if n == 0:
+            return score_texts(*args, records, completions, texts)
+        cuts = [len(records) * i // n for i in range(n + 1)]
+        calls = [(*args, records[a:b], completions[a:b], texts[a:b])
+                 for a, b in zip(cuts, cuts[1:])]  # fmt: skip
+        timeout = self.w.ctx.cfg.collective_timeout_s
+        try:
+            parts = get_session().run_tasks(score_texts, calls, timeout)
+        except TimeoutError as e:
+            raise RewardError(
+                f"GRPO(reward_workers={n}): {e}; free CPUs in the cluster for them, or "
+                "set reward_workers=0 (score on the LLM group's leaders)."
+            ) from None
+        return [r for part in parts for r in part]
 
     @staticmethod
     def _fields(run: RolloutStep, p: int, rewards: dict) -> dict:
@@ -252,3 +272,10 @@ class Rollouts:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def score_texts(funcs, names, records, completions, texts) -> list[dict]:
+    """:func:`~ray_disagg.rollout.rewards.score` of completions decoded already (what a
+    reward task runs: no tokenizer to ship)."""
+    decoded = {tuple(c): t for cs, ts in zip(completions, texts) for c, t in zip(cs, ts)}
+    return score(funcs, records, completions, lambda ids: decoded[tuple(ids)], names)

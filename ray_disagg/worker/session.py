@@ -41,6 +41,25 @@ class RaySession:
 
         return ray.get(ref)
 
+    def run_tasks(self, fn, calls: list[tuple], timeout_s: float) -> list:
+        """``[fn(*args) for args in calls]``, each a Ray task (one CPU) on the cluster;
+        ``TimeoutError`` when they have not all finished within ``timeout_s`` (e.g. no
+        free CPU for them)."""
+        import ray
+
+        task = ray.remote(num_cpus=1, max_retries=0)(fn)
+        refs = [task.remote(*args) for args in calls]
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            for ref in refs:
+                ray.cancel(ref, force=True)
+            raise TimeoutError(
+                f"{len(refs)} Ray tasks did not finish within {timeout_s:.0f}s"
+            ) from None
+        except ray.exceptions.RayTaskError as e:
+            raise e.as_instanceof_cause() from None
+
     def report(
         self,
         metrics: dict,

@@ -10,7 +10,9 @@ token would change them). Layouts: vision SP2 + text TP2 (a trained tower that e
 each prompt twice a step: the rollout's pass and the update's with gradients; the
 vocabulary split while sampling); a frozen tower whose rollout rows serve the update
 (one encode per prompt per step) + text FSDP2 (2) in lockstep, 2 microbatches,
-``num_iterations=2`` (the second step reuses the completions) and a KL to a copy."""
+``num_iterations=2`` (the second step reuses the completions), a KL to a copy and the
+rewards in ``reward_workers`` calls (in process under the local runner; Ray tasks on a
+cluster: the docs' example)."""
 
 import dataclasses
 
@@ -89,6 +91,7 @@ CASES = {
             "reference": "copy",
             "mask_truncated_completions": True,
             "scale_rewards": "none",
+            "reward_workers": 2,
         },  # fmt: skip
     ),
 }

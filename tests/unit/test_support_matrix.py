@@ -1,6 +1,7 @@
 """Tier 1: the support matrix is what the adapters declare and what the driver does.
 The README's table equals the generated one; every "yes" cell is a layout the driver's
-checks accept and every refusal is the ``ValueError`` they raise, naming its reason;
+checks accept (a generating GRPO for the generation column) and every refusal is the
+``ValueError`` they raise, naming its reason;
 ``ray-disagg plan`` prints the recipe family's row."""
 
 import functools
@@ -16,7 +17,7 @@ from ray_disagg import (
     SequenceParallel,
     TensorParallel,
 )
-from ray_disagg.launch.checks import validate_layout, validate_loop
+from ray_disagg.launch.checks import check_generation, validate_layout, validate_loop
 from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.models import get_adapter
 from ray_disagg.models.support import BEGIN, END, family_checks, support_markdown
@@ -49,6 +50,8 @@ def test_every_cell_is_what_the_driver_does(model_type):
             if check.condition:  # the MoE families' router auxiliary loss off
                 adapter.config.text_config.output_router_logits = False
             run = functools.partial(validate_loop, adapter, packed)
+        elif check.column == "generation":
+            run = functools.partial(check_generation, adapter, groups, generating(), None)
         else:
             groups[check.part] = ModuleGroup(
                 scaling_config=ScalingConfig(num_workers=2),
@@ -62,9 +65,27 @@ def test_every_cell_is_what_the_driver_does(model_type):
                 with pytest.raises(ValueError, match=r"ContextParallel\(size=2, tp=2\) is not"):
                     run()
         else:
-            with pytest.raises(ValueError, match="not supported") as e:
+            refused = "does not generate yet" if check.column == "generation" else "not supported"
+            with pytest.raises(ValueError, match=refused) as e:
                 run()
             assert check.refusal in str(e.value), (check, str(e.value))
+
+
+def reward(prompts, completions, **kwargs):
+    return [0.0 for _ in completions]
+
+
+@functools.cache
+def generating() -> TrainLoopConfig:
+    """A loop whose GRPO generates (a tokenizer saved here)."""
+    import tempfile
+
+    from ray_disagg import GRPO
+    from ray_disagg.data.examples import save_word_tokenizer
+
+    obj = GRPO(reward_funcs=[reward], num_generations=2, rollouts="generate",
+               tokenizer=save_word_tokenizer(tempfile.mkdtemp()))  # fmt: skip
+    return TrainLoopConfig(max_steps=1, global_batch_size=2, objective=obj)
 
 
 def test_plan_prints_the_family_row():
