@@ -54,11 +54,13 @@ RECORDS = [
 ]
 
 
-def qwen_oracle(proc, messages, paths, media) -> list[int]:
+def qwen_oracle(proc, messages, paths, media, add_generation_prompt=False) -> list[int]:
     """The token ids of ``messages`` as the oracle sees them: the template tokenized by
     ``apply_chat_template`` itself, each single image pad id then repeated by hand for its
     image's merged patch count (independent of the processor's expansion)."""
-    ids = proc.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    ids = proc.tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=False, add_generation_prompt=add_generation_prompt
+    )
     counts = []
     for p in paths:
         with Image.open(media / p) as im:

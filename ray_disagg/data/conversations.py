@@ -273,6 +273,29 @@ class ConversationProcessor:
         fields = self._fields(done)
         return [{"id": rid, **self._tokens(m, done, rid), **fields} for m in variants]
 
+    def encode_prompt(self, rid, messages: list[dict], media) -> dict[str, Any]:
+        """A prompt for the model to complete (GRPO): ``id``, ``input_ids`` (the chat
+        template with the generation prompt, the system prompt first when set) and the
+        media fields; nothing is labelled."""
+        self._check(media, rid)
+        if self.config.model_type in TILE_FAMILIES:
+            raise ValueError(
+                f"record {rid!r}: prompts of the tiled {self.config.model_type} family are not "
+                "processed yet (it does not generate yet either)"
+            )
+        if self.system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # a template error names the record
+            raise ValueError(f"record {rid!r}: {e}") from e
+        ids = np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], np.int64)
+        done = self._media(media, rid)
+        ids, _ = self._expand(ids, np.zeros(len(ids), dtype=bool), done, rid)
+        return {"id": rid, "input_ids": ids, **self._fields(done)}
+
     def _tokens(self, messages: list[dict], done: dict, rid) -> dict[str, np.ndarray]:
         try:
             text, spans = self.render(messages)

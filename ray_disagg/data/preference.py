@@ -30,6 +30,7 @@ import copy
 from typing import Any
 
 from ray_disagg.data.conversations import ConversationProcessor
+from ray_disagg.data.prompts import prompt_messages
 from ray_disagg.data.records import MEDIA, to_messages
 from ray_disagg.objectives import ANSWERS, same_prompt
 
@@ -109,28 +110,7 @@ class PreferenceProcessor:
                     f"record {rid!r}: {key!r} must be a non-empty list of messages (TRL's "
                     f"conversational preference format), got {value!r}"
                 )
-        images, out = list(record.get("images") or []), []
-        for m in record["prompt"]:
-            content = m.get("content")
-            if isinstance(content, list):
-                content = [self._media_part(p, images, rid) for p in content]
-            out.append({**m, "content": content})
-        if images:
-            raise ValueError(
-                f"record {rid!r}: {len(images)} of its images are left over: the prompt has "
-                "fewer {'type': 'image'} parts than 'images'"
-            )
-        return out
-
-    @staticmethod
-    def _media_part(part: dict, images: list, rid) -> dict:
-        if part.get("type") != "image" or part.get("image") is not None:
-            return part
-        if not images:
-            raise ValueError(
-                f"record {rid!r}: the prompt has more {{'type': 'image'}} parts than 'images'"
-            )
-        return {**part, "image": images.pop(0)}
+        return prompt_messages(record, rid)
 
     @staticmethod
     def _answer(record: dict, key: str, rid) -> list[dict]:

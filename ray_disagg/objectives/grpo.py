@@ -46,7 +46,9 @@ from ray_disagg.objectives.reward_funcs import (
     check_reward_func,
     missing_columns,
     resolve,
+    reward_means,
     reward_name,
+    reward_sums,
 )
 from ray_disagg.settings import check_settings, setting
 
@@ -221,34 +223,14 @@ class GRPO(Objective):
         return 2 + 2 * len(self.reward_funcs)
 
     def eval_sums(self, rewards: list[dict]) -> list[float]:
-        """``[summed reward, completions scored, per function: its summed values, their
-        count]`` of validation completions (``rewards``: per prompt, per function, one
+        """Validation completions' ``[summed reward, completions scored, per function:
+        its summed values, their count]`` (``rewards``: per prompt, per function, one
         value or ``None`` per completion), summed over ranks into :meth:`eval_metrics`."""
-        names, weights = self.reward_names, self.reward_weights or (1.0,) * len(self.reward_names)
-        out = [0.0] * self.eval_width
-        for per_prompt in rewards:
-            for values in zip(*(per_prompt[n] for n in names)):
-                scored = [(w, v) for w, v in zip(weights, values) if v is not None]
-                if scored:
-                    out[0] += sum(w * v for w, v in scored)
-                    out[1] += 1
-                for i, v in enumerate(values):
-                    if v is not None:
-                        out[2 + 2 * i] += v
-                        out[3 + 2 * i] += 1
-        return out
+        return reward_sums(self.reward_names, self.reward_weights, rewards)
 
     def eval_metrics(self, sums: list[float]) -> dict[str, float]:
-        """``eval_reward`` and ``eval_rewards/<name>/mean`` (TRL's evaluation names) of
-        the summed :meth:`eval_sums`."""
-
-        def mean(total, n):
-            return total / n if n else float("nan")
-
-        out = {"eval_reward": mean(sums[0], sums[1])}
-        for i, name in enumerate(self.reward_names):
-            out[f"eval_rewards/{name}/mean"] = mean(sums[2 + 2 * i], sums[3 + 2 * i])
-        return out
+        """``eval_reward`` and ``eval_rewards/<name>/mean`` (TRL's evaluation names)."""
+        return reward_means(self.reward_names, sums)
 
     def sequences(self, sample: dict) -> list[dict]:
         if self.generates and "completion_ids" not in sample:  # a prompt: its longest

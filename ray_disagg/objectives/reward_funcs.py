@@ -7,7 +7,14 @@ from __future__ import annotations
 import importlib
 import inspect
 
-__all__ = ["check_reward_func", "missing_columns", "resolve", "reward_name"]
+__all__ = [
+    "check_reward_func",
+    "missing_columns",
+    "resolve",
+    "reward_means",
+    "reward_name",
+    "reward_sums",
+]
 
 TRL_KEYWORDS = ("prompts", "completions", "completion_ids")
 """The keywords TRL passes besides the record's columns."""
@@ -75,3 +82,35 @@ def missing_columns(fn, sample: dict) -> list[str]:
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
         and p.default is p.empty and p.name not in have
     ]  # fmt: skip
+
+
+def reward_sums(names, weights, rewards: list[dict]) -> list[float]:
+    """``[summed weighted reward, completions with any reward, per function: its summed
+    values, their count]`` of ``rewards`` (per prompt, per function name in ``names``,
+    one value or ``None`` per completion; ``weights`` per function, ``None``: 1.0)."""
+    weights = weights or (1.0,) * len(names)
+    out = [0.0] * (2 + 2 * len(names))
+    for per_prompt in rewards:
+        for values in zip(*(per_prompt[n] for n in names)):
+            scored = [(w, v) for w, v in zip(weights, values) if v is not None]
+            if scored:
+                out[0] += sum(w * v for w, v in scored)
+                out[1] += 1
+            for i, v in enumerate(values):
+                if v is not None:
+                    out[2 + 2 * i] += v
+                    out[3 + 2 * i] += 1
+    return out
+
+
+def reward_means(names, sums: list[float]) -> dict[str, float]:
+    """``eval_reward`` and ``eval_rewards/<name>/mean`` of :func:`reward_sums` (summed
+    over ranks; NaN where nothing was scored)."""
+
+    def mean(total, n):
+        return total / n if n else float("nan")
+
+    out = {"eval_reward": mean(sums[0], sums[1])}
+    for i, name in enumerate(names):
+        out[f"eval_rewards/{name}/mean"] = mean(sums[2 + 2 * i], sums[3 + 2 * i])
+    return out

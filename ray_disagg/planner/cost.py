@@ -74,6 +74,7 @@ from ray_disagg.planner.memory import (
     schedule,
     step_samples,
 )
+from ray_disagg.planner.rollout import decode_seconds, generating, update_tokens
 
 __all__ = [
     "CachedModel",
@@ -106,6 +107,8 @@ class Prediction:
     """Per device kind (group, or "bundle" colocated; "node" for CPU workers): bytes."""
     samples: float = 0.0
     """Samples per step (``global_batch_size``, or what a token budget's steps take)."""
+    rollout_s: float = 0.0
+    """A generating objective's rollout before the update (:mod:`~ray_disagg.planner.rollout`)."""
 
     @property
     def sample_s(self) -> float:
@@ -134,7 +137,7 @@ def _layer_comm(r, part: str, facts: ModelFacts, work: Workload, c: Cluster, f) 
     ac = g.activation_checkpointing
     samples = microbatch_samples(r, g)
     if part == facts.llm_part:
-        return _llm_comm(g, facts.text, samples * work.tokens, a, ac, c, f)
+        return _llm_comm(g, facts.text, samples * update_tokens(r, work.tokens), a, ac, c, f)
     sp = deg.get("sp", 1)
     if part != "vision" or sp == 1 or facts.vision is None:
         return 0.0
@@ -252,10 +255,11 @@ def passes(r, part: str, facts) -> int:
 def part_flops(r, facts, work) -> dict[str, float]:
     """Training FLOPs of one global batch per part: the adapter's forward FLOPs of a
     sample (``ModelAdapter.forward_flops``) x passes x samples."""
-    adapter, b = r.model.adapter, step_samples(r)
+    adapter, b, llm = r.model.adapter, step_samples(r), facts.llm_part
+    tokens = {p: update_tokens(r, work.tokens) if p == llm else work.tokens for p in facts.parts}
     return {
         part: passes(r, part, facts) * b
-        * adapter.forward_flops(part, pf.params, work.tokens, work.patches, work.images)
+        * adapter.forward_flops(part, pf.params, tokens[part], work.patches, work.images)
         for part, pf in facts.parts.items()
     }  # fmt: skip
 
@@ -280,11 +284,41 @@ def predict(r, facts: ModelFacts, work: Workload, c: Cluster, f: DeviceFigures) 
     shared = r.placement == "colocated" and (c.gpu or workers > c.devices)
     sync = sum(syncs.values()) if shared else max(syncs.values())
     memory, per_device = memory_per_worker(r, c, f)
+    rollout = _rollout(r, facts, work, c, f)
     return Prediction(
-        step_s=pipe + sync, compute_s=compute, comm_s=comm, crossing_s=cross,
+        step_s=pipe + sync + rollout, compute_s=compute, comm_s=comm, crossing_s=cross,
         bubble_s=bubble, sync_s=sync, memory=memory, per_device=per_device,
-        samples=step_samples(r),
+        samples=step_samples(r), rollout_s=rollout,
     )  # fmt: skip
+
+
+def _rollout(r, facts, work, c: Cluster, f: DeviceFigures) -> float:
+    """Seconds of a generating objective's rollout pass (0 otherwise): the trained
+    encoders' extra forward of each prompt (a frozen one's rows serve the update), the
+    prefill and the decode steps on one LLM worker (:mod:`ray_disagg.planner.rollout`)."""
+    obj = generating(r)
+    if obj is None:
+        return 0.0
+    adapter, b, llm = r.model.adapter, step_samples(r), facts.llm_part
+    g, pf, dtype = r.groups[llm], facts.parts[llm], _dtype(r)
+    tp = _degrees(g).get("tp", 1)
+    speed = f.flops[dtype] * _busy(r, llm, c)
+    rows = b * obj.num_generations / g.dp_size
+    one = adapter.forward_flops(llm, pf.params, work.tokens, work.patches, work.images)
+    prefill = rows * one / (tp * speed)
+    weights = pf.total * (2 if dtype == "bfloat16" else 4) / tp
+    comm = (2 * facts.text.num_hidden_layers + 2) * f.collective_latency_s if tp > 1 else 0.0
+    if g.fsdp:  # every token's forward gathers every unit
+        n = g.num_workers // tp
+        comm += (n - 1) / n * weights / _bw(g, c, f, g.num_workers)
+        comm += (count_blocks(r, llm) + 3) * (f.collective_latency_s + f.fsdp_unit_s)
+    decode = decode_seconds(r, rows, weights, 2 * pf.params / tp, speed, f.memory_bw, comm)
+    encode = sum(
+        b * adapter.forward_flops(p, q.params, work.tokens, work.patches, work.images)
+        / (r.groups[p].num_workers * f.flops[dtype] * f.encoder_speed * _busy(r, p, c))
+        for p, q in facts.parts.items() if p != llm and q.trainable
+    )  # fmt: skip
+    return encode + prefill + decode
 
 
 def _pipeline(r, sched, facts, per_mb, compute, cross, c) -> tuple[float, float]:

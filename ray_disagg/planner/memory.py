@@ -73,6 +73,7 @@ from ray_disagg.models.costs import ActivationShape, depth
 from ray_disagg.models.lora import base_name, is_factor
 from ray_disagg.parallel.tensor_parallel import LayerTPPlan
 from ray_disagg.planner.cluster import Cluster, DeviceFigures
+from ray_disagg.planner.rollout import kv_cache_bytes, update_tokens
 
 __all__ = [
     "GiB",
@@ -219,13 +220,14 @@ def _activations(r, part: str, group, sched, a: int, params: dict) -> float | No
     samples = math.ceil(microbatch_samples(r, group))
     tp, ac = degree(group, "tp"), group.activation_checkpointing
     if part == adapter.llm_part:
-        tokens = samples * seq_len(r)
+        tokens = samples * update_tokens(r, seq_len(r))
         if r.loop.pack_sequences:
             tokens = math.ceil(tokens / r.loop.max_seq_len) * r.loop.max_seq_len
         chunk = r.loop.loss_chunk_tokens or math.inf
         shape = ActivationShape(items=tokens, a=a, tp=tp, cp=degree(group, "cp"),
                                 checkpointed=ac, loss_chunk=chunk)  # fmt: skip
-        return adapter.activation_bytes(part, shape)
+        act = adapter.activation_bytes(part, shape)  # or a rollout's KV cache, if larger
+        return max(act or 0.0, kv_cache_bytes(r, samples, seq_len(r), tp, a)) or act
     if adapter.tower_config(part) is None:
         return None
     per_image, _ = adapter.image_patches(r.plan["image_size"])

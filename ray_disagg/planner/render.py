@@ -246,9 +246,10 @@ def render_auto(result: PlanResult, top: int = 5, verbose: bool = False) -> str:
         dev = ", ".join(f"{k} {v / GiB:.2f}" for k, v in p.per_device.items())
         per = f" ({p.samples:g} samples)" if cand.recipe.loop.max_tokens_per_microbatch else ""
         lines.append(f"{i}. {p.step_s:8.3f} s/step{per}  {cand.describe()}")
+        rollout = f", rollout {p.rollout_s:.3f} s" if p.rollout_s else ""
         lines.append(
             f"   memory per worker (GiB): {mem}; per {unit}: {dev}; bubble {p.bubble_s:.3f} s, "
-            f"crossings {p.crossing_s:.3f} s, sync {p.sync_s:.3f} s"
+            f"crossings {p.crossing_s:.3f} s, sync {p.sync_s:.3f} s{rollout}"
         )
     rest = result.ranked[top:]
     if rest:

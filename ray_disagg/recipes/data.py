@@ -19,6 +19,10 @@ loading anything (for ``plan``), loaded for ``train``.
   (:class:`ray_disagg.data.preference.PreferenceProcessor`; the keys of ``conversations``
   but ``labels``: the labels are the answers), for ``train_loop_config.objective: {type:
   dpo}``;
+- ``{type: prompts, records: F, ...}``: TRL's prompt-only records (``prompt``,
+  ``images`` and the columns the reward functions read) as prompts for
+  ``train_loop_config.objective: {type: grpo}`` to complete
+  (:class:`ray_disagg.data.prompts.PromptProcessor`; the keys of ``preference``);
 - ``{type: parquet | json, paths: P}``: a Ray Data dataset (``ray.data.read_<type>``);
 - a list of map-style sources, each with a ``name`` and a ``weight``: a training mixture
   (:func:`ray_disagg.mix`), e.g. ``[{name: captions, weight: 0.7, type: digits,
@@ -62,6 +66,7 @@ DATA = {  # type -> keys (with defaults)
     "digits": {"num_samples": None, "start": 0, "image_size": 16},
     "conversations": CONVERSATIONS,
     "preference": {k: v for k, v in CONVERSATIONS.items() if k != "labels"},  # the answers
+    "prompts": {k: v for k, v in CONVERSATIONS.items() if k != "labels"},  # nothing labelled
     "parquet": {"paths": REQUIRED},
     "json": {"paths": REQUIRED},
 }
@@ -122,7 +127,8 @@ def _parse_mixture(value: list, path: str) -> dict:
 def _kind(d: dict) -> str:
     if d["type"] in ("parquet", "json"):
         return "ray"
-    if d["type"] in ("conversations", "preference") and not str(d["records"]).endswith(".json"):
+    records = d["type"] in ("conversations", "preference", "prompts")
+    if records and not str(d["records"]).endswith(".json"):
         return "stream"
     return "map"
 
@@ -186,6 +192,7 @@ def _conversations(d: dict, key: str, config, tok, proc):
     list is converted here, at once (small sets)."""
     from ray_disagg.data.conversations import ConversationProcessor, read_records
     from ray_disagg.data.preference import PreferenceProcessor
+    from ray_disagg.data.prompts import PromptProcessor
     from ray_disagg.data.stream import ConversationStream
 
     root = d["media_root"]
@@ -205,6 +212,8 @@ def _conversations(d: dict, key: str, config, tok, proc):
         )
         if d["type"] == "preference":
             convert = PreferenceProcessor(convert)
+        elif d["type"] == "prompts":
+            convert = PromptProcessor(convert)
         if records.endswith(".json"):
             return [convert(r) for r in read_records(records)]
         return ConversationStream(

@@ -23,6 +23,8 @@ fixed points whether the step goes on.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -50,11 +52,12 @@ def train_step(
     faults_hook.drill(ctx.part, ctx.group_rank, step)
     w.state.clock.begin(step, ctx.cfg.trace_steps)
     rollout = None if rollouts is None else rollouts.before_update(source, step)
+    t0 = time.perf_counter()
     run = LLMStep(llm, source, ctx.args.plan, step, StepKey(step), grad=True, rollout=rollout)
     run.run(actions)  # read inputs, exchange, forward and backward per action
     stats, ids, extra = run.measure()
-    if rollouts is not None:
-        extra.update(rollouts.times)
+    if rollouts is not None:  # GRPO: the rollout's, the rewards' and the update's seconds
+        extra.update(rollouts.times, train_s=time.perf_counter() - t0)
     sq = step_end.reduce(w)
     stats = step_end.exchange(w, step, stats, sq)
     step_end.apply(w, step, stats, ids)

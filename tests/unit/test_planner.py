@@ -273,3 +273,38 @@ def test_a_token_budget_sizes_the_estimated_step():
     assert (p1.samples, p2.samples, pf.samples) == (2, 4, 8)
     assert p1.sample_s == pytest.approx(p1.step_s / 2)
     assert p1.memory["text"] < pf.memory["text"] and p1.memory["vision"] < pf.memory["vision"]
+
+
+def test_a_generating_objective_adds_its_rollout_and_kv_cache(tmp_path):
+    """GRPO's rollout: its seconds before the update (a trained tower encodes once more,
+    the decode steps read the weights), the update on every completion, and the KV cache
+    in the LLM's peak when it is larger than the update's activations."""
+    from ray_disagg.data.examples import save_word_tokenizer
+    from ray_disagg.planner.memory import seq_len
+    from ray_disagg.planner.rollout import kv_cache_bytes
+
+    grpo = {"type": "grpo", "reward_funcs": ["tests.unit.test_planner:reward"],
+            "num_generations": 8, "max_completion_length": 256,
+            "tokenizer": save_word_tokenizer(tmp_path)}  # fmt: skip
+    base = recipe(max_seq_len=256)
+    m = cost.CachedModel(base.model)
+    gen = dataclasses.replace(recipe(max_seq_len=256, objective=grpo), model=m)
+    replay = dataclasses.replace(
+        recipe(max_seq_len=256, objective=grpo | {"rollouts": "recorded"}),
+        model=cost.CachedModel(base.model),
+    )
+    facts, work, f = cost.model_facts(gen), cost.workload(gen), NOMINAL["gpu"]
+    at = (1, DataParallel()), (1, DataParallel())
+    p_gen, p_rep = (cost.predict(_at(x, *at), facts, work, GPU4, f) for x in (gen, replay))
+    assert p_gen.rollout_s > 0 and p_rep.rollout_s == 0
+    assert p_gen.step_s == pytest.approx(p_rep.step_s + p_gen.rollout_s)
+    sft = cost.predict(_at(dataclasses.replace(base, model=m), *at), facts, work, GPU4, f)
+    assert p_rep.compute_s["text"] > 8 * sft.compute_s["text"]  # 8 completions per prompt
+    kv = kv_cache_bytes(gen, 8, seq_len(gen), 1, 4)
+    assert kv > 0 and estimate(_at(gen, *at))["text"].activations >= kv
+    tp2 = cost.predict(_at(gen, at[0], (2, TensorParallel(size=2))), facts, work, GPU4, f)
+    assert tp2.rollout_s < p_gen.rollout_s  # half the weights read per token
+
+
+def reward(prompts, completions, **kwargs):
+    return [0.0 for _ in completions]
