@@ -4,21 +4,24 @@ CPU only, no download. The images are scikit-learn's handwritten digits (8x8, up
 to 16x16), the vocabulary the tiny model's words (``ray_disagg.data.examples.WORDS``).
 
 1. **SFT**, a fixed budget (``--sft-steps`` steps of ``--batch-size`` captions such as
-   "a handwritten seven", images 0-1199): the model learns the format and some digits.
+   "a handwritten seven", images 0-1199): the model learns the format and about half of
+   the digits.
 2. **GRPO** from the exported SFT model (its directory holds the tokenizer, which decodes
    the completions for the reward function): each prompt is an image and the words "a
-   handwritten" (images 0-1199 again), ``--generations`` completions are sampled on the
+   handwritten" (the same images), ``--generations`` completions are sampled on the
    training groups, and the reward is 1 when the completion names the image's digit
    (TRL's reward-function signature, the record's ``solution`` column).
 
 Accuracy is measured before and after GRPO on ``--held-out`` images never trained on
 (from 1597 on): the HF model exported from each stage completes each prompt greedily
-(``generate``), and a completion is right when its first digit word is the image's.
+(``generate``), and a completion is right when it is the image's digit word.
 
-    python examples/grpo_tiny_vlm.py [--seed 0] [--sft-steps 40] [--grpo-steps 30]
+    python examples/grpo_tiny_vlm.py [--seed 0] [--sft-steps 80] [--grpo-steps 250]
 
 It prints ``accuracy X% -> Y%`` and fails unless Y is at least X + 20 (``--skip-check``:
 print only). ``ray-disagg plot <the GRPO run's directory>`` draws the reward curve.
+Measured on a 2-core CPU (2026-12-07), about 150 s a seed: 54.0% -> 78.0% (seed 0),
+39.0% -> 76.0% (seed 1), 48.5% -> 73.0% (seed 2).
 """
 
 import argparse
@@ -28,19 +31,13 @@ import tempfile
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray on 127.0.0.1
 
-TRAIN_IMAGES, HELD_OUT_START = 1200, 1597
-
-
-def first_digit(text: str):
-    """The first digit word of a completion (``None``: none)."""
-    from ray_disagg.data.examples import NUMBER_WORDS
-
-    return next((w for w in text.split() if w in NUMBER_WORDS), None)
+HELD_OUT_START = 1597
 
 
 def exact(prompts, completions, solution, **kwargs):
-    """1.0 when the completion's first digit word is the image's (TRL's signature)."""
-    return [float(first_digit(c) == s) for c, s in zip(completions, solution)]
+    """1.0 when the completion is the image's digit word and nothing else (its
+    end-of-turn token dropped by the decoding; TRL's reward-function signature)."""
+    return [float(c.strip() == s) for c, s in zip(completions, solution)]
 
 
 def prompts_of(cfg, n: int, start: int = 0) -> list[dict]:
@@ -72,7 +69,7 @@ def accuracy(model_dir: str, prompts: list[dict]) -> float:
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=2, do_sample=False, pad_token_id=0)
         text = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-        right += first_digit(text) == p["solution"]
+        right += text.strip() == p["solution"]
     return right / len(prompts)
 
 
@@ -94,18 +91,22 @@ def fit(spec, loop: dict, data: list, name: str, root: str, seed: int):
     return trainer.fit()
 
 
-def main() -> None:
+def main(argv=None):
+    """Run both stages; returns ``(accuracy before, accuracy after, the GRPO run's
+    Result)``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sft-steps", type=int, default=40)
-    p.add_argument("--grpo-steps", type=int, default=30)
+    p.add_argument("--sft-steps", type=int, default=80)
+    p.add_argument("--grpo-steps", type=int, default=250)
     p.add_argument("--batch-size", type=int, default=16, help="captions (SFT) or prompts (GRPO)")
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--grpo-lr", type=float, default=1e-3)
     p.add_argument("--held-out", type=int, default=200)
+    p.add_argument("--train-images", type=int, default=1200, help="images 0.. trained on")
+    p.add_argument("--reward-workers", type=int, default=0, help="score in Ray tasks")
     p.add_argument("--skip-check", action="store_true", help="do not fail on the accuracy")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     import ray
 
@@ -116,23 +117,27 @@ def main() -> None:
     cfg = tiny_qwen2_5_vl_config()
     cfg.text_config.eos_token_id = EOS  # a completion ends at <eos>
     held_out = prompts_of(cfg, args.held_out, start=HELD_OUT_START)
-    ray.init(num_cpus=3, _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+    if not ray.is_initialized():  # else the cluster it runs in (e.g. the tests')
+        ray.init(num_cpus=3, _node_ip_address="127.0.0.1", include_dashboard=False,
+                 log_to_driver=False)  # fmt: skip
 
     sft_loop = {"max_steps": args.sft_steps, "global_batch_size": args.batch_size,
                 "lr": args.sft_lr, "checkpoint_every": args.sft_steps}  # fmt: skip
     sft = fit(HFModelSpec(config=cfg, seed=args.seed), sft_loop,
-              digits_samples(cfg, TRAIN_IMAGES), "sft", root, args.seed)  # fmt: skip
+              digits_samples(cfg, args.train_images), "sft", root, args.seed)  # fmt: skip
     sft_dir = save_word_tokenizer(export_hf(sft.checkpoint, os.path.join(root, "sft")))
     before = accuracy(sft_dir, held_out)
 
     objective = GRPO(reward_funcs=[exact], num_generations=args.generations,
-                     max_completion_length=2, temperature=1.0, loss_type="dapo")  # fmt: skip
+                     max_completion_length=2, temperature=1.0, loss_type="dapo",
+                     reward_workers=args.reward_workers)  # fmt: skip
     grpo_loop = {"max_steps": args.grpo_steps, "global_batch_size": args.batch_size,
                  "lr": args.grpo_lr, "checkpoint_every": args.grpo_steps,
                  "objective": objective}  # fmt: skip
     grpo = fit(HFModelSpec(pretrained_path=sft_dir), grpo_loop,
-               prompts_of(cfg, TRAIN_IMAGES), "grpo", root, args.seed)  # fmt: skip
-    after = accuracy(export_hf(grpo.checkpoint, os.path.join(root, "grpo")), held_out)
+               prompts_of(cfg, args.train_images), "grpo", root, args.seed)  # fmt: skip
+    grpo_dir = save_word_tokenizer(export_hf(grpo.checkpoint, os.path.join(root, "grpo")))
+    after = accuracy(grpo_dir, held_out)
 
     frame = load_metrics(grpo)
     cols = ["step", "reward", "reward_std", "completions/mean_length", "rollout_s", "train_s"]
@@ -142,6 +147,7 @@ def main() -> None:
     print(f"accuracy {100 * before:.1f}% -> {100 * after:.1f}% on {len(held_out)} held-out images")
     if after < before + 0.2 and not args.skip_check:
         raise SystemExit("GRPO did not raise the accuracy by 20 points")
+    return before, after, grpo
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """``ray-disagg plot RUN_DIR``: the pictures of a run (needs the ``plot`` extra):
 
 - ``loss_curve.png``: :func:`ray_disagg.plotting.plot_metrics`;
+- ``reward_curve.png`` (GRPO): the mean reward of each step's completions and, with
+  validation prompts, ``eval_reward``;
 - ``step_times.png``: per step, each group's compute and wait seconds stacked (its
   ``<group>_compute_s`` and ``<group>_wait_s`` metrics), the step time as a line;
 - ``timeline_step<N>.png`` for each step traced with ``train_loop_config["trace_steps"]``
@@ -36,6 +38,9 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = [plot_metrics(run, os.path.join(out_dir, "loss_curve.png"))]
     df = load_metrics(run)
+    if "reward" in df.columns:
+        keys = ("reward", "eval_reward")
+        paths.append(plot_metrics(run, os.path.join(out_dir, "reward_curve.png"), keys))
     groups = [c.removesuffix("_compute_s") for c in df.columns if c.endswith("_compute_s")]
     if groups:
         paths.append(_step_times(df, groups, os.path.join(out_dir, "step_times.png")))
