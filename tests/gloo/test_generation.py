@@ -3,19 +3,16 @@ training (``ray_disagg.rollout.decode``: left-padded prompts prefilled once with
 crossings of each prompt's media encoded once, a KV cache, the vocabulary split under
 text TP) equal the single-process HF model's: greedy ones token for token
 ``generate(do_sample=False)``; seeded samples the draws of a sampler written here on the
-whole model (a full forward per token, HF's warpers, the same per-completion noise)."""
+whole model (``tests.grpo_reference.sample_completions``: a full forward per token, the
+media placeholders suppressed, HF's warpers, the same per-completion noise)."""
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from transformers.generation.logits_process import (
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from tests.dist_utils import run_distributed
+from tests.grpo_reference import sample_completions
 
 G, NEW = 2, 7
 SAMPLED = {"temperature": 0.9, "top_k": 40, "top_p": 0.9}
@@ -75,7 +72,15 @@ def _completions(rank, world, fsdp: bool = False):
     out = {}
     for name, settings in (
         ("greedy", DecodeSettings(max_new_tokens=NEW, stop_ids=(0, 2), greedy=True)),  # pad, eos
-        ("sampled", DecodeSettings(max_new_tokens=NEW, stop_ids=STOP_SAMPLED, **SAMPLED)),
+        (
+            "sampled",
+            DecodeSettings(
+                max_new_tokens=NEW,
+                stop_ids=STOP_SAMPLED,
+                **SAMPLED,
+                suppress_ids=adapter.placeholder_ids(),
+            ),
+        ),  # fmt: skip
     ):
 
         def run(model, settings=settings):  # the loop in one root forward (FSDP2's hooks once)
@@ -100,36 +105,6 @@ def hf_greedy(spec, prompts):
     return out
 
 
-def sampled_separately(spec, prompts, keys, stop_ids):
-    """The draws written independently: a full forward of the whole model per token,
-    HF's warpers in ``generate``'s order, Gumbel-max with the completion's noise."""
-    from ray_disagg.rollout.sampling import gumbel_noise
-
-    full, out = spec.build_full().eval(), []
-    warpers = [TemperatureLogitsWarper(SAMPLED["temperature"]), TopKLogitsWarper(SAMPLED["top_k"]),
-               TopPLogitsWarper(SAMPLED["top_p"])]  # fmt: skip
-    for i, p in enumerate(q for q in prompts for _ in range(G)):
-        kwargs = spec.adapter.reference_inputs([p])
-        kwargs.pop("labels")
-        ids, drawn = kwargs.pop("input_ids"), []
-        for step in range(NEW):
-            types = (ids == spec.config.image_token_id).int()
-            inputs = kwargs | {"attention_mask": torch.ones_like(ids), "mm_token_type_ids": types}
-            with torch.no_grad():
-                logits = full(input_ids=ids, **inputs).logits
-            scores = logits[:, -1].float()
-            for w in warpers:
-                scores = w(ids, scores)
-            noise = gumbel_noise(keys[i : i + 1], torch.tensor([step]), 0, scores.shape[-1])
-            token = int(torch.argmax(scores + noise, -1))
-            drawn.append(token)
-            if token in stop_ids:
-                break
-            ids = torch.cat([ids, torch.tensor([[token]])], 1)
-        out.append(drawn)
-    return out
-
-
 @pytest.fixture(scope="module")
 def spec():
     from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
@@ -148,7 +123,9 @@ def whole_model_samples(spec):
 
     prompts = prompts_of(spec.config)
     keys = completion_keys(1, 3, [p["id"] for p in prompts], G)
-    return sampled_separately(spec, prompts, keys, STOP_SAMPLED)
+    opts = SAMPLED | {"num_generations": G, "max_completion_length": NEW}
+    model = spec.build_full().eval()
+    return sample_completions(spec, model, prompts, keys, opts, STOP_SAMPLED)[0]
 
 
 def test_greedy_completions_under_text_tp_equal_hf_generate(spec, tp2):
