@@ -13,9 +13,10 @@ vision tower it prints:
   (targets: 1 with a frozen tower, 2 with a trained one; encoding each completion's
   image would be ``G``);
 - ``text MB``: the text group's rank-0 peak resident set size, and the same update on
-  completions as long replayed (``GRPO(rollouts="recorded")``): the rollout's added peak
-  next to its KV cache's bytes and the text part's parameter bytes (target: less than
-  the parameters: no second copy of the model; the resident set's noise is tens of MB).
+  completions as long replayed (``GRPO(rollouts="recorded")``): whether the rollout
+  raises the step's peak over the update's, next to its KV cache's bytes (the rollout
+  uses the trained model itself, no copy: a step's peak is the larger of the rollout's
+  and the update's; the resident set's noise is tens of MB).
 
     python benchmarks/grpo.py [--prompts 4] [--generations 8] [--new-tokens 48] [--steps 4]
 
@@ -146,8 +147,8 @@ def print_rows(rows: dict, cfg, prompt_tokens: int, params_mb: float) -> None:
         extra = r["text_mb"] - r["replay_mb"]
         print(
             f"\n{tag} tower: text peak {r['text_mb']:.0f} MB generating, {r['replay_mb']:.0f} MB "
-            f"replaying completions as long: the rollout adds {extra:.0f} MB; its KV cache "
-            f"{cache:.0f} MB; a copy of the text part {params_mb:.0f} MB (target: added < copy)"
+            f"replaying completions as long: the rollout adds {extra:.0f} MB to the step's "
+            f"peak; its KV cache {cache:.0f} MB (a copy of the text part: {params_mb:.0f} MB)"
         )
     print("\n(peak memory: resident set size of rank 0 of the text group; CPU, fp32)")
 

@@ -31,7 +31,6 @@ from ray_disagg.config import ModuleGroup
 from ray_disagg.freezing import frozen_parts
 from ray_disagg.launch.checks import (
     check_budget,
-    check_generation,
     resolve_objective,
     resolve_schedule,
     validate_groups,
@@ -40,6 +39,7 @@ from ray_disagg.launch.checks import (
     validate_transfer,
 )
 from ray_disagg.launch.elastic import elastic_ranges, elastic_sizes
+from ray_disagg.launch.generation_checks import check_generation
 from ray_disagg.launch.group_restart import restartable_groups
 from ray_disagg.launch.launches import Colocation
 from ray_disagg.launch.resources import colocation_for
@@ -73,6 +73,10 @@ class DataSpec:
     """The samples carry completions (GRPO's recorded rollouts: the first map-style
     sample has ``completion_ids``); else GRPO generates them."""
 
+    prompts: bool | None = None
+    """Whether the data are prompts to complete (a stream through a ``PromptProcessor``,
+    a recipe's ``prompts`` source); ``None``: known from the samples only."""
+
     @property
     def streamed(self) -> bool:
         return self.kind != "map"
@@ -82,20 +86,22 @@ class DataSpec:
         """The spec of the trainer's ``datasets`` (``ValueError`` when they are not
         ``{"train": ..., "validation": ...}`` of supported kinds)."""
         from ray_disagg.data.preference import PreferenceProcessor
+        from ray_disagg.data.prompts import PromptProcessor
         from ray_disagg.launch.datasets import train_set
         from ray_disagg.worker.ingest import is_ray_dataset, is_record_stream
 
         train = train_set(datasets)
         kind = "ray" if is_ray_dataset(train) else "stream" if is_record_stream(train) else "map"
         has_validation = datasets.get("validation") is not None
-        pairs, recorded = None, False
+        pairs, recorded, prompts = None, False, None
         if kind == "stream":
             pairs = isinstance(train.processor, PreferenceProcessor)
+            prompts = isinstance(train.processor, PromptProcessor)
         elif kind == "map" and len(train):
             recorded = "completion_ids" in train[0]
         return cls(
             kind=kind, validation=has_validation, validate_samples=validate_samples,
-            pairs=pairs, recorded=recorded,
+            pairs=pairs, recorded=recorded, prompts=prompts,
         )  # fmt: skip
 
 

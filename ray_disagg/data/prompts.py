@@ -10,12 +10,14 @@ absolute), as ``trl.GRPOTrainer`` takes a prompt-only one::
      "images": ["a.png"],
      "solution": "seven"}
 
-``prompt`` is a list of messages (or a string: one user message); its ``{"type":
-"image"}`` parts take ``images`` in order (a part may name its file itself,
-``{"type": "image", "image": "a.png"}``). The sample's ``input_ids`` are the chat
+``prompt`` is a list of messages (or a string: one user message, through the chat
+template too, where TRL would take it as it is); its ``{"type": "image"}`` parts take
+``images`` (or TRL's single ``image``) in order (a part may name its file itself,
+``{"type": "image", "image": "a.png"}``; messages without image parts get the images
+first in the first user message, as TRL does). The sample's ``input_ids`` are the chat
 template's rendering with the generation prompt (the assistant's header), its media
-expanded as the family's processor does; every other column (``prompt`` too) is kept
-for the reward functions, which TRL calls with them.
+expanded as the family's processor does; every column of the record (``prompt`` and
+``images`` too) is kept for the reward functions, which TRL calls with them.
 
 Example:
     >>> prompts = PromptProcessor(ConversationProcessor(  # doctest: +SKIP
@@ -32,21 +34,29 @@ from ray_disagg.data.records import to_messages
 
 __all__ = ["PromptProcessor", "prompt_messages"]
 
-MEDIA_COLUMNS = ("images", "videos", "audios")
-
 
 def prompt_messages(record: dict, rid) -> list[dict]:
     """The record's ``prompt`` messages with each image part naming its file (from
-    ``images`` in order); ``ValueError`` naming the record when they do not match."""
+    ``images``, or TRL's single ``image``, in order; where the messages have no image
+    part, the images go first in the first user message, as TRL's
+    ``prepare_multimodal_messages`` puts them); ``ValueError`` naming the record when
+    they do not match."""
     prompt = record.get("prompt")
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
-    if not isinstance(prompt, list) or not prompt:
+    ok = isinstance(prompt, list) and prompt
+    if not ok or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
         raise ValueError(
-            f"record {rid!r}: 'prompt' must be a non-empty list of messages or a string "
-            f"(TRL's prompt format), got {prompt!r}"
+            f"record {rid!r}: 'prompt' must be a non-empty list of messages ({{'role', "
+            f"'content'}}) or a string (TRL's prompt format), got {prompt!r}"
         )
-    images, out = list(record.get("images") or []), []
+    images = record.get("images")
+    if images is None and record.get("image") is not None:
+        images = [record["image"]]
+    images = [images] if isinstance(images, str) else list(images or [])
+    if images and not any(_has_image(m) for m in prompt):
+        prompt = _images_first(prompt, len(images), rid)
+    out = []
     for m in prompt:
         content = m.get("content")
         if isinstance(content, list):
@@ -58,6 +68,23 @@ def prompt_messages(record: dict, rid) -> list[dict]:
             "fewer {'type': 'image'} parts than 'images'"
         )
     return out
+
+
+def _has_image(message: dict) -> bool:
+    content = message.get("content")
+    return isinstance(content, list) and any(p.get("type") == "image" for p in content)
+
+
+def _images_first(prompt: list[dict], n: int, rid) -> list[dict]:
+    """``prompt`` with ``n`` image parts before the first user message's content."""
+    for k, m in enumerate(prompt):
+        if m["role"] == "user":
+            content = m["content"]
+            if isinstance(content, str):
+                content = [{"type": "text", "text": content}]
+            first = {**m, "content": [{"type": "image"} for _ in range(n)] + list(content)}
+            return [*prompt[:k], first, *prompt[k + 1 :]]
+    raise ValueError(f"record {rid!r}: images but no user message to show them in")
 
 
 def _media_part(part: dict, images: list, rid) -> dict:
@@ -100,5 +127,4 @@ class PromptProcessor:
         if messages[-1]["role"] == "assistant":
             raise ValueError(f"record {rid!r}: the prompt ends with an assistant turn")
         sample = self.processor.encode_prompt(rid, messages, media)
-        columns = {k: v for k, v in record.items() if k not in MEDIA_COLUMNS}
-        return {**columns, **sample, "prompt": record["prompt"]}
+        return {**record, **sample, "prompt": record["prompt"]}

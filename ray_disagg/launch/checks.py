@@ -16,6 +16,7 @@ from ray_disagg.config import (
     SequenceParallel,
     TensorParallel,
 )
+from ray_disagg.launch.generation_checks import check_prompts
 from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.models import moe
 from ray_disagg.transport import TIERS
@@ -253,12 +254,14 @@ def resolve_objective(cfg: TrainLoopConfig, data, lora, trained):
     obj = cfg.objective
     _check_pairs(obj, data.pairs)
     if obj is None:
+        check_prompts(obj, data.prompts)
         return cfg
     name = type(obj).__name__
     if getattr(obj, "rollouts", None) == "auto":  # GRPO: replay recorded completions, or generate
         obj = copy.copy(obj)
         object.__setattr__(obj, "rollouts", "recorded" if data.recorded else "generate")
         cfg = dataclasses.replace(cfg, objective=obj)
+    check_prompts(obj, data.prompts)
     if data.validation and not obj.generates:
         raise ValueError(
             f"train_loop_config['objective']={name}: validation sets are evaluated under "
@@ -284,41 +287,6 @@ def resolve_objective(cfg: TrainLoopConfig, data, lora, trained):
     obj = copy.copy(obj)
     object.__setattr__(obj, "reference", "copy" if why else "adapters_disabled")
     return dataclasses.replace(cfg, objective=obj)
-
-
-def check_generation(adapter, groups, cfg: TrainLoopConfig, model) -> None:
-    """A run whose objective generates (``GRPO(rollouts="generate")``) can: the family
-    generates, the LLM group does not split sequences over context-parallel ranks, and a
-    tokenizer decodes the completions for the reward functions; else ``ValueError``
-    naming the fix."""
-    obj = cfg.objective
-    if obj is None or not obj.generates:
-        return
-    where = "train_loop_config['objective'] GRPO(rollouts='generate')"
-    if adapter.generation_refusal is not None:
-        raise ValueError(
-            f"{where}: the {adapter.model_type} family does not generate yet "
-            f"({adapter.generation_refusal}); train on recorded rollouts (samples with "
-            "completion_ids, rewards, truncated) or use a family that generates (see the "
-            "support matrix)."
-        )
-    llm = groups[adapter.llm_part]
-    if isinstance(llm.parallelism, ContextParallel):
-        raise ValueError(
-            f"{where}: the {adapter.llm_part} group's context parallelism splits each "
-            "sequence over its ranks, and the decode loop needs each prompt whole with its "
-            "KV cache on one rank; generate with TensorParallel or FSDP2 instead, or train "
-            "on recorded rollouts."
-        )
-    if cfg.max_tokens_per_microbatch is not None:
-        raise ValueError(
-            f"{where}: max_tokens_per_microbatch plans each step from the samples' lengths, "
-            "and a generated completion's length is known only once it is drawn; drop the "
-            "budget (global_batch_size counts prompts)."
-        )
-    from ray_disagg.worker.rollout import load_tokenizer
-
-    load_tokenizer(obj, model)
 
 
 def _check_iterations(cfg: TrainLoopConfig, data) -> None:

@@ -254,6 +254,12 @@ class GRPO(Objective):
                     f"{name} has no input_ids: GRPO generates from prompts, each its "
                     "input_ids after the chat template with the generation prompt."
                 )
+            labels = sample.get("labels")
+            if labels is not None and (np.asarray(labels) != IGNORE_INDEX).any():
+                raise SampleError(
+                    f"{name} has labelled tokens (an answer): GRPO completes prompts; pass "
+                    "TRL prompt records through PromptProcessor, or train answers with SFT."
+                )
             return
         missing = [k for k in (*ROLLOUT_KEYS, "rewards", "truncated") if sample.get(k) is None]
         if missing:

@@ -74,7 +74,7 @@ from ray_disagg.planner.memory import (
     schedule,
     step_samples,
 )
-from ray_disagg.planner.rollout import decode_seconds, generating, update_tokens
+from ray_disagg.planner.rollout import decode_seconds, generating, prompt_tokens, update_sequences
 
 __all__ = [
     "CachedModel",
@@ -137,7 +137,8 @@ def _layer_comm(r, part: str, facts: ModelFacts, work: Workload, c: Cluster, f) 
     ac = g.activation_checkpointing
     samples = microbatch_samples(r, g)
     if part == facts.llm_part:
-        return _llm_comm(g, facts.text, samples * update_tokens(r, work.tokens), a, ac, c, f)
+        n, per = update_sequences(r, work.tokens)
+        return _llm_comm(g, facts.text, samples * n * per, a, ac, c, f)
     sp = deg.get("sp", 1)
     if part != "vision" or sp == 1 or facts.vision is None:
         return 0.0
@@ -256,10 +257,11 @@ def part_flops(r, facts, work) -> dict[str, float]:
     """Training FLOPs of one global batch per part: the adapter's forward FLOPs of a
     sample (``ModelAdapter.forward_flops``) x passes x samples."""
     adapter, b, llm = r.model.adapter, step_samples(r), facts.llm_part
-    tokens = {p: update_tokens(r, work.tokens) if p == llm else work.tokens for p in facts.parts}
+    seqs = {p: update_sequences(r, work.tokens) if p == llm else (1, work.tokens)
+            for p in facts.parts}  # fmt: skip
     return {
-        part: passes(r, part, facts) * b
-        * adapter.forward_flops(part, pf.params, tokens[part], work.patches, work.images)
+        part: passes(r, part, facts) * b * seqs[part][0]
+        * adapter.forward_flops(part, pf.params, seqs[part][1], work.patches, work.images)
         for part, pf in facts.parts.items()
     }  # fmt: skip
 
@@ -304,9 +306,10 @@ def _rollout(r, facts, work, c: Cluster, f: DeviceFigures) -> float:
     tp = _degrees(g).get("tp", 1)
     speed = f.flops[dtype] * _busy(r, llm, c)
     rows = b * obj.num_generations / g.dp_size
-    one = adapter.forward_flops(llm, pf.params, work.tokens, work.patches, work.images)
+    prompt = prompt_tokens(r, work.tokens)
+    one = adapter.forward_flops(llm, pf.params, prompt, work.patches, work.images)
     prefill = rows * one / (tp * speed)
-    weights = pf.total * (2 if dtype == "bfloat16" else 4) / tp
+    weights = pf.total * (2 if r.loop.param_dtype == "bfloat16" else 4) / tp
     comm = (2 * facts.text.num_hidden_layers + 2) * f.collective_latency_s if tp > 1 else 0.0
     if g.fsdp:  # every token's forward gathers every unit
         n = g.num_workers // tp
@@ -318,7 +321,7 @@ def _rollout(r, facts, work, c: Cluster, f: DeviceFigures) -> float:
         / (r.groups[p].num_workers * f.flops[dtype] * f.encoder_speed * _busy(r, p, c))
         for p, q in facts.parts.items() if p != llm and q.trainable
     )  # fmt: skip
-    return encode + prefill + decode
+    return (encode + prefill) / obj.num_iterations + decode
 
 
 def _pipeline(r, sched, facts, per_mb, compute, cross, c) -> tuple[float, float]:

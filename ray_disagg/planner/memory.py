@@ -73,7 +73,7 @@ from ray_disagg.models.costs import ActivationShape, depth
 from ray_disagg.models.lora import base_name, is_factor
 from ray_disagg.parallel.tensor_parallel import LayerTPPlan
 from ray_disagg.planner.cluster import Cluster, DeviceFigures
-from ray_disagg.planner.rollout import kv_cache_bytes, update_tokens
+from ray_disagg.planner.rollout import kv_cache_bytes, update_sequences
 
 __all__ = [
     "GiB",
@@ -185,7 +185,10 @@ def step_samples(r) -> int:
     llm = r.groups.get(r.model.adapter.llm_part)
     if budget is None or llm is None:
         return b
-    per_sample = seq_len(r) * getattr(r.loop.objective, "sequences_per_sample", 1)
+    n, per = update_sequences(r, seq_len(r))  # GRPO: its completions
+    per_sample = (
+        n * per if n > 1 else seq_len(r) * getattr(r.loop.objective, "sequences_per_sample", 1)
+    )
     return min(b, max(1, budget // per_sample) * llm.dp_size * r.loop.micro_batches)
 
 
@@ -220,7 +223,8 @@ def _activations(r, part: str, group, sched, a: int, params: dict) -> float | No
     samples = math.ceil(microbatch_samples(r, group))
     tp, ac = degree(group, "tp"), group.activation_checkpointing
     if part == adapter.llm_part:
-        tokens = samples * update_tokens(r, seq_len(r))
+        n, per = update_sequences(r, seq_len(r))
+        tokens = samples * n * per
         if r.loop.pack_sequences:
             tokens = math.ceil(tokens / r.loop.max_seq_len) * r.loop.max_seq_len
         chunk = r.loop.loss_chunk_tokens or math.inf

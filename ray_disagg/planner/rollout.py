@@ -9,16 +9,25 @@ that generates: ``GRPO`` unless ``rollouts="recorded"``).
   (its tensor-parallel share of the heads), and the last position's logits; the peak is
   the larger of that and the update's activations (the rollout runs before the update,
   on the same model: no second copy).
-- **Time** before the update: the encoders' forward of each prompt's media, the
-  prefill (a forward of every row's prompt) and ``max_completion_length`` decode steps,
-  each at least one read of the worker's weights from memory (decoding is bound by
-  memory bandwidth at small batches) or its rows' FLOPs, plus under FSDP2 the all-gather
-  of the parameters and under TP two all-reduces per layer, per token.
+- **Time** before the update, on the first of each batch's ``num_iterations`` steps
+  (averaged over them): the encoders' forward of each prompt's media, the prefill (a
+  forward of every row's prompt) and, per microbatch, ``max_completion_length`` decode
+  steps, each at least one read of the worker's weights from memory (decoding is bound
+  by memory bandwidth at small batches) or its rows' FLOPs, plus under FSDP2 the
+  all-gather of the parameters and under TP two all-reduces per layer, per token.
+- The prompt's tokens: the recipe's ``plan.seq_len``, else ``max_seq_len`` less
+  ``max_completion_length`` (a packed row holds both).
 """
 
 from __future__ import annotations
 
-__all__ = ["decode_seconds", "generating", "kv_cache_bytes", "update_tokens"]
+__all__ = [
+    "decode_seconds",
+    "generating",
+    "kv_cache_bytes",
+    "prompt_tokens",
+    "update_sequences",
+]
 
 
 def generating(r):
@@ -29,26 +38,40 @@ def generating(r):
     return obj
 
 
-def update_tokens(r, tokens: float) -> float:
-    """LLM tokens one sample trains: its ``tokens``, or a GRPO prompt's (``tokens``) with
-    each of its completions at full length (generated or recorded)."""
+def prompt_tokens(r, tokens: float) -> float:
+    """A GRPO prompt's tokens out of the estimate's sequence length ``tokens``: the
+    recipe's ``plan.seq_len`` is the prompt's; ``max_seq_len`` (a packed row) holds the
+    prompt and its completion."""
+    obj = r.loop.objective
+    if getattr(obj, "num_generations", None) is None or r.plan.get("seq_len") is not None:
+        return tokens
+    if r.loop.max_seq_len is not None:
+        return max(1, r.loop.max_seq_len - obj.max_completion_length)
+    return tokens
+
+
+def update_sequences(r, tokens: float) -> tuple[int, float]:
+    """``(sequences, tokens of each)`` one sample trains: one of ``tokens``, or a GRPO
+    prompt's ``num_generations``, each the prompt and a completion at full length
+    (generated or recorded)."""
     obj = r.loop.objective
     if getattr(obj, "num_generations", None) is None:
-        return tokens
-    return obj.num_generations * (tokens + obj.max_completion_length)
+        return 1, tokens
+    return obj.num_generations, prompt_tokens(r, tokens) + obj.max_completion_length
 
 
-def kv_cache_bytes(r, prompts: float, prompt_tokens: float, tp: int, a: int) -> float:
+def kv_cache_bytes(r, prompts: float, tokens: float, tp: int, a: int) -> float:
     """Bytes of the KV cache and last logits of ``prompts`` prompts' completions on one
-    LLM worker (``tp``: its tensor-parallel degree, ``a``: bytes per element)."""
+    LLM worker (``tokens``: the estimate's sequence length, :func:`prompt_tokens`;
+    ``tp``: its tensor-parallel degree, ``a``: bytes per element)."""
     obj = generating(r)
     if obj is None:
         return 0.0
     t = r.model.load_config().text_config
     rows = prompts * obj.num_generations
     head = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-    tokens = prompt_tokens + obj.max_completion_length
-    kv = rows * tokens * t.num_hidden_layers * 2 * t.num_key_value_heads * head * a
+    length = prompt_tokens(r, tokens) + obj.max_completion_length
+    kv = rows * length * t.num_hidden_layers * 2 * t.num_key_value_heads * head * a
     return (kv + rows * t.vocab_size * 4) / tp
 
 
@@ -56,11 +79,14 @@ def decode_seconds(
     r, rows: float, weight_bytes: float, flops_per_row: float, speed: float, memory_bw: float,
     per_token_comm: float,
 ) -> float:  # fmt: skip
-    """Seconds of a generating objective's ``max_completion_length`` decode steps on one
-    LLM worker: each reads ``weight_bytes`` at ``memory_bw`` or computes its ``rows``
-    (``flops_per_row`` each at ``speed``), whichever is longer, plus ``per_token_comm``."""
+    """Seconds of a generating objective's decode steps on one LLM worker per step: each
+    microbatch (``rows`` rows) draws up to ``max_completion_length`` tokens, each step
+    reading ``weight_bytes`` at ``memory_bw`` or computing its rows (``flops_per_row``
+    each at ``speed``), whichever is longer, plus ``per_token_comm``; averaged over a
+    batch's ``num_iterations`` steps (only the first generates)."""
     obj = generating(r)
     if obj is None:
         return 0.0
-    step = max(weight_bytes / memory_bw, rows * flops_per_row / speed)
-    return obj.max_completion_length * (step + per_token_comm)
+    k = r.loop.micro_batches
+    step = max(weight_bytes / memory_bw, rows / k * flops_per_row / speed)
+    return k * obj.max_completion_length * (step + per_token_comm) / obj.num_iterations

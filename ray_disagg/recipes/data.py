@@ -151,7 +151,8 @@ def data_spec(data: dict):
     d = data["train"]
     kind = "map" if d["type"] == "mixture" else _kind(d)
     pairs = True if d["type"] == "preference" else None if kind == "ray" else False
-    return DataSpec(kind=kind, validation="validation" in data, pairs=pairs)
+    prompts = {"prompts": True, "conversations": False, "preference": False}.get(d["type"])
+    return DataSpec(kind=kind, validation="validation" in data, pairs=pairs, prompts=prompts)
 
 
 def build_dataset(recipe, which: str):

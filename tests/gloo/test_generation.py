@@ -2,9 +2,9 @@
 training (``ray_disagg.rollout.decode``: left-padded prompts prefilled once with the
 crossings of each prompt's media encoded once, a KV cache, the vocabulary split under
 text TP) equal the single-process HF model's: greedy ones token for token
-``generate(do_sample=False)``; seeded samples the draws of a sampler written here on the
-whole model (``tests.grpo_reference.sample_completions``: a full forward per token, the
-media placeholders suppressed, HF's warpers, the same per-completion noise)."""
+``generate(do_sample=False)``; seeded samples the draws of a sampler written separately
+on the whole model (``tests.grpo_reference.sample_completions``: a full forward per
+token, the media placeholders suppressed, HF's warpers, the same per-completion noise)."""
 
 import numpy as np
 import pytest
@@ -128,13 +128,21 @@ def whole_model_samples(spec):
     return sample_completions(spec, model, prompts, keys, opts, STOP_SAMPLED)[0]
 
 
-def test_greedy_completions_under_text_tp_equal_hf_generate(spec, tp2):
-    want = [c for c in hf_greedy(spec, prompts_of(spec.config)) for _ in range(G)]
+def up_to_stop(ref: list[int]) -> list[int]:
+    """HF's completion (run to NEW tokens without stopping) up to its first stop token."""
+    ends = [i for i, t in enumerate(ref) if t in (0, 2)]
+    return ref[: ends[0] + 1] if ends else ref
+
+
+@pytest.fixture(scope="module")
+def hf_greedy_completions(spec):
+    return [up_to_stop(c) for c in hf_greedy(spec, prompts_of(spec.config))]
+
+
+def test_greedy_completions_under_text_tp_equal_hf_generate(tp2, hf_greedy_completions):
+    want = [c for c in hf_greedy_completions for _ in range(G)]
     for out in (o["greedy"] for o in tp2):
-        # HF ran to NEW tokens without stopping: its completion up to its first stop
-        for got, ref in zip(out.tokens, want):
-            ends = [i for i, t in enumerate(ref) if t in (0, 2)]
-            assert got == (ref[: ends[0] + 1] if ends else ref)
+        assert out.tokens == want
         assert out.truncated == [len(t) == NEW and t[-1] not in (0, 2) for t in out.tokens]
         assert sum(len(t) for t in out.tokens) > 2 * len(out.tokens)  # not stopped at once
 
@@ -147,11 +155,18 @@ def test_seeded_samples_under_text_tp_equal_a_sampler_on_the_whole_model(tp2, wh
     assert first.truncated == [len(t) == NEW and t[-1] not in STOP_SAMPLED for t in first.tokens]
 
 
-def test_fsdp2_ranks_decode_in_lockstep_and_draw_what_one_process_draws(whole_model_samples):
+def test_fsdp2_ranks_decode_in_lockstep_and_draw_what_one_process_draws(
+    whole_model_samples, hf_greedy_completions
+):
     """Text FSDP2 (2): each rank its own prompts, whose completions end at different
     steps; the ranks' forwards (their all-gathers) go on together until every row of
-    both has ended, and each completion is the whole model's draw (its seed)."""
-    per_rank = [o["sampled"] for o in run_distributed(_completions, 2, True)]
+    both has ended, and each completion is the whole model's draw (its seed); greedy
+    ones equal HF's ``generate``."""
+    runs = run_distributed(_completions, 2, True)
+    for rank, out in enumerate(o["greedy"] for o in runs):  # prompts rank, rank + 2, ...
+        mine = hf_greedy_completions[rank::2]
+        assert out.tokens == [c for c in mine for _ in range(G)]
+    per_rank = [o["sampled"] for o in runs]
     by_prompt = {}
     for rank, out in enumerate(per_rank):
         for i, tokens in enumerate(out.tokens):

@@ -24,7 +24,9 @@ from ray_disagg import (
     tiny_qwen2_vl_config,
 )
 from ray_disagg.data.examples import save_word_tokenizer, synthetic_rollouts
+from ray_disagg.launch.checks import resolve_objective
 from ray_disagg.launch.progress import step_line
+from ray_disagg.layout import DataSpec
 from ray_disagg.objectives.grpo import GRPOStep, nanstd
 from tests.grpo_reference import advantages_and_metrics, compute_loss
 from tests.rollout_data import prompts_of
@@ -227,6 +229,15 @@ def test_generating_runs_refused_on_the_driver(tokenizer_dir):
              objective=grpo(tokenizer=tokenizer_dir, reward_funcs=funcs))  # fmt: skip
     with pytest.raises(ValueError, match=r"sample 0.*max_completion_length=8 exceed .*max_seq_len"):
         make(data=prompts, objective=obj, pack_sequences=True, max_seq_len=12)
+    labelled = dict(prompts[0], labels=np.asarray(prompts[0]["input_ids"]))
+    with pytest.raises(SampleError, match="sample 0 has labelled tokens .*PromptProcessor"):
+        make(data=[labelled, *prompts[1:]], objective=obj)
+    with pytest.raises(ValueError, match="holds prompts to complete .*objective does not gen"):
+        resolve_objective(TrainLoopConfig(max_steps=1, global_batch_size=4),
+                          DataSpec(kind="stream", prompts=True), {}, ["text"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"GRPO generates completions of prompts but .*Prompt"):
+        resolve_objective(TrainLoopConfig(max_steps=1, global_batch_size=4, objective=obj),
+                          DataSpec(kind="stream", prompts=False), {}, ["text"])  # fmt: skip
     with pytest.raises(ValueError, match="max_tokens_per_microbatch plans each step from"):
         make(data=prompts, objective=obj, max_tokens_per_microbatch=200)
     with pytest.raises(ValueError, match="context parallelism splits each sequence"):

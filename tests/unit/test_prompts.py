@@ -45,7 +45,7 @@ def test_prompts_follow_the_template_with_the_generation_prompt(setup, images):
     assert sample["input_ids"].tolist() == want
     assert proc.tokenizer.decode(want[-3:]).split()[-1] == "assistant"  # the header last
     assert sample["solution"] == "seven." and sample["prompt"] == rec["prompt"]
-    assert "images" not in sample and "labels" not in sample
+    assert sample["images"] == list(images) and "labels" not in sample  # TRL passes them
     assert (sample["image_grid_thw"] is None) == (not images)
     obj = GRPO(reward_funcs=[reward], num_generations=2, rollouts="generate")
     obj.check_sample(sample)
@@ -63,12 +63,26 @@ def test_a_string_prompt_is_one_user_message(setup):
     assert "which digit is this?" in text and text.rstrip().endswith("assistant")
 
 
+def test_images_without_image_parts_go_first_as_trl_puts_them(setup):
+    """TRL's ``prepare_multimodal_messages``: a prompt without image parts gets its
+    images before the first user message's text; a single ``image`` column counts."""
+    proc, media = setup
+    text = [{"role": "user", "content": "which digit?"}]
+    parts = [{"role": "user", "content": [{"type": "image", "image": "a.png"},
+                                          {"type": "text", "text": "which digit?"}]}]  # fmt: skip
+    want = qwen_oracle(proc, parts, ["a.png"], media, add_generation_prompt=True)
+    for rec in ({"id": "q", "prompt": text, "images": ["a.png"]},
+                {"id": "q", "prompt": text, "image": "a.png"}):  # fmt: skip
+        assert PromptProcessor(proc)(rec)["input_ids"].tolist() == want
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [
         ({"images": ["a.png", "b.jpg"]}, "1 of its images are left over"),
         ({"images": []}, r"more \{'type': 'image'\} parts than 'images'"),
-        ({"prompt": []}, "'prompt' must be a non-empty list of messages or a string"),
+        ({"prompt": []}, "'prompt' must be a non-empty list of messages"),
+        ({"prompt": [{"role": "user"}]}, "'prompt' must be a non-empty list of messages"),
         ({"completion": [{"role": "assistant", "content": "x"}]}, "holds an answer"),
     ],
 )
