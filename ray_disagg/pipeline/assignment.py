@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ray_disagg.models.base import SampleError, count_label_tokens
+from ray_disagg.pipeline.neighbours import Neighbourhoods, band_split, spread
 
 __all__ = [
     "SampleError",
@@ -144,37 +145,46 @@ class BatchPlan:
 
     def assign(self, step: int, step_costs=None) -> list[dict[str, list[list[int]]]]:
         """Per microbatch, per group, per replica: the batch positions it processes (in
-        position order). The reader group's replicas get contiguous slices (or, balanced,
-        equal-count sets by cost), each cut into ``micro_batches`` consecutive pieces;
-        microbatch ``j`` is the union of the pieces ``j``, which every other group splits
-        over its replicas (contiguously, or balanced by its cost, counts free: one large
-        image may be a replica's only sample). ``step_costs``: per group, the cost of each
-        batch position (a balanced stream's step). With one microbatch and no costs this is
+        position order). The reader group's replicas get contiguous slices, each cut into
+        ``micro_batches`` consecutive pieces, or, balanced, equal-count bins per replica
+        and microbatch that even out the LLM's and every encoder's cost at once
+        (:func:`~ray_disagg.pipeline.neighbours.spread`). Microbatch ``j`` is the union of
+        the pieces ``j``, which every other group splits over its replicas: contiguously,
+        or balanced by its cost inside each LLM replica's neighbourhood
+        (:func:`~ray_disagg.pipeline.neighbours.band_split`; counts free: one large image
+        may be a replica's only sample). ``step_costs``: per group, the cost of each batch
+        position (a balanced stream's step). With one microbatch and no costs this is
         :meth:`span` for every group."""
-        b, k = self.global_batch_size, self.micro_batches
         reader = self.reader_group
         cost = self._position_costs(step, step_costs)
-
-        def split(group: str, positions: list[int]) -> list[list[int]]:
-            n = self.dp_sizes[group]
-            if cost is None or group not in cost or (self.streamed_costs and group == reader):
-                per = len(positions) // n
-                return [positions[r * per : (r + 1) * per] for r in range(n)]
-            # the reader's shares are cut into equal microbatches: equal counts there
-            costs = [cost[group][p] for p in positions]
-            return balanced_split(positions, costs, n, equal_counts=group == reader)
-
-        shares = split(reader, list(range(b)))
-        per = b // (self.dp_sizes[reader] * k)
+        loads = {g: [0.0] * n for g, n in self.dp_sizes.items()}  # over the step
         out = []
-        for j in range(k):
-            mb = {reader: [share[j * per : (j + 1) * per] for share in shares]}
-            union = sorted(p for share in mb[reader] for p in share)
-            for group in self.dp_sizes:
-                if group != reader:
-                    mb[group] = split(group, union)
+        for shares in self._reader_bins(cost):
+            mb = {reader: shares}
+            for group, n in self.dp_sizes.items():
+                if group == reader:
+                    continue
+                if cost is None or group not in cost:
+                    union = sorted(p for share in shares for p in share)
+                    per = len(union) // n
+                    mb[group] = [union[r * per : (r + 1) * per] for r in range(n)]
+                else:
+                    mb[group] = band_split(shares, cost[group], n, loads[group])
             out.append(mb)
         return out
+
+    def _reader_bins(self, cost) -> list[list[list[int]]]:
+        """Per microbatch, per reader replica: its batch positions."""
+        b, k, reader = self.global_batch_size, self.micro_batches, self.reader_group
+        n = self.dp_sizes[reader]
+        if cost is None or reader not in cost or self.streamed_costs:
+            per = b // n
+            shares = [list(range(r * per, (r + 1) * per)) for r in range(n)]
+            per //= k
+            return [[share[j * per : (j + 1) * per] for share in shares] for j in range(k)]
+        kinds = [cost[reader]] + [cost[g] for g in self.dp_sizes if g != reader and g in cost]
+        bins = spread(list(range(b)), kinds, n * k)
+        return [bins[j * n : (j + 1) * n] for j in range(k)]
 
     def _position_costs(self, step: int, step_costs) -> dict[str, list[float]] | None:
         """Per group, the cost of each batch position of ``step`` (``None``: no costs)."""
@@ -185,30 +195,42 @@ class BatchPlan:
         indices = self.global_indices(step)
         return {g: [float(v[i]) for i in indices] for g, v in self.costs.items()}
 
+    def neighbours(self, group: str, rank: int, other: str) -> range:
+        """The replicas of ``other`` that replica ``rank`` of ``group`` may ever exchange
+        with (:class:`~ray_disagg.pipeline.neighbours.Neighbourhoods`; every replica
+        between two groups that are not the reader)."""
+        reader = self.reader_group
+        if reader == group:
+            return Neighbourhoods(self.dp_sizes[other], self.dp_sizes[group]).of_llm(rank)
+        if reader == other:
+            return Neighbourhoods(self.dp_sizes[group], self.dp_sizes[other]).of_encoder(rank)
+        return range(self.dp_sizes[other])
+
     def peers(self, group: str, rank: int, other: str, step: int, mbs=None) -> list[int]:
         """Replicas of ``other`` that share samples with replica ``rank`` of ``group`` in
         some microbatch of ``step`` (they exchange messages that step), ascending; ``mbs``:
         ``assign(step)`` when the caller has it already. With ``streamed_costs``, between
-        the reader and another group: every replica (the inputs go to all)."""
+        the reader and another group: every neighbour (the inputs go to all)."""
+        near = self.neighbours(group, rank, other)
         if self.streamed_costs and self.reader_group in (group, other):
-            return list(range(self.dp_sizes[other]))
+            return list(near)
         mbs = self.assign(step) if mbs is None else mbs
-        return [
-            r
-            for r in range(self.dp_sizes[other])
-            if any(set(mb[group][rank]) & set(mb[other][r]) for mb in mbs)
-        ]
+        mine = [set(mb[group][rank]) for mb in mbs]
+        return [r for r in near if any(m & set(mb[other][r]) for m, mb in zip(mine, mbs))]
 
     def exchange_pairs(self, group: str, other: str) -> set[tuple[int, int]]:
         """``(rank, other_rank)`` replica pairs that may ever exchange samples: the
-        overlaps of the contiguous slices, or (balanced) every pair."""
+        overlaps of the contiguous slices, or (balanced) every pair of neighbours."""
         if self.costs is not None or self.streamed_costs:
-            return {
-                (a, b) for a in range(self.dp_sizes[group]) for b in range(self.dp_sizes[other])
-            }
+            return self.neighbour_pairs(group, other)
         return {
             (a, b) for a in range(self.dp_sizes[group]) for b in self.peers(group, a, other, step=0)
         }
+
+    def neighbour_pairs(self, group: str, other: str) -> set[tuple[int, int]]:
+        """``(rank, other_rank)`` for every pair of neighbours."""
+        n = self.dp_sizes[group]
+        return {(a, b) for a in range(n) for b in self.neighbours(group, a, other)}
 
     def routes(self, group: str, rank: int, other: str) -> list[tuple[int, int, int]]:
         """``(other_rank, lo, hi)``: the positions ``[lo, hi)`` that replica ``rank`` of

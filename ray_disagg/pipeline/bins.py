@@ -9,7 +9,8 @@ microbatch and encoder replica, holding at most ``max_patches`` of that tower's 
 patches. Samples are placed in the epoch's order
 (:func:`~ray_disagg.pipeline.assignment.sample_order`): each goes to the LLM bin where
 it leaves the smallest batch within the budget (the least-loaded on ties) and, in that
-microbatch, to the least-loaded replica of each encoder group where its patches fit; so
+microbatch, to the least-loaded replica of each encoder group, among the LLM replica's
+neighbours (:class:`~ray_disagg.pipeline.neighbours.Neighbourhoods`), where its patches fit; so
 samples of similar length share a microbatch and both the LLM and the encoder work are
 balanced. A sample that fits nowhere ends the step once every LLM bin holds a sample
 (until then it waits, first in line for the next step, while later samples fill the
@@ -27,6 +28,8 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+
+from ray_disagg.pipeline.neighbours import Neighbourhoods
 
 __all__ = [
     "MAX_WAITING",
@@ -149,7 +152,7 @@ class BinFiller:
                 if grown.tokens <= self.max_tokens and not (only_empty and step.llm[j][d]):
                     options.append((grown.tokens, shape.tokens, j, d, grown))
         for *_, j, d, grown in sorted(options, key=lambda o: o[:4]):
-            chosen = self._encoder_replicas(step, j, i)
+            chosen = self._encoder_replicas(step, j, d, i)
             if chosen is None:
                 continue
             step.llm[j][d].append(i)
@@ -160,14 +163,16 @@ class BinFiller:
             return True
         return False
 
-    def _encoder_replicas(self, step: BudgetStep, j: int, i: int) -> dict[str, int] | None:
-        """Per encoder group, the least-loaded replica of microbatch ``j`` (fewest samples
-        on ties) where sample ``i``'s patches fit, or ``None``."""
+    def _encoder_replicas(self, step: BudgetStep, j: int, d: int, i: int) -> dict[str, int] | None:
+        """Per encoder group, the least-loaded neighbour of LLM replica ``d`` in
+        microbatch ``j`` (fewest samples on ties) where sample ``i``'s patches fit, or
+        ``None``."""
         out = {}
         for part, loads in step.loads.items():
             p = float(self.patches[part][i])
             counts = [len(b) for b in step.encoders[part][j]]
-            e = min(range(len(loads[j])), key=lambda r: (loads[j][r], counts[r], r))
+            near = Neighbourhoods(len(loads[j]), self.shape[1]).of_llm(d)
+            e = min(near, key=lambda r: (loads[j][r], counts[r], r))
             if loads[j][e] + p > self.cap(part):
                 return None
             out[part] = e

@@ -17,6 +17,7 @@ import numpy as np
 
 from ray_disagg.pipeline.assignment import BatchPlan, balanced_split, sample_order
 from ray_disagg.pipeline.bins import BinFiller, BudgetStep, fill_steps, over_budget
+from ray_disagg.pipeline.neighbours import band_split
 
 __all__ = ["BudgetPlan", "BudgetedPlan", "StreamBudgetPlan"]
 
@@ -169,7 +170,7 @@ class BudgetPlan(BudgetedPlan):
         return out
 
     def exchange_pairs(self, group: str, other: str) -> set[tuple[int, int]]:
-        return {(a, b) for a in range(self.dp_sizes[group]) for b in range(self.dp_sizes[other])}
+        return self.neighbour_pairs(group, other)
 
 
 @dataclass(frozen=True)
@@ -179,9 +180,11 @@ class StreamBudgetPlan(BudgetedPlan):
     so the step's layout is known once read: ``assign(step, layout)`` with ``layout =
     {"counts": [[samples of microbatch j] per leader], "costs": {part: the cost of each
     position}}`` (positions leader-major, then by microbatch). Without a patch cap the
-    encoder replicas share each microbatch balanced by cost; with one, each encoder
-    replica serves fixed leaders (:meth:`serves`) and a leader's bin holds at most the
-    cap over the leaders one replica serves (:meth:`caps`), so no replica exceeds it.
+    encoder replicas share each microbatch balanced by cost inside each leader's
+    neighbourhood (:func:`~ray_disagg.pipeline.neighbours.band_split`); with one, each
+    encoder replica serves fixed leaders (:meth:`serves`) and a leader's bin holds at
+    most the cap over the leaders one replica serves (:meth:`caps`), so no replica
+    exceeds it.
     Before the read (``layout=None``) every share is empty.
 
     Example:
@@ -219,10 +222,11 @@ class StreamBudgetPlan(BudgetedPlan):
 
     def serves(self, part: str, e: int) -> list[int]:
         """The leaders whose samples replica ``e`` of encoder group ``part`` encodes
-        under a patch cap: ``d % n == e`` (``n`` replicas, fewer than the leaders), or the
-        one leader ``e % dp`` (as many or more: a leader's replicas share its samples)."""
+        under a patch cap, consecutive and among its neighbours: ``d * n // dp == e``
+        (``n`` replicas, fewer than the leaders), or the one leader ``e * dp // n`` (as
+        many or more: a leader's replicas share its samples)."""
         dp, n = self.dp_sizes[self.reader_group], self.dp_sizes[part]
-        return [d for d in range(dp) if d % n == e] if n < dp else [e % dp]
+        return [d for d in range(dp) if d * n // dp == e] if n < dp else [e * dp // n]
 
     def assign(self, step: int, step_costs=None) -> list[dict[str, list[list[int]]]]:
         reader, k = self.reader_group, self.micro_batches
@@ -234,18 +238,17 @@ class StreamBudgetPlan(BudgetedPlan):
             for j, n in enumerate(per_mb):
                 out[j][reader].append(list(range(first, first + n)))
                 first += n
+        loads = {part: [0.0] * n for part, n in self._encoders().items()}  # over the step
         for mb in out:
             for part, n in self._encoders().items():
                 cost = step_costs["costs"][part]
-                mb[part] = self._split(part, n, mb[reader], cost)
+                mb[part] = self._split(part, n, mb[reader], cost, loads[part])
         return out
 
-    def _split(self, part: str, n: int, shares: list[list[int]], cost) -> list[list[int]]:
+    def _split(self, part: str, n: int, shares: list[list[int]], cost, loads) -> list[list[int]]:
         """Microbatch positions over ``part``'s ``n`` replicas (see the class docstring)."""
         if self.max_patches is None:
-            union = sorted(p for share in shares for p in share)
-            costs = [float(cost[p]) for p in union]
-            return balanced_split(union, costs, n, equal_counts=False)
+            return band_split(shares, cost, n, loads)
         out = [[] for _ in range(n)]
         for d, share in enumerate(shares):
             mine = [e for e in range(n) if d in self.serves(part, e)]

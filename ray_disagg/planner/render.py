@@ -25,6 +25,7 @@ from ray_disagg.config import (
 from ray_disagg.launch.ray_compat import resources_per_worker
 from ray_disagg.lora import part_lora
 from ray_disagg.models.support import family_row
+from ray_disagg.pipeline.neighbours import Neighbourhoods
 from ray_disagg.planner.memory import (
     GiB,
     WorkerMemory,
@@ -77,7 +78,7 @@ def _table(rows: list[list[str]]) -> list[str]:
 def render(r) -> str:
     """The plan of recipe ``r`` as text: model, layout table, memory table."""
     memory = estimate(r)
-    lines = [*_header(r), "", *_table(_layout_rows(r)), ""]
+    lines = [*_header(r), "", *_table(_layout_rows(r)), *_peer_lines(r), ""]
     lines += _memory_lines(r, memory)
     lines += [
         "(an estimate: AdamW 2 states, ZeRO-1/FSDP2/TP sharding, no gradient or optimizer",
@@ -123,6 +124,21 @@ def _header(r) -> list[str]:
             f"{adapter.image_tokens(size)} tokens), seq_len {seq_len(r)} tokens per sample"
         )
     return lines
+
+
+def _peer_lines(r) -> list[str]:
+    """Each encoder group's cross-group peers: the neighbourhoods every plan keeps to."""
+    adapter, out = r.model.adapter, []
+    llm = r.groups[adapter.llm_part].dp_size
+    for part in adapter.encoder_parts:
+        if part in r.groups:
+            band = Neighbourhoods(r.groups[part].dp_size, llm)
+            out.append(
+                f"cross-group peers: a {part} replica <-> at most {band.max_llm_peers} of "
+                f"{llm} {adapter.llm_part} replicas, a {adapter.llm_part} replica <-> at most "
+                f"{band.max_encoder_peers} of {band.encoders} (one communicator per pair)"
+            )
+    return out
 
 
 def _layout_rows(r) -> list[list[str]]:

@@ -7,6 +7,7 @@ from ray.train import ScalingConfig
 
 from ray_disagg import DisaggregatedTrainer, HFModelSpec, ModuleGroup, tiny_qwen2_5_vl_config
 from ray_disagg.data.examples import synthetic_samples
+from ray_disagg.pipeline.neighbours import Neighbourhoods
 from ray_disagg.transport import Location, choose_tier, describe
 from ray_disagg.transport.base import from_bytes
 
@@ -148,3 +149,14 @@ def test_nccl_message_is_one_buffer_of_aligned_tensors():
         assert out.dtype == t.dtype and out.shape == t.shape, name
         assert torch.equal(out, t), name
         assert out.data_ptr() % 16 == 0 or out.numel() == 0, name
+
+
+def test_transfer_pairs_are_the_neighbours_at_every_size():
+    """Balanced: each vision leader pairs with its neighbouring text leaders only, and an
+    elastic size (or a standby taking a rank's place) gets the pairs of its own sizes."""
+    t = make(g(4), g(2), train_loop_config={"global_batch_size": 8})
+    assert t.loop_config.assignment == "balanced"
+    args = t.loop_args()
+    for n in (4, 1, 2, 8):
+        pairs = t.transfer_pairs(args.at_sizes({"vision": n}))
+        assert {(v, x) for (_, v), (_, x) in pairs} == Neighbourhoods(n, 2).pairs()
