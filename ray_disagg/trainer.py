@@ -230,7 +230,8 @@ class DisaggregatedTrainer(rc.TrainerBase):
 
     def transfer_pairs(self, args: LoopArgs | None = None) -> tuple:
         """``((encoder, rank), (llm, rank))`` for every pair of replica leaders that may
-        exchange tensors under the plan (overlapping slices, or every pair when balanced);
+        exchange tensors under the plan (overlapping slices, or the neighbours when
+        balanced: :mod:`ray_disagg.pipeline.neighbours`);
         ``args``: at an elastic group's size (default: the initial one)."""
         llm = self.adapter.llm_part
         g, plan = (self.groups, self.plan) if args is None else (args.groups, args.plan)

@@ -96,8 +96,8 @@ class BatchPlan:
     streamed_costs: bool = False
     """Costs arrive with each step's samples (a balanced stream): the reader's replicas
     keep contiguous shares, the other groups are balanced by the step's costs
-    (``assign(step, step_costs)``), and every reader replica sends every replica of the
-    other groups its inputs (possibly none)."""
+    (``assign(step, step_costs)``), and every reader replica sends each of its
+    neighbours in the other groups its inputs (possibly none)."""
     repeats: int = 1
     """Consecutive steps on each global batch (an objective's ``num_iterations``): step
     ``s`` takes the samples of batch ``s // repeats``."""
@@ -158,13 +158,17 @@ class BatchPlan:
         reader = self.reader_group
         cost = self._position_costs(step, step_costs)
         loads = {g: [0.0] * n for g, n in self.dp_sizes.items()}  # over the step
+        spread_bins = cost is not None and reader in cost and not self.streamed_costs
         out = []
         for shares in self._reader_bins(cost):
             mb = {reader: shares}
             for group, n in self.dp_sizes.items():
                 if group == reader:
                     continue
-                if cost is None or group not in cost:
+                if spread_bins and group not in cost:  # the bins are not contiguous
+                    zero = [0.0] * self.global_batch_size
+                    mb[group] = band_split(shares, zero, n, loads[group])
+                elif cost is None or group not in cost:
                     union = sorted(p for share in shares for p in share)
                     per = len(union) // n
                     mb[group] = [union[r * per : (r + 1) * per] for r in range(n)]
@@ -195,7 +199,7 @@ class BatchPlan:
         indices = self.global_indices(step)
         return {g: [float(v[i]) for i in indices] for g, v in self.costs.items()}
 
-    def neighbours(self, group: str, rank: int, other: str) -> range:
+    def neighbours(self, group: str, rank: int, other: str) -> tuple[int, ...]:
         """The replicas of ``other`` that replica ``rank`` of ``group`` may ever exchange
         with (:class:`~ray_disagg.pipeline.neighbours.Neighbourhoods`; every replica
         between two groups that are not the reader)."""
@@ -204,7 +208,7 @@ class BatchPlan:
             return Neighbourhoods(self.dp_sizes[other], self.dp_sizes[group]).of_llm(rank)
         if reader == other:
             return Neighbourhoods(self.dp_sizes[group], self.dp_sizes[other]).of_encoder(rank)
-        return range(self.dp_sizes[other])
+        return tuple(range(self.dp_sizes[other]))
 
     def peers(self, group: str, rank: int, other: str, step: int, mbs=None) -> list[int]:
         """Replicas of ``other`` that share samples with replica ``rank`` of ``group`` in

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ray_disagg.pipeline.neighbours import Neighbourhoods
+from ray_disagg.pipeline.neighbours import ring
 
 __all__ = [
     "MAX_WAITING",
@@ -126,6 +126,7 @@ class BinFiller:
     max_samples: int
     shape: tuple  # (micro_batches, llm_dp, {encoder part: dp})
     max_seq_len: int | None = None  # packed rows (RowShape); None: unpacked
+    _least: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def bins(self) -> int:
@@ -164,19 +165,48 @@ class BinFiller:
         return False
 
     def _encoder_replicas(self, step: BudgetStep, j: int, d: int, i: int) -> dict[str, int] | None:
-        """Per encoder group, the least-loaded neighbour of LLM replica ``d`` in
-        microbatch ``j`` (fewest samples on ties) where sample ``i``'s patches fit, or
-        ``None``."""
+        """Per encoder group, a neighbour of LLM replica ``d`` in microbatch ``j`` where
+        sample ``i``'s patches fit (:meth:`_replica`), or ``None``."""
         out = {}
-        for part, loads in step.loads.items():
-            p = float(self.patches[part][i])
-            counts = [len(b) for b in step.encoders[part][j]]
-            near = Neighbourhoods(len(loads[j]), self.shape[1]).of_llm(d)
-            e = min(near, key=lambda r: (loads[j][r], counts[r], r))
-            if loads[j][e] + p > self.cap(part):
+        for part in step.loads:
+            e = self._replica(step, j, d, part, float(self.patches[part][i]))
+            if e is None:
                 return None
             out[part] = e
         return out
+
+    def _replica(self, step: BudgetStep, j: int, d: int, part: str, p: float) -> int | None:
+        """The replica of ``part`` for ``p`` patches of LLM bin ``(j, d)``. Under a patch
+        cap it must leave each other empty LLM bin a neighbour with room for a sample (the
+        least of the group's), and the neighbours that fewer empty bins depend on go
+        first; then the least loaded (fewest samples, lowest index on ties)."""
+        load, cap = step.loads[part][j], self.cap(part)
+        of_llm, of_encoder = ring(len(load), self.shape[1])
+        empty = {b for r in of_llm[d] for b in of_encoder[r] if b != d and not step.llm[j][b]}
+        least = self.least(part)
+
+        def keeps(r: int) -> bool:
+            return all(
+                any(cap - load[x] - (p if x == r else 0.0) >= least for x in of_llm[b])
+                for b in empty
+                if r in of_llm[b]
+            )
+
+        fits = [r for r in of_llm[d] if load[r] + p <= cap and (cap == math.inf or keeps(r))]
+        if not fits:
+            return None
+        counts = [len(b) for b in step.encoders[part][j]]
+        need = dict.fromkeys(fits, 0.0)
+        if cap < math.inf:
+            need = {r: sum(1 / len(of_llm[b]) for b in empty if r in of_llm[b]) for r in fits}
+        return min(fits, key=lambda r: (need[r], load[r], counts[r], r))
+
+    def least(self, part: str) -> float:
+        """The fewest patches of a sample with any (0 when none has)."""
+        if part not in self._least:
+            patches = np.asarray(self.patches[part], dtype=np.float64)
+            self._least[part] = float(patches[patches > 0].min()) if (patches > 0).any() else 0.0
+        return self._least[part]
 
 
 def fill_epoch(

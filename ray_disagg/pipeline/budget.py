@@ -104,8 +104,9 @@ class BudgetPlan(BudgetedPlan):
         if left and self.cover or left > n / 2:
             raise ValueError(
                 f"{why}: a patch cap that keeps samples with media from sharing a microbatch "
-                "(fewer encoder replicas than LLM replicas) or too few samples; raise the "
-                "cap or the budget, or add samples."
+                "(fewer encoder replicas than LLM replicas, each LLM replica's samples "
+                "encoded by its neighbouring encoder replicas) or too few samples; raise "
+                "the cap or the budget, or add samples."
             )
         if left > self.global_batch_size:
             logger.warning("%s; they are left out of epoch 0.", why)

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import functools
 import heapq
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Neighbourhoods", "band_split", "spread"]
+__all__ = ["Neighbourhoods", "band_split", "ring", "spread"]
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def band_split(shares: list[list[int]], cost, n: int, loads: list[float] | None 
         >>> band_split([[0, 1, 2, 3], [4, 5, 6, 7]], [6, 1, 1, 1, 1, 1, 1, 1], 4)
         [[0], [1, 3], [4, 5, 6], [2, 7]]
     """
-    of_llm, of_encoder = _ring(n, len(shares))
+    of_llm, of_encoder = ring(n, len(shares))
     loads = [0.0] * n if loads is None else loads
     cost = cost.tolist() if hasattr(cost, "tolist") else cost
     supply = [float(sum(cost[p] for p in s)) for s in shares]
@@ -113,10 +114,12 @@ def band_split(shares: list[list[int]], cost, n: int, loads: list[float] | None 
 
 
 @functools.lru_cache(maxsize=16)
-def _ring(encoders: int, llms: int) -> tuple[list, list]:
-    """Every LLM replica's and every encoder replica's neighbours."""
+def ring(encoders: int, llms: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """``(of_llm, of_encoder)``: every LLM replica's and every encoder replica's
+    neighbours (:class:`Neighbourhoods`, computed once per pair of sizes)."""
     band = Neighbourhoods(encoders, llms)
-    return [band.of_llm(d) for d in range(llms)], [band.of_encoder(e) for e in range(encoders)]
+    of_llm = tuple(band.of_llm(d) for d in range(llms))
+    return of_llm, tuple(band.of_encoder(e) for e in range(encoders))
 
 
 def spread(positions: list[int], costs: list[list[float]], n: int) -> list[list[int]]:
@@ -134,8 +137,8 @@ def spread(positions: list[int], costs: list[list[float]], n: int) -> list[list[
     """
     per, kinds = len(positions) // n, len(costs)
     arr = np.asarray(costs, dtype=np.float64).reshape(kinds, len(positions))
-    totals = arr.sum(axis=1)
-    scaled = arr / np.where(totals > 0, totals, 1.0)[:, None]
+    totals = np.array([math.fsum(row) or 1.0 for row in arr.tolist()])  # exact: every worker
+    scaled = arr / totals[:, None]
     largest = scaled.max(axis=0)
     order = np.lexsort((np.arange(len(positions)), -largest)).tolist()
     kind, scaled = scaled.argmax(axis=0).tolist(), scaled.T.tolist()  # ties: the first kind

@@ -167,7 +167,7 @@ def programs(
 ) -> dict[Worker, list]:
     """Each worker's queue for ``steps`` steps of ``k`` microbatches. ``talks(group, d,
     t, j)``: whether encoder replica ``d`` of ``group`` and LLM replica ``t`` share
-    samples in microbatch ``j`` (default: every pair, as balanced assignment may);
+    samples in microbatch ``j`` (default: every pair, a superset of any plan's);
     ``llm_schedule``: the LLM side's action lists (another order, to compare)."""
     talks = talks or (lambda g, d, t, j: True)
     everyone = frozenset(

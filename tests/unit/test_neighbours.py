@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ray_disagg.pipeline.assignment import BatchPlan
+from ray_disagg.pipeline.bins import BinFiller, fill_steps
 from ray_disagg.pipeline.budget import BudgetPlan, StreamBudgetPlan
 from ray_disagg.pipeline.neighbours import Neighbourhoods, band_split, spread
 
@@ -120,3 +121,20 @@ def test_band_split_fills_quotas_and_spreads_zero_costs():
     # one LLM replica, two encoders: the large sample alone, as longest-processing-time
     assert band_split([list(range(8))], [7.0] + [1.0] * 7, 2) == [[0], [1, 2, 3, 4, 5, 6, 7]]
     assert band_split([[0, 1, 2, 3]], [0.0] * 4, 2) == [[0, 2], [1, 3]]
+
+
+def test_a_patch_cap_with_fewer_encoder_replicas_keeps_every_llm_bin_served():
+    """4 vision x 5 text replicas, room for one or two images per encoder replica and
+    microbatch: LLM replica 4's only neighbour is vision replica 3, which the other bins
+    leave room on, so the steps fill (every pair allowed left out 3 of 120 here)."""
+    rng = np.random.default_rng(1)
+    patches = rng.integers(200, 1001, 120).astype(float) * (rng.random(120) > 0.05)
+    lengths = [(int(n),) for n in rng.integers(20, 200, 120)]
+    filler = BinFiller(lengths, {"vision": patches}, 10**6, 1000, 40, (1, 5, {"vision": 4}))
+    steps = fill_steps(filler, range(120))
+    assert 120 - len({i for s in steps for i in s.indices()}) <= 3
+    for s in steps:  # the cap holds, each sample on a neighbour of its LLM replica
+        for e, share in enumerate(s.encoders["vision"][0]):
+            assert sum(patches[i] for i in share) <= 1000
+            llm = {d for d, b in enumerate(s.llm[0]) for i in b if i in share}
+            assert llm <= set(Neighbourhoods(4, 5).of_encoder(e))
