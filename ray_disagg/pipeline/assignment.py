@@ -193,11 +193,11 @@ class BatchPlan:
     def _position_costs(self, step: int, step_costs) -> dict[str, list[float]] | None:
         """Per group, the cost of each batch position of ``step`` (``None``: no costs)."""
         if step_costs is not None:
-            return {g: [float(c) for c in v] for g, v in step_costs.items()}
+            return {g: np.asarray(v, dtype=np.float64).tolist() for g, v in step_costs.items()}
         if self.costs is None:
             return None
-        indices = self.global_indices(step)
-        return {g: [float(v[i]) for i in indices] for g, v in self.costs.items()}
+        idx = np.asarray(self.global_indices(step), dtype=np.int64)
+        return {g: np.asarray(v, dtype=np.float64)[idx].tolist() for g, v in self.costs.items()}
 
     def neighbours(self, group: str, rank: int, other: str) -> tuple[int, ...]:
         """The replicas of ``other`` that replica ``rank`` of ``group`` may ever exchange

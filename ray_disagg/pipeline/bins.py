@@ -183,7 +183,7 @@ class BinFiller:
         load, cap = step.loads[part][j], self.cap(part)
         of_llm, of_encoder = ring(len(load), self.shape[1])
         empty = {b for r in of_llm[d] for b in of_encoder[r] if b != d and not step.llm[j][b]}
-        least = self.least(part)
+        least = self.least(part) if empty and cap < math.inf else 0.0
 
         def keeps(r: int) -> bool:
             return all(
@@ -202,9 +202,13 @@ class BinFiller:
         return min(fits, key=lambda r: (need[r], load[r], counts[r], r))
 
     def least(self, part: str) -> float:
-        """The fewest patches of a sample with any (0 when none has)."""
+        """The fewest patches of a sample with any (0 when none has; a stream's: of the
+        records read so far)."""
+        patches = self.patches[part]
+        if isinstance(patches, dict):  # a stream's reads: they grow
+            return min((float(n) for n in patches.values() if n > 0), default=0.0)
         if part not in self._least:
-            patches = np.asarray(self.patches[part], dtype=np.float64)
+            patches = np.asarray(patches, dtype=np.float64)
             self._least[part] = float(patches[patches > 0].min()) if (patches > 0).any() else 0.0
         return self._least[part]
 
