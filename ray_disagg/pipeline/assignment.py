@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ray_disagg.models.base import SampleError, count_label_tokens
-from ray_disagg.pipeline.neighbours import Neighbourhoods, band_split, spread
+from ray_disagg.pipeline.neighbours import band_split, ring, spread
 
 __all__ = [
     "SampleError",
@@ -165,15 +165,14 @@ class BatchPlan:
             for group, n in self.dp_sizes.items():
                 if group == reader:
                     continue
-                if spread_bins and group not in cost:  # the bins are not contiguous
-                    zero = [0.0] * self.global_batch_size
-                    mb[group] = band_split(shares, zero, n, loads[group])
-                elif cost is None or group not in cost:
+                if spread_bins or (cost is not None and group in cost):
+                    # spread bins are not contiguous: a group without costs splits by none
+                    costs = cost.get(group) or [0.0] * self.global_batch_size
+                    mb[group] = band_split(shares, costs, n, loads[group])
+                else:
                     union = sorted(p for share in shares for p in share)
                     per = len(union) // n
                     mb[group] = [union[r * per : (r + 1) * per] for r in range(n)]
-                else:
-                    mb[group] = band_split(shares, cost[group], n, loads[group])
             out.append(mb)
         return out
 
@@ -201,13 +200,13 @@ class BatchPlan:
 
     def neighbours(self, group: str, rank: int, other: str) -> tuple[int, ...]:
         """The replicas of ``other`` that replica ``rank`` of ``group`` may ever exchange
-        with (:class:`~ray_disagg.pipeline.neighbours.Neighbourhoods`; every replica
+        with (:func:`~ray_disagg.pipeline.neighbours.ring`, cached; every replica
         between two groups that are not the reader)."""
         reader = self.reader_group
         if reader == group:
-            return Neighbourhoods(self.dp_sizes[other], self.dp_sizes[group]).of_llm(rank)
+            return ring(self.dp_sizes[other], self.dp_sizes[group])[0][rank]
         if reader == other:
-            return Neighbourhoods(self.dp_sizes[group], self.dp_sizes[other]).of_encoder(rank)
+            return ring(self.dp_sizes[group], self.dp_sizes[other])[1][rank]
         return tuple(range(self.dp_sizes[other]))
 
     def peers(self, group: str, rank: int, other: str, step: int, mbs=None) -> list[int]:
