@@ -1,16 +1,22 @@
 """The cross-group path at cluster scale, simulated on the driver alone (no workers, no
 GPUs): for 8 x 4 up to 512 x 256 encoder x LLM replicas (the tower in SP2, the LLM in
-TP4), the old path (every encoder replica balanced against every LLM replica) and the
-new one (bounded neighbourhoods, ``ray_disagg.pipeline.neighbours``) side by side:
+TP4), the old path (every encoder replica balanced against every LLM replica, a
+two-rank NCCL communicator per pair, one gloo group over every worker) and the new one
+(bounded neighbourhoods, ``ray_disagg.pipeline.neighbours``; one link per pair of groups,
+``ray_disagg.transport.links``) side by side:
 
-- cross-group peers per replica leader (max, mean) and the pairs in all,
-- NCCL communicators per worker (the transport opens one per exchanging pair) and their
+- cross-group peers per replica leader (max, mean) and the exchanging pairs in all,
+- NCCL communicators per worker (max, mean over the leaders) and in all, and their
   estimated GPU memory (``--comm-mib`` per communicator: NCCL's tracker reported about
   544 MB for a used two-GPU communicator, NVIDIA/nccl#964; point-to-point and
   cross-node buffers differ, so read it as an estimate),
-- the rendezvous depth at start-up (every rank connects its pairs in one global order:
-  the longest chain of connections that wait for each other),
-- side-channel connections per worker (one gloo group over every worker),
+- the rendezvous depth at start-up (the longest chain of connection rounds that wait for
+  each other: old, every rank connects its pairs one by one in the global order; new, a
+  round of connections to the peers and one NCCL init per link, links in one order),
+- side-channel connections per worker (old: one gloo group over every worker, connected
+  eagerly; new: lazy link groups, each worker connected to its peers only),
+- the widest collective of a step (old: the statistics over every worker; new: within a
+  group, then the groups' rank 0s),
 - the driver's planning time per step (``plan.assign``: every worker computes it too),
 - control messages per replica leader per step (inputs, crossings, gradients),
 - balance: the slowest encoder replica's cost over the mean per step, and the slowest
@@ -33,6 +39,9 @@ import time
 import numpy as np
 
 from ray_disagg.pipeline.assignment import BatchPlan, balanced_split
+from ray_disagg.transport.channel import ChannelSpec
+from ray_disagg.transport.links import plan_links
+from ray_disagg.transport.select import Location
 
 SCALES = [  # encoder replicas, LLM replicas, global batch, microbatches
     (8, 4, 256, 4),
@@ -124,13 +133,56 @@ def step_figures(plan, mbs, step: int) -> dict:
     }
 
 
-def path_figures(plan: BatchPlan, assign, pairs, steps: int, comm_mib: float) -> dict:
-    nv, nt = plan.dp_sizes["vision"], plan.dp_sizes["text"]
-    peers_v = [sum(1 for e, _ in pairs if e == r) for r in range(nv)]
-    peers_t = [sum(1 for _, d in pairs if d == r) for r in range(nt)]
-    peers = peers_v + peers_t
+def old_transport(nv: int, nt: int, pairs, comm_mib: float) -> dict:
+    """The previous transport: a two-rank NCCL communicator per pair, connected one after
+    another in the global order of pairs; one gloo group over every worker."""
+    peers = [sum(1 for e, _ in pairs if e == r) for r in range(nv)]
+    peers += [sum(1 for _, d in pairs if d == r) for r in range(nt)]
+    world = nv * SP + nt * TP
     # channel ranks: the LLM group first (TP ranks), then the tower's (SP ranks)
     global_pairs = {(d * TP, nt * TP + e * SP) for e, d in pairs}
+    return {
+        "communicators per worker (max / mean)": f"{max(peers)} / {statistics.mean(peers):.1f}",
+        "communicators in all": f"{len(pairs):,}",
+        "est. GPU memory per worker": f"{max(peers) * comm_mib / 1024:.1f} GiB",
+        "rendezvous depth": f"{rendezvous_depth(global_pairs)}",
+        "side-channel connections (max)": f"{world - 1:,}",
+        "widest per-step collective": f"{world:,} workers",
+    }
+
+
+def new_transport(nv: int, nt: int, pairs, comm_mib: float) -> dict:
+    """This transport, from the channel's own link plan (``plan_links``) with every pair
+    on the NCCL tier (separate placement, eight GPUs a node)."""
+    n_text, world = nt * TP, nv * SP + nt * TP
+    where = [Location(node=f"n{r // 8}", pid=r, device="cuda", gpu=f"gpu{r}") for r in range(world)]
+    spec = ChannelSpec(
+        "127.0.0.1", 0, {"text": 0, "vision": n_text}, {"text": n_text, "vision": nv * SP},
+        60.0, "scale", where, {(d * TP, n_text + e * SP): "nccl" for e, d in pairs},
+    )  # fmt: skip
+    links = plan_links(spec)
+    leaders = sorted({m for link in links for m in link.members})
+    nccl = [sum(link.part(w) is not None for link in links) for w in leaders]
+    conns = [sum(len(link.peers(w)) for link in links if w in link.members) for w in leaders]
+    clock: dict[int, int] = {}
+    for link in links:  # each link: one round of connections, one NCCL init of each part
+        t = 1 + bool(link.nccl_parts) + max(clock.get(m, 0) for m in link.members)
+        clock.update(dict.fromkeys(link.members, t))
+    widest = max(nv * SP, nt * TP)
+    return {
+        "communicators per worker (max / mean)": f"{max(nccl)} / {statistics.mean(nccl):.1f}",
+        "communicators in all": f"{sum(len(link.nccl_parts) for link in links):,}",
+        "est. GPU memory per worker": f"{max(nccl) * comm_mib / 1024:.1f} GiB",
+        "rendezvous depth": f"{max(clock.values())}",
+        "side-channel connections (max)": f"{max(conns):,}",
+        "widest per-step collective": f"{widest:,} workers",
+    }
+
+
+def path_figures(plan: BatchPlan, assign, pairs, transport: dict, steps: int) -> dict:
+    nv, nt = plan.dp_sizes["vision"], plan.dp_sizes["text"]
+    peers = [sum(1 for e, _ in pairs if e == r) for r in range(nv)]
+    peers += [sum(1 for _, d in pairs if d == r) for r in range(nt)]
     times, figs = [], []
     for step in range(steps):
         t0 = time.perf_counter()
@@ -139,11 +191,8 @@ def path_figures(plan: BatchPlan, assign, pairs, steps: int, comm_mib: float) ->
         figs.append(step_figures(plan, mbs, step))
     return {
         "peers": f"{max(peers)} / {statistics.mean(peers):.1f}",
-        "pairs (communicators in all)": f"{len(pairs):,}",
-        "communicators per worker (max)": f"{max(peers)}",
-        "est. GPU memory per worker": f"{max(peers) * comm_mib / 1024:.1f} GiB",
-        "rendezvous depth": f"{rendezvous_depth(global_pairs)}",
-        "side-channel connections": f"{nv * SP + nt * TP - 1:,}",
+        "exchanging pairs": f"{len(pairs):,}",
+        **transport,
         "planning per step": f"{1e3 * statistics.median(times):.1f} ms",
         "messages per leader per step": "{:.0f} / {:.1f}".format(
             max(f["msgs"][0] for f in figs), statistics.mean(f["msgs"][1] for f in figs)
@@ -164,16 +213,16 @@ def main() -> None:
             shuffle=True, micro_batches=k, reader="text", costs=skewed_costs(4 * b),
         )  # fmt: skip
         old_pairs = {(e, d) for e in range(nv) for d in range(nt)}
-        old = path_figures(
-            plan, functools.partial(old_assign, plan), old_pairs, args.steps, args.comm_mib
-        )
+        before = old_transport(nv, nt, old_pairs, args.comm_mib)
+        old = path_figures(plan, functools.partial(old_assign, plan), old_pairs, before, args.steps)
         new_pairs = plan.exchange_pairs("vision", "text")
-        new = path_figures(plan, plan.assign, new_pairs, args.steps, args.comm_mib)
+        after = new_transport(nv, nt, new_pairs, args.comm_mib)
+        new = path_figures(plan, plan.assign, new_pairs, after, args.steps)
         gpus = nv * SP + nt * TP
         print(f"\n{nv} x {nt} replicas ({gpus:,} GPUs), global batch {b}, {k} microbatches")
-        print(f"  {'':34s} {'old (every pair)':>20s} {'new (neighbours)':>20s}")
+        print(f"  {'':38s} {'old':>20s} {'new':>20s}")
         for key in old:
-            print(f"  {key:34s} {old[key]:>20s} {new[key]:>20s}")
+            print(f"  {key:38s} {old[key]:>20s} {new[key]:>20s}")
         ratio = float(new["encoder balance (max/mean)"]) / float(old["encoder balance (max/mean)"])
         print(f"  slowest encoder replica, neighbours over every pair: {ratio:.3f}x")
 

@@ -4,10 +4,11 @@ Every worker runs its step as one in-order queue of operations, as a GPU does wi
 ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (every stream's work in one hardware queue): a
 point-to-point transfer with a peer (sends and receives of one action on one pair, issued
 together) completes only when the peer's queue has the mirror transfer at its head, and a
-collective (SP all-to-all, TP broadcast, FSDP all-gather, the end-of-step reductions) only
-when every member has it at its head. That is stricter than NCCL and gloo need (they may
-buffer small sends), so a schedule that never gets stuck here cannot wait in a cycle
-there, whatever the buffering.
+collective (SP all-to-all, TP broadcast, FSDP all-gather, the end-of-step sums within a
+group) only when every member has it at its head; the step's statistics then cross
+between the groups' rank 0s as transfers (no collective spans the groups). That is
+stricter than NCCL and gloo need (they may buffer small sends), so a schedule that never
+gets stuck here cannot wait in a cycle there, whatever the buffering.
 
 :func:`programs` turns each group's action list (``ray_disagg.pipeline.schedule``) into
 these queues for a layout; :func:`run` replays them and raises :class:`Deadlock` naming the
@@ -16,7 +17,7 @@ workers stuck and what each waits for.
 Example:
     >>> layout = {"vision": GroupShape(dp=1, mp=1), "text": GroupShape(dp=1, mp=1)}
     >>> run(programs(layout, "text", k=4, max_in_flight=2))
-    70
+    82
 """
 
 from __future__ import annotations
@@ -184,8 +185,30 @@ def programs(
                 out[(g, d, m)] += _encoder_queue(
                     groups, llm, g, d, m, step, k, max_in_flight, talks
                 )
-            out[(g, d, m)].append(Collective(f"finish:{step}", everyone))
+        for w, queue in out.items():
+            queue += _statistics(groups, llm, w, step)
     return out
+
+
+def _statistics(groups: dict[str, GroupShape], llm: str, me: Worker, step: int) -> list:
+    """The end of a step (``Channel.all_reduce_sum``): a sum within each group, each
+    encoder group's rank 0 sends it to the LLM group's rank 0 and gets the total back, each
+    group's rank 0 shares it in its group."""
+    group, hub = me[0], (llm, 0, 0)
+    members = frozenset(
+        (group, r, m) for r in range(groups[group].dp) for m in range(groups[group].mp)
+    )
+    out: list = [Collective(f"sum:{step}:{group}", members)]
+    others = [g for g in groups if g != llm]
+    if me == hub:
+        out += [Transfer((g, 0, 0), (("recv", f"stats:{step}:{g}"),)) for g in others]
+        out += [Transfer((g, 0, 0), (("send", f"total:{step}:{g}"),)) for g in others]
+    elif me == (group, 0, 0):
+        out += [
+            Transfer(hub, (("send", f"stats:{step}:{group}"),)),
+            Transfer(hub, (("recv", f"total:{step}:{group}"),)),
+        ]
+    return out + [Collective(f"share:{step}:{group}", members)]
 
 
 def run(queues: dict[Worker, list]) -> int:

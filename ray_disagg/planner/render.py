@@ -136,8 +136,19 @@ def _peer_lines(r) -> list[str]:
             out.append(
                 f"cross-group peers: a {part} replica <-> at most {band.max_llm_peers} of "
                 f"{llm} {adapter.llm_part} replicas, a {adapter.llm_part} replica <-> at most "
-                f"{band.max_encoder_peers} of {band.encoders} (one communicator per pair)"
+                f"{band.max_encoder_peers} of {band.encoders}"
             )
+            out.append(
+                f"  transport: one {part}-{adapter.llm_part} link over the replicas' "
+                f"{band.encoders + llm} leaders: a gloo group, each leader connected to its "
+                "peers only, and on GPUs one NCCL communicator (a pair's own where two "
+                "workers of the link share a GPU)"
+            )
+    if out:
+        out.append(
+            "  statistics: summed within each group, then over the groups' rank 0s "
+            "(no collective over every worker)"
+        )
     return out
 
 

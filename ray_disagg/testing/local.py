@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -27,7 +28,11 @@ from datetime import timedelta
 
 import torch
 
-__all__ = ["LocalSession", "fit_local", "process_context"]
+__all__ = ["CHANNELS", "LocalSession", "fit_local", "process_context"]
+
+CHANNELS = "channels.json"
+"""In a local run's directory: each worker's cross-group process groups (``{"gloo": n,
+"nccl": m, "peers": [side ranks]}`` by ``"<group> <rank>"``), for tests that count them."""
 
 # Imported once by the fork server, inherited by every child.
 PRELOAD = [
@@ -124,8 +129,10 @@ def _worker(loop, backend, name, rank, spec, env, run_dir, messages, lead) -> No
         )
         runtime.join_channel(spec, name, rank)
         loop()
+        channel = runtime.get_runtime().channel
+        made = None if channel is None else {**channel.made, "peers": channel.peers}
         runtime.close_channel()
-        messages.put(("done", name, rank))
+        messages.put(("done", name, rank, made))
     except BaseException:
         runtime.close_channel(abort=True)
         messages.put(("error", f"{name} group rank {rank}", traceback.format_exc()))
@@ -167,7 +174,7 @@ def fit_local(trainer, timeout_s: float = 600.0):
     env = trainer.worker_env_vars()
     ctx = process_context()
     messages = ctx.SimpleQueue()  # put() writes at once: no message is lost to a kill
-    procs, reports = {}, []
+    procs, reports, channels = {}, [], {}
     try:
         for i, (name, (loop, backend)) in enumerate(loops.items()):
             for rank in range(sizes[name]):
@@ -175,7 +182,9 @@ def fit_local(trainer, timeout_s: float = 600.0):
                 args = (loop, backend, name, rank, spec, env, run_dir, messages, lead)
                 procs[(name, rank)] = p = ctx.Process(target=_worker, args=args, daemon=True)
                 p.start()
-        _collect(messages, procs, timeout_s, reports)
+        _collect(messages, procs, timeout_s, reports, channels)
+        with open(os.path.join(run_dir, CHANNELS), "w") as f:
+            json.dump(channels, f, indent=1)
     finally:
         _keep_history(run_dir, reports)
         for p in procs.values():
@@ -201,8 +210,9 @@ def _keep_history(run_dir: str, reports: list) -> None:
     history.close()
 
 
-def _collect(messages, procs: dict, timeout_s: float, reports: list) -> None:
-    """Wait for every worker, putting the union rank 0's reports into ``reports``."""
+def _collect(messages, procs: dict, timeout_s: float, reports: list, channels: dict) -> None:
+    """Wait for every worker, putting the union rank 0's reports into ``reports`` and each
+    worker's cross-group process groups and peers into ``channels``."""
     done, deadline = set(), time.monotonic() + timeout_s
     while len(done) < len(procs):
         if messages.empty():
@@ -222,6 +232,7 @@ def _collect(messages, procs: dict, timeout_s: float, reports: list) -> None:
             reports.append(msg[1:])
         elif msg[0] == "done":
             done.add((msg[1], msg[2]))
+            channels[f"{msg[1]} {msg[2]}"] = msg[3]
         else:
             errors = [f"[{msg[1]} failed]:\n{msg[2]}"]
             time.sleep(1.0)  # the other workers' errors, if any, follow the first one's

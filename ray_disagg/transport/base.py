@@ -3,14 +3,16 @@ the host tiers move."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
 
 __all__ = [
+    "ChannelSpec",
     "TIERS",
     "Tier",
+    "TransferError",
     "TensorSpec",
     "describe",
     "as_bytes",
@@ -21,6 +23,10 @@ __all__ = [
 Tier = Literal["gloo", "shm", "nccl", "cuda_ipc"]
 """A transfer tier between two workers."""
 TIERS = get_args(Tier)
+
+
+class TransferError(TimeoutError, RuntimeError):
+    """A cross-group transfer timed out or failed; the message names the peer."""
 
 
 @dataclass(frozen=True)
@@ -65,3 +71,39 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def from_bytes(buf: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """The tensor ``spec`` describes, viewing the ``uint8`` buffer ``buf`` (no copy)."""
     return buf.view(spec.torch_dtype).view(spec.shape)
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """Where and how to rendezvous (sent by the coordinator to every worker)."""
+
+    master_addr: str
+    master_port: int
+    offsets: dict[str, int]
+    sizes: dict[str, int]
+    timeout_s: float
+    prefix: str
+    locations: list = field(default_factory=list)
+    """Where each side rank runs (:class:`~ray_disagg.transport.select.Location`s,
+    reported by the workers)."""
+    tiers: dict[tuple[int, int], str] = field(default_factory=dict)
+    """Transfer tier of each pair of side ranks ``(low, high)`` in different groups."""
+    generation: int = 0
+    """How many times the channel was rebuilt in this run attempt (a group restarted)."""
+    restarts: dict[str, int] = field(default_factory=dict)
+    """Group -> how many times it alone was restarted in this run attempt."""
+    takeovers: dict[str, int] = field(default_factory=dict)
+    """Group with a standby -> how many of those restarts its standby took."""
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.sizes.values())
+
+    def tier(self, a: int, b: int) -> str:
+        return self.tiers.get((min(a, b), max(a, b)), "gloo")
+
+    def label(self, rank: int) -> str:
+        for name, off in self.offsets.items():
+            if off <= rank < off + self.sizes[name]:
+                return f"{name} rank {rank - off}"
+        return f"side rank {rank}"

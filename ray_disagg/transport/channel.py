@@ -1,13 +1,15 @@
-"""The channel between the groups: one gloo process group spanning every worker of every
-group (its "side ranks"), plus the transfer tier of each pair of workers.
+"""The channel between the groups: the *links* between groups that talk across (a gloo
+group each, and the NCCL communicators of their GPU pairs; :mod:`ray_disagg.transport.
+links`), and the per-step statistics summed over every worker.
 
 Each group has its own default ``torch.distributed`` group (set up by its Ray Train
-backend). Control messages and the per-step statistics cross between groups over this
-second, separate gloo group built from a ``TCPStore`` that the coordinator asks the first
-group's rank 0 to host. Side ranks are the groups' ranks in group order (e.g. ``[vision
-0..Nv-1, text 0..Nt-1]``). Tensors (activations, gradients) go over the tier chosen for
-each pair of workers (``ray_disagg.transport``): the header over gloo, the data over the
-tier.
+backend). Control messages cross between groups over the links, built from a
+``TCPStore`` that the coordinator asks the first group's rank 0 to host. Side ranks are
+the groups' ranks in group order (e.g. ``[text 0..Nt-1, vision 0..Nv-1]``; the first
+group, the LLM's, is the hub of the statistics). Tensors (activations, gradients) go over
+the tier chosen for each pair of workers (``ray_disagg.transport``): the header over the
+link's gloo group, the data over the tier. A worker that exchanges with no other group
+(e.g. a model-parallel rank that is not its replica's leader) holds no link.
 
 One meaning of ``wait()`` on every tier: once the handle of ``send_tensors(...,
 wait=False)`` has been waited on, the send buffers may be reused (written or freed) by work
@@ -26,16 +28,16 @@ import contextlib
 import functools
 import logging
 import pickle
-from dataclasses import dataclass, field
+import time
 from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ray_disagg.transport.base import describe
+from ray_disagg.transport.base import ChannelSpec, TransferError, describe
 from ray_disagg.transport.gloo import GlooTier
-from ray_disagg.transport.select import Location
+from ray_disagg.transport.links import LinkGroups, connect, group_of, plan_links
 from ray_disagg.transport.shm import ShmTier, ShmUnavailable
 
 __all__ = ["ChannelSpec", "Channel", "TransferError", "host_store", "join"]
@@ -43,62 +45,57 @@ __all__ = ["ChannelSpec", "Channel", "TransferError", "host_store", "join"]
 logger = logging.getLogger(__name__)
 
 _FIRST = 4096  # bytes of the first message of an object (its length + the start)
-
-
-class TransferError(TimeoutError, RuntimeError):
-    """A cross-group transfer timed out or failed; the message names the peer."""
-
-
-@dataclass(frozen=True)
-class ChannelSpec:
-    """Where and how to rendezvous (sent by the coordinator to every worker)."""
-
-    master_addr: str
-    master_port: int
-    offsets: dict[str, int]
-    sizes: dict[str, int]
-    timeout_s: float
-    prefix: str
-    locations: list[Location] = field(default_factory=list)
-    """Where each side rank runs (reported by the workers)."""
-    tiers: dict[tuple[int, int], str] = field(default_factory=dict)
-    """Transfer tier of each pair of side ranks ``(low, high)`` in different groups."""
-    generation: int = 0
-    """How many times the channel was rebuilt in this run attempt (a group restarted)."""
-    restarts: dict[str, int] = field(default_factory=dict)
-    """Group -> how many times it alone was restarted in this run attempt."""
-    takeovers: dict[str, int] = field(default_factory=dict)
-    """Group with a standby -> how many of those restarts its standby took."""
-
-    @property
-    def world_size(self) -> int:
-        return sum(self.sizes.values())
-
-    def tier(self, a: int, b: int) -> str:
-        return self.tiers.get((min(a, b), max(a, b)), "gloo")
-
-    def label(self, rank: int) -> str:
-        for name, off in self.offsets.items():
-            if off <= rank < off + self.sizes[name]:
-                return f"{name} rank {rank - off}"
-        return f"side rank {rank}"
+HUB_SHARE = 0.8
+"""The hub's rank 0 waits for the other groups' sums at most this share of the timeout in
+all, so its group (waiting in the broadcast under the same timeout) hears a failure
+through the flag rather than timing out first."""
 
 
 class Channel:
-    """Point-to-point transfers and small all-reduces between the module groups.
+    """Point-to-point transfers with the workers of other groups this worker exchanges
+    with, and the step's statistics summed over every worker (:meth:`all_reduce_sum`).
 
-    All ranks are side ranks; ``rank_of(module, group_rank)`` converts.
-    """
+    All ranks are side ranks; ``rank_of(module, group_rank)`` converts. ``local``: this
+    worker's own group's gloo group (``None``: a group of one worker)."""
 
-    def __init__(self, pg: dist.ProcessGroup, spec: ChannelSpec, rank: int, store, tiers=None):
-        self.pg = pg
-        self.spec = spec
-        self.rank = rank
+    def __init__(self, spec: ChannelSpec, rank: int, store, links=(), local=None, device=None):
+        self.spec, self.rank, self.local = spec, rank, local
+        self.group = group_of(spec, rank)
         self._store = store  # keeps the TCP connection (and, on the host, the server) alive
-        self._tiers = {"gloo": GlooTier(pg), **(tiers or {})}
+        self.links: list[LinkGroups] = list(links)
+        self._routes = {  # only the planned peers: no connection outside the handshake
+            m: (lg.gloo, lg.link.rank(m)) for lg in self.links for m in lg.link.peers(rank)
+        }
+        nccl = {p: r for lg in self.links for p, r in lg.nccl.items()}
+        self._tiers = {"gloo": GlooTier(self._route)}
+        if nccl:
+            from ray_disagg.transport.nccl import NcclTier
+
+            self._tiers["nccl"] = NcclTier(rank, nccl, device)
         self._warned: set[str] = set()
         self.fallbacks = 0  # tensor messages sent over gloo instead of the planned tier
         self.closed = False
+
+    @property
+    def made(self) -> dict[str, int]:
+        """Cross-group process groups this worker created: ``{"gloo": n, "nccl": m}``."""
+        return {k: sum(lg.made[k] for lg in self.links) for k in ("gloo", "nccl")}
+
+    @property
+    def peers(self) -> list[int]:
+        """Side ranks of the other groups this worker exchanges with (its connections)."""
+        return sorted({p for lg in self.links for p in lg.link.peers(self.rank)})
+
+    def _route(self, peer: int):
+        """``(gloo group, the peer's rank in it)``: the link with ``peer``'s group."""
+        route = self._routes.get(peer)
+        if route is None:
+            raise TransferError(
+                f"{self.spec.label(peer)} is not a peer of {self.spec.label(self.rank)}: "
+                "the transfer plan gives them no exchange (a worker talks only to its "
+                "neighbours in the other groups; see ChannelSpec.tiers)"
+            )
+        return route
 
     def take_fallbacks(self) -> int:
         """Tensor messages sent over gloo instead of their planned tier since the last
@@ -128,12 +125,14 @@ class Channel:
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         with self._guard("sending a tensor to", dst):
-            self.pg.send([tensor.detach().contiguous().cpu()], dst, 0).wait()
+            pg, r = self._route(dst)
+            pg.send([tensor.detach().contiguous().cpu()], r, 0).wait()
 
     def recv(self, shape, dtype: torch.dtype, src: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype)
         with self._guard("receiving a tensor from", src):
-            self.pg.recv([out], src, 0).wait()
+            pg, r = self._route(src)
+            pg.recv([out], r, 0).wait()
         return out
 
     def send_object(self, obj, dst: int) -> None:
@@ -152,7 +151,8 @@ class Channel:
         bufs = [torch.from_numpy(first)]
         if len(data) > len(head):
             bufs.append(torch.from_numpy(np.frombuffer(data, dtype=np.uint8)[len(head) :].copy()))
-        return [_Posted(self.pg.send([b], dst, 0), b) for b in bufs]
+        pg, r = self._route(dst)
+        return [_Posted(pg.send([b], r, 0), b) for b in bufs]
 
     def recv_object(self, src: int):
         with self._guard("receiving a message from", src):
@@ -167,12 +167,59 @@ class Channel:
         return pickle.loads(data)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over every worker of every group without a collective over
+        them all: summed within the group (``local``), then each group's rank 0 sends its
+        sum to the hub's (the first group's rank 0), which adds them in group order and
+        sends the total back, and each rank 0 broadcasts it in its group with a flag. Call
+        on every rank of every group; only rank 0 touches the links, and a failure there
+        raises :class:`TransferError` on every rank of its group (a group that survives
+        another's failure leaves the step together)."""
         buf = tensor.detach().cpu().clone()
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
-        with self._guard("all-reducing with", None):
-            self.pg.allreduce([buf], opts).wait()
+        if self.local is not None:
+            dist.all_reduce(buf, group=self.local)
+        ok, error = True, None
+        if self.rank == self.spec.offsets[self.group]:
+            try:
+                buf = self._sum_at_hub(buf)
+            except Exception as e:  # noqa: BLE001 - every rank of the group must hear of it
+                ok, error = False, e
+        if self.local is not None:
+            packed = torch.cat([buf.flatten(), torch.tensor([float(ok)], dtype=buf.dtype)])
+            dist.broadcast(packed, group=self.local, group_src=0)
+            buf, ok = packed[:-1].view_as(buf), bool(packed[-1])
+        if error is not None and not isinstance(error, TransferError):
+            raise TransferError(f"summing the statistics across groups: {error}") from error
+        if not ok:
+            raise error or TransferError(
+                f"{self.spec.label(self.rank)}: its group's rank 0 could not sum the "
+                "statistics with the other groups (another group failed)"
+            )
         return buf
+
+    def _sum_at_hub(self, buf: torch.Tensor) -> torch.Tensor:
+        """Rank 0's part: send to the hub and receive the total, or (the hub) receive every
+        group's sum at once, add them in group order and send the total back, waiting at
+        most :data:`HUB_SHARE` of the timeout (its group hears of a failure in time)."""
+        names = list(self.spec.offsets)
+        hub, others = self.spec.offsets[names[0]], [self.spec.offsets[g] for g in names[1:]]
+        if self.rank != hub:
+            self.send(buf, hub)
+            return self.recv(buf.shape, buf.dtype, hub)
+        deadline, posted = time.monotonic() + HUB_SHARE * self.spec.timeout_s, []
+        for r in others:  # every receive posted first: the waits overlap
+            with self._guard("receiving the statistics from", r):
+                pg, rank = self._route(r)
+                posted.append((r, out := torch.empty_like(buf), pg.recv([out], rank, 0)))
+        total = buf
+        for r, out, work in posted:  # in group order: the same sum on every run
+            with self._guard("receiving the statistics from", r):
+                left = max(deadline - time.monotonic(), 0.001)
+                if work.wait(timedelta(seconds=left)) is False:
+                    raise TimeoutError(f"no statistics within {left:.0f}s")
+            total = total + out
+        for r in others:
+            self.send(total, r)
+        return total
 
     # ---- named tensors over the pair's tier -----------------------------------------
 
@@ -198,7 +245,7 @@ class Channel:
             elif name == "cuda_ipc":
                 from ray_disagg.transport.cuda_ipc import CudaIpcTier
 
-                self._tiers[name] = CudaIpcTier(self.pg)
+                self._tiers[name] = CudaIpcTier(self._route)
             else:
                 raise RuntimeError(f"transfer tier {name!r} is not set up on this worker")
         return self._tiers[name]
@@ -254,11 +301,11 @@ class Channel:
 
     def close(self, abort: bool = False) -> None:
         """Release what the channel holds: shared-memory segments, CUDA IPC mappings, the
-        NCCL pair groups and the gloo group. Idempotent; best effort (a failing part is
-        logged and the others are still released). ``abort=True`` (after a failure)
-        aborts NCCL communicators instead of waiting for their queued work.
+        NCCL communicators and the links' gloo groups. Idempotent; best effort (a failing
+        part is logged and the others are still released). ``abort=True`` (after a
+        failure) aborts NCCL communicators instead of waiting for their queued work.
 
-        The gloo group's connections close when its last reference goes (gloo's
+        A gloo group's connections close when its last reference goes (gloo's
         ``shutdown``/``abort`` leave them open), so this drops every reference it holds: a
         peer blocked in a receive from this rank is released at once, not after
         ``timeout_s`` (a failed group's survivors rely on it)."""
@@ -268,9 +315,12 @@ class Channel:
         for name, tier in list(self._tiers.items()):
             if name != "gloo" and hasattr(tier, "close"):
                 _best_effort(f"closing the {name} tier", tier.close, abort)
-        _best_effort("shutting down the side gloo group", _shutdown, self.pg, abort)
+        for lg in self.links:
+            _best_effort(f"shutting down the {lg.link.name} link", _shutdown, lg.gloo, abort)
+            lg.gloo = lg.nccl = None
         self._tiers.clear()
-        self.pg = self._store = None
+        self._routes.clear()
+        self._store = self.local = None
 
 
 def _best_effort(what: str, fn, *args) -> None:
@@ -331,30 +381,20 @@ def host_store(addr: str, timeout_s: float):
     return store, store.port
 
 
-def join(spec: ChannelSpec, rank: int, node_ip: str, store=None, device=None) -> Channel:
-    """Blocking rendezvous of all ``spec.world_size`` ranks (call on every rank at once);
-    also connects the NCCL communicator of each of this rank's ``nccl`` pairs, in the
-    global order of pairs (every rank connects its pairs in that order, so no two wait
-    for each other)."""
-    timeout = timedelta(seconds=spec.timeout_s)
+def join(
+    spec: ChannelSpec, rank: int, node_ip: str, store=None, device=None, local=None
+) -> Channel:
+    """Connect this worker's links (call on every rank at once; a worker in no link
+    returns at once): each link's lazy gloo group, one round of connections to this
+    worker's peers in it, then its NCCL communicator, links in one global order
+    (:func:`~ray_disagg.transport.links.plan_links`), so no two workers wait for each
+    other. ``local``: this worker's group's gloo group (the statistics are summed in it)."""
     if store is None:
+        timeout = timedelta(seconds=spec.timeout_s)
         store = dist.TCPStore(spec.master_addr, spec.master_port, None, False, timeout)
-    prefixed = dist.PrefixStore(spec.prefix, store)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=node_ip)]
-    pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, opts)
-    tiers = {}
-    pairs = sorted(p for p, t in spec.tiers.items() if t == "nccl")  # one global order
-    if any(rank in p for p in pairs):
-        from ray_disagg.transport.nccl import NcclTier, pair_group
-
-        mine = {
-            (b if a == rank else a): pair_group(
-                store, spec.prefix, a, b, rank, spec.timeout_s, device
-            )
-            for a, b in pairs
-            if rank in (a, b)
-        }
-        tiers["nccl"] = NcclTier(rank, mine, device)
-    return Channel(pg, spec, rank, store, tiers)
+    links = [
+        connect(link, spec, store, rank, node_ip, device)
+        for link in plan_links(spec)
+        if rank in link.members
+    ]
+    return Channel(spec, rank, store, links, local, device)

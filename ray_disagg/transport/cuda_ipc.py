@@ -112,8 +112,9 @@ class CudaIpcTier:
 
     name = "cuda_ipc"
 
-    def __init__(self, pg, max_segments: int = 64):
-        self.pg, self.max_segments = pg, max_segments
+    def __init__(self, route, max_segments: int = 64):
+        # route(peer): the gloo group of the link with the peer and its rank in it
+        self.route, self.max_segments = route, max_segments
         self._index_of: dict[str, int] = {}
         self._peer_events: dict[bytes, torch.cuda.Event] = {}  # sender: opened ack events
         self._done: dict[int, torch.cuda.Event] = {}  # receiver: ack event per sender
@@ -143,7 +144,8 @@ class CudaIpcTier:
         if not tensors:
             return []
         buf = torch.zeros(_ACK_BYTES, dtype=torch.uint8)
-        work = self.pg.recv([buf], dst, _ACK_TAG)
+        pg, rank = self.route(dst)
+        work = pg.recv([buf], rank, _ACK_TAG)
         return [(_Ack(self, work, buf, tensors[0].device), buf)]
 
     def _peer_event(self, device: torch.device, handle: bytes) -> torch.cuda.Event:
@@ -214,7 +216,8 @@ class CudaIpcTier:
             done = self._done[src] = torch.cuda.Event(interprocess=True)
         done.record(stream)
         buf = torch.frombuffer(bytearray(done.ipc_handle()), dtype=torch.uint8)
-        self._acks.append((self.pg.send([buf], src, _ACK_TAG), buf))
+        pg, rank = self.route(src)
+        self._acks.append((pg.send([buf], rank, _ACK_TAG), buf))
         self._acks = [(w, b) for w, b in self._acks if not w.is_completed()]
 
     def _idle_stream(self, index: int) -> torch.cuda.Stream:

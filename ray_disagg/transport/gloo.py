@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ray_disagg.transport.base import TensorSpec, as_bytes, from_bytes
 
@@ -11,12 +10,13 @@ __all__ = ["GlooTier"]
 
 
 class GlooTier:
-    """Sends each tensor's bytes after the header, over the side group's gloo ranks."""
+    """Sends each tensor's bytes after the header, over the peer's link (``route(peer)``:
+    its gloo group and the peer's rank in it)."""
 
     name = "gloo"
 
-    def __init__(self, pg: dist.ProcessGroup):
-        self.pg = pg
+    def __init__(self, route):
+        self.route = route
 
     def pack(self, tensors: list[torch.Tensor], dst: int):
         return None
@@ -27,7 +27,8 @@ class GlooTier:
         for t in tensors:
             if t.numel():
                 buf = as_bytes(t.cpu())
-                out.append((self.pg.send([buf], dst, 0), buf))
+                pg, rank = self.route(dst)
+                out.append((pg.send([buf], rank, 0), buf))
         return out
 
     def unpack(self, specs: list[TensorSpec], payload, src: int, device) -> list[torch.Tensor]:
@@ -35,6 +36,7 @@ class GlooTier:
         for spec in specs:
             buf = torch.empty(spec.nbytes, dtype=torch.uint8)
             if spec.nbytes:
-                self.pg.recv([buf], src, 0).wait()
+                pg, rank = self.route(src)
+                pg.recv([buf], rank, 0).wait()
             out.append(from_bytes(buf, spec).to(device))
         return out

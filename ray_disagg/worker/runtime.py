@@ -187,7 +187,8 @@ def join_channel(spec: sg.ChannelSpec, module: str, group_rank: int) -> None:
         rt.reloaded.wait(spec.timeout_s)  # NCCL pairs are made after its reload's collectives
     try:
         rank = spec.offsets[module] + group_rank
-        channel = sg.join(spec, rank, get_session().node_ip(), store=rt._store, device=rt.device)
+        ip, local = get_session().node_ip(), rt.object_group
+        channel = sg.join(spec, rank, ip, store=rt._store, device=rt.device, local=local)
         if spec.generation == 0:
             atexit.register(close_channel)  # a worker that exits without the driver's call
         with rt._rejoined:
@@ -219,8 +220,8 @@ def wait_parked(timeout_s: float) -> bool:
 
 
 def close_channel(abort: bool = False) -> bool:
-    """Release this worker's channel (shared-memory segments, CUDA IPC mappings, NCCL pair
-    groups, the side gloo group); the driver runs it on every worker before the groups
+    """Release this worker's channel (shared-memory segments, CUDA IPC mappings, NCCL
+    communicators, the links' gloo groups); the driver runs it on every worker before the groups
     shut down, and at exit. Best effort: never raises; ``True`` when a channel was closed."""
     rt = _runtime
     if rt is None or rt.channel is None:

@@ -11,8 +11,10 @@ side (``worker/llm_step.py``, ``worker/encoder.py``, December 2026): the LLM ste
 and 75), 32 and 129 (13 and 55): the new owners (context, state, clock, stats,
 reporting, the end-of-step phases) are small functions of their own. The limits leave
 room for another transfer tier (gloo where /dev/shm is full: a file and a few
-functions). A change that spreads a step over more modules fails here; one that brings
-a step together lowers the limits."""
+functions). The links between groups (issue 52, milestone 2, December 2026) added two
+functions to a step: a peer's route and the LLM rank 0's share of the statistics' sum
+over the groups' rank 0s (text: 190). A change that spreads a step over more modules
+fails here; one that brings a step together lowers the limits."""
 
 import json
 
@@ -22,7 +24,7 @@ from ray_disagg.testing.faults import fault_drill
 from tests.helpers import RESTART_LOOP, group, restart_setup, vt
 from tests.helpers import run_layout as fit
 
-LIMITS = {"text": (41, 189), "vision": (38, 149)}
+LIMITS = {"text": (41, 190), "vision": (38, 149)}
 """Per group: the most ``ray_disagg`` files and functions one step may enter."""
 
 

@@ -6,10 +6,12 @@ collectives, frozen encoders."""
 
 import itertools
 
+import numpy as np
 import pytest
 
+from ray_disagg.pipeline.assignment import BatchPlan
 from ray_disagg.pipeline.schedule import Action, Op
-from ray_disagg.pipeline.simulate import Deadlock, GroupShape, programs, run
+from ray_disagg.pipeline.simulate import Collective, Deadlock, GroupShape, Transfer, programs, run
 
 
 def _layouts():
@@ -56,7 +58,7 @@ def test_a_frozen_encoder_gets_no_gradient():
     groups = {"vision": GroupShape(dp=1, trains=False), "text": GroupShape(dp=1)}
     queues = programs(groups, "text", k=3, max_in_flight=2, steps=1)
     ops = [op for t in queues[("text", 0, 0)] if hasattr(t, "ops") for op in t.ops]
-    assert [d for d, _ in ops] == ["send", "recv", "recv", "recv"]
+    assert [d for d, m in ops if not m.startswith(("stats", "total"))] == ["send"] + ["recv"] * 3
 
 
 def _receive_just_in_time(k, max_in_flight, sends_grads=True):
@@ -81,3 +83,31 @@ def test_the_simulator_catches_the_old_cycle():
     # sequential is fine either way: the encoder waits for gradient 0 before sending 1
     seq = programs(groups, "text", k=2, max_in_flight=1, llm_schedule=_receive_just_in_time)
     assert run(seq) > 0
+
+
+@pytest.mark.parametrize("nv,nt,k", [(4, 2, 2), (2, 4, 3), (3, 5, 2), (8, 4, 4)])
+def test_neighbourhood_plans_never_wait_in_a_cycle(nv, nt, k):
+    """The pairs a balanced plan really uses (each worker's transfers with every peer on
+    one in-order queue, as one NCCL communicator per link issues them on one stream), and
+    the statistics over the hub instead of a collective over every worker."""
+    rng = np.random.default_rng(nv * nt)
+    n = 2 * nv * nt * k
+    costs = {"text": rng.integers(30, 2000, n), "vision": rng.integers(0, 2304, n) * 1.0}
+    plan = BatchPlan(num_samples=n, global_batch_size=n, micro_batches=k,
+                     reader="text", dp_sizes={"vision": nv, "text": nt}, costs=costs)  # fmt: skip
+    mbs = plan.assign(0)
+
+    def talks(g, d, t, j):
+        return bool(set(mbs[j][g][d]) & set(mbs[j]["text"][t]))
+
+    groups = {"vision": GroupShape(dp=nv, mp=2), "text": GroupShape(dp=nt, mp=2)}
+    for limit in range(1, k + 1):
+        queues = programs(groups, "text", k, limit, steps=2, talks=talks)
+        assert run(queues) > 0
+    # no operation spans the groups but the rank 0s' transfers
+    spans = {op.name for q in queues.values() for op in q if isinstance(op, Collective)}
+    assert not [n for n in spans if n.startswith("finish")]
+    hub = [
+        op for op in queues[("text", 0, 0)] if isinstance(op, Transfer) and "stats" in op.ops[0][1]
+    ]
+    assert len(hub) == 2  # one per step from the vision group's rank 0
