@@ -71,6 +71,8 @@ def validate_layout(adapter, groups: dict[str, ModuleGroup]) -> None:
                 f"TensorParallel(size={p.tp}) without context parallelism."
             )
         _check_divides(adapter.head_counts(part), p, part)
+        if part == adapter.llm_part:
+            _check_vocab(adapter.vocab_size, p, part)
 
 
 def _check_experts(adapter, part: str, p: ExpertParallel, group: ModuleGroup) -> None:
@@ -159,6 +161,19 @@ def _check_divides(counts: dict[str, int], p, part: str) -> None:
                     f"{type(p).__name__}({setting}) in the {part} group does not divide "
                     f"{what}={value}; choose a degree that divides {value}."
                 )
+
+
+def _check_vocab(vocab: int, p, part: str) -> None:
+    """A vocabulary the degree does not divide is split unevenly (``ceil(V / tp)`` rows a
+    rank, the last rank's fewer); refused only when a rank would hold no row."""
+    for setting, degree, sizes in _degrees(p):
+        rows = -(-vocab // degree)
+        if sizes == "all" and (degree - 1) * rows >= vocab:
+            raise ValueError(
+                f"{type(p).__name__}({setting}) in the {part} group leaves a rank without "
+                f"vocabulary rows (vocab_size={vocab}, {rows} rows a rank); choose a degree d "
+                f"with (d - 1) x ceil({vocab} / d) < {vocab}."
+            )
 
 
 def validate_groups(groups, adapter) -> dict[str, ModuleGroup]:

@@ -357,7 +357,9 @@ class ModelAdapter(CostHooks, GenerationHooks):
 
     def head_counts(self, part: str) -> dict[str, int]:
         """Sizes a model-parallel degree must divide, by name (``num_heads``, ...): the
-        LLM's heads, KV heads, MLP width and vocabulary here; a family adds its towers'."""
+        LLM's heads, KV heads and MLP width here (not the vocabulary: its shards may be
+        uneven, ``ray_disagg.parallel.tensor_parallel.vocab_rows``); a family adds its
+        towers'."""
         if part != self.llm_part:
             return {}
         t = self.config.text_config
@@ -365,7 +367,6 @@ class ModelAdapter(CostHooks, GenerationHooks):
             "num_attention_heads": t.num_attention_heads,
             "num_key_value_heads": t.num_key_value_heads,
             "intermediate_size": t.intermediate_size,
-            "vocab_size": t.vocab_size,
         }
 
     per_head_norms: ClassVar[tuple[str, ...]] = ()

@@ -69,7 +69,8 @@ def all_reduce_partial_grads(params, tp_group) -> None:
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over vocab-sharded logits.
 
-    Forward: ``logits`` ``(N, V / tp)`` (this rank's vocab rows ``[start, start + V/tp)``),
+    Forward: ``logits`` ``(N, V_r)`` (this rank's vocab rows ``[start, start + V_r)``; the
+    ranks' ``V_r`` may differ: :func:`vocab_rows`),
     ``target`` ``(N,)`` -> per-token loss ``(N,)`` (0 where ``target == ignore_index``),
     using an all-reduce MAX and two all-reduce SUMs over ``group`` of ``(N,)`` vectors.
     Backward: ``(softmax - onehot) * grad`` on the local vocab slice; no communication.
@@ -175,8 +176,9 @@ def parallelize_text(
     ``.layers`` with ``layer_plan`` (a :class:`LayerTPPlan`, or just its ``styles``:
     layer-relative module name -> ``"colwise"`` / ``"rowwise"``, from the family
     adapter; :func:`parallelize_layer`), ``lm.embed_tokens`` vocab-parallel and the
-    ``lm_head`` module vocab-sharded. Parameters of the modules named in ``per_head_norms``
-    (per-head norms of q and k) see only this rank's heads: their gradients are
+    ``lm_head`` module vocab-sharded (:func:`vocab_rows` rows a rank; any vocabulary
+    size). Parameters of the modules named in ``per_head_norms`` (per-head norms of q and
+    k) see only this rank's heads: their gradients are
     partial sums (see :func:`all_reduce_partial_grads`). Tied embeddings
     (``tie_word_embeddings``) stay one parameter: the embedding's rows and the head's
     output rows are the same vocabulary slice (both ``Shard(0)``), so the head takes the
@@ -201,8 +203,24 @@ def parallelize_text(
     )
     if tied:
         lm_head.weight = lm.embed_tokens.weight
-    vocab_start = tp_mesh.get_local_rank() * (lm_head.weight.shape[0] // tp_mesh.size())
+    vocab = lm_head.weight.shape[0]
+    vocab_start = min(tp_mesh.get_local_rank() * vocab_rows(vocab, tp_mesh.size()), vocab)
     return tp_mesh.get_group(), vocab_start
+
+
+def vocab_rows(vocab_size: int, tp: int) -> int:
+    """Vocabulary rows of a rank's embedding and ``lm_head`` shard under ``tp``-way TP:
+    ``ceil(vocab_size / tp)`` (torch's chunks), the last rank's shard shorter when ``tp``
+    does not divide the vocabulary (InternVL3's 151674 under TP4: 3 x 37919 + 37917), so
+    checkpoints and exports keep HF's shapes. Where the ranks' logits must be equally wide
+    (the sampling's gathers) the short shard is padded with ``-inf`` logits, never drawn;
+    the loss reads only real rows.
+
+    Example:
+        >>> vocab_rows(151674, 4), vocab_rows(135, 2)
+        (37919, 68)
+    """
+    return -(-vocab_size // tp)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,11 +19,13 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ray_disagg.parallel.tensor_parallel import vocab_rows
 from ray_disagg.rollout.sampling import next_tokens, suppress_mask
 
 __all__ = ["Completions", "DecodeSettings", "generate", "left_padded"]
@@ -107,12 +109,13 @@ def generate(
         stop = torch.tensor(settings.stop_ids or [-1]).to(device)
         ended = torch.zeros(rows, dtype=torch.bool, device=device)
         tokens, lengths = [], torch.zeros(rows, dtype=torch.long, device=device)
+        width, vocab = _shard_width(lm_head, tp_group), lm_head.weight.shape[0]
         for step in range(settings.max_new_tokens):
-            logits = lm_head(hidden)
+            logits = _pad_vocab(lm_head(hidden), width)
             if step == 0:  # this rank's slice of the vocabulary: its suppressed ids once
                 start = vocab_start if tp_group is not None else 0
                 mask = suppress_mask(settings.suppress_ids, start, logits.shape[-1], device)
-            token = _draw(logits, keys, step, settings, tp_group, vocab_start, mask)
+            token = _draw(logits, keys, step, settings, tp_group, vocab_start, mask, vocab)
             token = torch.where(ended, torch.full_like(token, settings.pad_id), token)
             lengths += (~ended).long()
             ended = ended | torch.isin(token, stop)
@@ -128,12 +131,28 @@ def generate(
     )
 
 
-def _draw(logits, keys, step, settings: DecodeSettings, tp_group, vocab_start, suppress):
+def _shard_width(lm_head, tp_group) -> int | None:
+    """The widest rank's vocabulary rows under ``tp_group`` (``ceil(V / tp)``: the sampling
+    gathers equal widths), else ``None``."""
+    if tp_group is None:
+        return None
+    return vocab_rows(lm_head.weight.shape[0], dist.get_world_size(tp_group))
+
+
+def _pad_vocab(logits: torch.Tensor, width: int | None) -> torch.Tensor:
+    """The last rank's shorter vocabulary slice padded to ``width`` with ``-inf`` logits
+    (never drawn: their scores stay ``-inf`` through every filter and the noise)."""
+    if width is None or logits.shape[-1] == width:
+        return logits
+    return torch.nn.functional.pad(logits, (0, width - logits.shape[-1]), value=-math.inf)
+
+
+def _draw(logits, keys, step, settings: DecodeSettings, tp_group, vocab_start, suppress, vocab):
     positions = torch.full_like(keys, step)
     return next_tokens(
         logits, keys, positions, vocab_start=vocab_start, temperature=settings.temperature,
         top_k=settings.top_k, top_p=settings.top_p, greedy=settings.greedy, group=tp_group,
-        suppress=suppress,
+        suppress=suppress, vocab_size=vocab,
     )  # fmt: skip
 
 

@@ -108,14 +108,19 @@ def _top_k(scores: torch.Tensor, k: int, group) -> torch.Tensor:
     return scores.masked_fill(scores < kth, float("-inf"))
 
 
-def _top_p(scores: torch.Tensor, p: float, vocab_start: int, group) -> torch.Tensor:
-    """Hugging Face's ``TopPLogitsWarper`` on the whole row (keeps at least one token)."""
+def _top_p(scores: torch.Tensor, p: float, vocab_start: int, group, vocab_size=None):
+    """Hugging Face's ``TopPLogitsWarper`` on the whole row (keeps at least one token);
+    ``vocab_size``: the real row's width when the last slice is padded (the sort sees the
+    row HF's does, ties included)."""
     full = scores if group is None else _gather(scores, group, -1)
+    full = full if vocab_size is None else full[..., :vocab_size]
     ordered, order = full.sort(dim=-1)
     remove = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - p
     remove[..., -1:] = False
     remove = remove.scatter(-1, order, remove)
     mine = remove[:, vocab_start : vocab_start + scores.shape[-1]]
+    pad = scores.shape[-1] - mine.shape[-1]  # the padding: removed
+    mine = torch.nn.functional.pad(mine, (0, pad), value=True) if pad else mine
     return scores.masked_fill(mine, float("-inf"))
 
 
@@ -143,16 +148,19 @@ def next_tokens(
     greedy: bool = False,
     group=None,
     suppress: torch.Tensor | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """``(n,)`` int64 vocabulary ids drawn from ``logits`` ``(n, V_r)`` (this rank's slice
     ``[vocab_start, vocab_start + V_r)``; ``group``: the tensor-parallel group holding the
-    other slices, the same ``V_r`` each (the head's rows split evenly), or ``None``), for
+    other slices, the same ``V_r`` each (a last slice shorter than the others padded with
+    ``-inf`` logits: ``ray_disagg.rollout.decode``), or ``None``), for
     completions ``keys`` at
     ``positions``: ``greedy`` takes the best logit; else the scores are ``logits /
     temperature``, top-k (0: off) and top-p (1.0: off) filtered, plus the noise. The
     same on every rank of ``group``. Where ``suppress`` (``(V_r,)`` bool, this rank's
     slice: :func:`suppress_mask`) is set, nothing is drawn (HF's ``suppress_tokens``:
-    e.g. the media placeholders, whose rows only encoders fill)."""
+    e.g. the media placeholders, whose rows only encoders fill). ``vocab_size``: the
+    vocabulary's real size when the slices are padded."""
     vocab_start = vocab_start if group is not None else 0
     scores = logits.float()
     if suppress is not None:
@@ -162,7 +170,7 @@ def next_tokens(
         if top_k > 0:
             scores = _top_k(scores, top_k, group)
         if top_p < 1.0:
-            scores = _top_p(scores, top_p, vocab_start, group)
+            scores = _top_p(scores, top_p, vocab_start, group, vocab_size)
         end = vocab_start + scores.shape[-1]
         scores = scores + gumbel_noise(keys, positions, vocab_start, end).to(scores.device)
     value, index = scores.max(dim=-1)

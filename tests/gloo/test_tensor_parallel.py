@@ -157,29 +157,92 @@ SAMPLING = [
 ]
 
 
-def _sampling(rank, world):
+def _sampling(rank, world, vocab):
+    from ray_disagg.rollout.decode import _pad_vocab
     from ray_disagg.rollout.sampling import completion_keys, next_tokens
 
     g = torch.Generator().manual_seed(3)
-    logits = torch.randn(24, 36, generator=g) * 2
+    logits = torch.randn(24, vocab, generator=g) * 2
     logits[:6, 5:30] = 3.0  # the best tied across the slices' boundaries
     keys = completion_keys(2, 4, list(range(6)), 4)
     positions = torch.arange(24) % 5
-    v = 36 // world
-    mine = logits[:, rank * v : (rank + 1) * v]
+    v = -(-vocab // world)  # the last rank's slice is shorter, padded as decoding does
+    mine = _pad_vocab(logits[:, rank * v : (rank + 1) * v], v)
     return [
         (
-            next_tokens(mine, keys, positions, vocab_start=rank * v, group=dist.group.WORLD, **o),
+            next_tokens(
+                mine,
+                keys,
+                positions,
+                vocab_start=rank * v,
+                group=dist.group.WORLD,
+                vocab_size=vocab,
+                **o,
+            ),
             next_tokens(logits, keys, positions, **o),
         )
         for o in SAMPLING
     ]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_seeded_sampling_on_vocabulary_slices_equals_the_whole_vocabulary(world):
+@pytest.mark.parametrize("world,vocab", [(2, 36), (3, 36), (4, 35)])
+def test_seeded_sampling_on_vocabulary_slices_equals_the_whole_vocabulary(world, vocab):
     """Greedy, temperature, top-k and top-p draws with the vocabulary split over ranks
-    equal the draws on the whole row (ties included), on every rank."""
-    for rank_out in run_distributed(_sampling, world):
+    equal the draws on the whole row (ties included), on every rank; 35 over 4 ranks:
+    the last slice padded with -inf logits, never drawn."""
+    for rank_out in run_distributed(_sampling, world, vocab):
         for (split, whole), opts in zip(rank_out, SAMPLING):
             assert torch.equal(split, whole), opts
+
+
+def _tp_uneven_vocab(rank, world, tied):
+    """Qwen2.5-VL's text part with a 135-token vocabulary (not a multiple of ``world``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
+    from ray_disagg.data.examples import synthetic_samples
+    from ray_disagg.models.loss import lm_loss
+    from ray_disagg.parallel.tensor_parallel import parallelize_text
+    from ray_disagg.worker.shards import merge_row_blocks
+
+    cfg = tiny_qwen2_5_vl_config(vocab_size=135, text_kv_heads=4, tie_word_embeddings=tied)
+    spec = HFModelSpec(config=cfg, seed=5)
+    adapter = spec.adapter
+    batch = adapter.collate_llm(synthetic_samples(cfg, 3, grids=[None, None, None]))
+    batch["labels"][0, 3] = 134  # the last row, on the last rank's short shard
+
+    def run(part, tp_group=None, vocab_start=0):
+        hidden = adapter.llm_hidden(part, batch, {})
+        lm_head = adapter.llm_modules(part)[1]
+        loss = lm_loss(hidden, lm_head, batch["labels"], 10.0, tp_group, vocab_start)
+        loss.backward()
+        grads = {
+            n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            for n, p in part.named_parameters()
+        }
+        shapes = {n: tuple(p.shape) for n, p in part.named_parameters()}
+        return loss.detach(), merge_row_blocks(grads), shapes, vocab_start
+
+    dense = run(spec.build_part("text"))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    part = spec.build_part("text")
+    lm, lm_head = adapter.llm_modules(part)
+    plan, norms = adapter.llm_tp_plan(), adapter.per_head_norms
+    return {
+        "dense": dense,
+        "tp": run(part, *parallelize_text(part, lm, lm_head, mesh, plan, norms)),
+    }
+
+
+@pytest.mark.parametrize("world,tied", [(2, True), (4, False)])
+def test_a_vocabulary_tp_does_not_divide_matches_dense(world, tied):
+    """135 tokens under TP2 (68 + 67 rows, tied embeddings) and TP4 (34 x 3 + 33): the
+    loss and every gradient equal the dense model's, in HF's shapes."""
+    out = run_distributed(_tp_uneven_vocab, world, tied)
+    assert [o["tp"][3] for o in out] == [r * (68 if world == 2 else 34) for r in range(world)]
+    for o in out:
+        (dl, dg, dshape, _), (tl, tg, tshape, _) = o["dense"], o["tp"]
+        torch.testing.assert_close(tl, dl, rtol=1e-6, atol=0)
+        assert tshape == dshape  # DTensors keep the vocabulary's 135 rows
+        for name, g in dg.items():
+            torch.testing.assert_close(tg[name], g, rtol=1e-5, atol=1e-6, msg=name)

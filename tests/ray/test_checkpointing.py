@@ -14,12 +14,15 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from ray_disagg import (
     DisaggregatedTrainer,
+    HFModelSpec,
     SequenceParallel,
     TensorParallel,
     TrainLoopConfig,
     export_hf,
     load_metrics,
+    tiny_qwen2_5_vl_config,
 )
+from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.recipes.cli import main
 from ray_disagg.run_files import RunDir, read_records
 from ray_disagg.testing.faults import fault_drill
@@ -124,23 +127,26 @@ def test_failure_without_retries_names_the_group_and_rank(ray_start_4_cpus, setu
         fit(spec, data, LOOP, vt(group(2), group(1)), tmp_path, "fail")
 
 
-def test_resume_into_another_layout_then_export_to_hugging_face(setup, tmp_path):
-    cfg, spec, data = setup
+def test_resume_into_another_layout_then_export_to_hugging_face(tmp_path):
+    """A 1 + 1 checkpoint continues in SP=2 / TP=2 with a 135-token vocabulary (TP2: 68 +
+    67 rows a rank), whose checkpoint keeps and exports HF's shapes."""
+    cfg = tiny_qwen2_5_vl_config(vocab_size=135)
+    spec = HFModelSpec(config=cfg, seed=4)
+    data = synthetic_samples(cfg, 12, grids=[(1, 4, 4), (1, 8, 4), None, (1, 4, 8)])
     first = fit(
         spec,
         data,
         dict(LOOP, max_steps=2),
-        vt(group(2, SequenceParallel(size=2)), group(2, TensorParallel(size=2))),
+        vt(group(1), group(1)),
         tmp_path,
         "layout-a",
         local=True,  # numerics only: Ray's part is the restart test's
     )
-    # SP=2 / TP=2 checkpoint continues in a 1 + 1 layout
     second = fit(
         spec,
         data,
         LOOP,
-        vt(group(1), group(1)),
+        vt(group(2, SequenceParallel(size=2)), group(2, TensorParallel(size=2))),
         tmp_path,
         "layout-b",
         resume=first.checkpoint,
@@ -154,6 +160,7 @@ def test_resume_into_another_layout_then_export_to_hugging_face(setup, tmp_path)
 
     out = export_hf(second.checkpoint, tmp_path / "hf")
     exported = Qwen2_5_VLForConditionalGeneration.from_pretrained(out).eval()
+    assert exported.lm_head.weight.shape == (135, cfg.text_config.hidden_size)
     for k, v in exported.state_dict().items():
         assert torch.equal(v, state[k]), k
     batch = reference_batch(spec, data[:4])

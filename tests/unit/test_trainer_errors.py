@@ -331,3 +331,12 @@ def test_samples_shorter_than_the_cp_degree_are_refused_on_the_driver():
             train_loop_config={**LOOP, "eval_every": 1},
             datasets={"train": DATA, "validation": [short, *DATA[1:4]]},
         )
+
+
+def test_a_vocabulary_tp_does_not_divide_is_split_unless_a_rank_would_get_no_row():
+    from ray_disagg.launch.checks import _check_vocab
+
+    for vocab, tp in [(151674, 4), (151674, 8), (135, 2), (135, 4)]:  # InternVL3's, ours
+        _check_vocab(vocab, TensorParallel(size=tp), "text")
+    with pytest.raises(ValueError, match=r"TensorParallel\(size=4\).*without vocabulary rows"):
+        _check_vocab(5, TensorParallel(size=4), "text")  # 2 + 2 + 1 + 0 rows

@@ -21,7 +21,6 @@ def moe_head_counts(text_config) -> dict[str, int]:
     counts = {
         "num_attention_heads": text_config.num_attention_heads,
         "num_key_value_heads": text_config.num_key_value_heads,
-        "vocab_size": text_config.vocab_size,
     }
     if getattr(text_config, "mlp_only_layers", None):
         counts["intermediate_size"] = text_config.intermediate_size
