@@ -36,6 +36,7 @@ _EXPORTS = {
     "mix": "ray_disagg.data.mixture",
     "Mixture": "ray_disagg.data.mixture",
     "plot_metrics": "ray_disagg.plotting",
+    "register_family": "ray_disagg.models",
     "tiny_gemma3_config": "ray_disagg.models",
     "tiny_internvl_config": "ray_disagg.models",
     "tiny_llava_onevision_config": "ray_disagg.models",

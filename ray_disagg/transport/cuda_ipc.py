@@ -102,7 +102,7 @@ class _Ack:
         self.tier, self.work, self.buf, self.device = tier, work, buf, device
 
     def wait(self) -> None:
-        self.work.wait()  # bounded by the side group's timeout
+        self.work.wait()  # bounded by the link's timeout
         event = self.tier._peer_event(self.device, bytes(self.buf.numpy()))
         torch.cuda.current_stream(self.device).wait_event(event)
 
