@@ -19,6 +19,7 @@ from ray_disagg.config import (
 from ray_disagg.launch.generation_checks import check_prompts
 from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.models import moe
+from ray_disagg.parallel.tensor_parallel import vocab_rows
 from ray_disagg.transport import TIERS
 
 
@@ -167,7 +168,7 @@ def _check_vocab(vocab: int, p, part: str) -> None:
     """A vocabulary the degree does not divide is split unevenly (``ceil(V / tp)`` rows a
     rank, the last rank's fewer); refused only when a rank would hold no row."""
     for setting, degree, sizes in _degrees(p):
-        rows = -(-vocab // degree)
+        rows = vocab_rows(vocab, degree)
         if sizes == "all" and (degree - 1) * rows >= vocab:
             raise ValueError(
                 f"{type(p).__name__}({setting}) in the {part} group leaves a rank without "

@@ -102,8 +102,16 @@ class ChannelSpec:
     def tier(self, a: int, b: int) -> str:
         return self.tiers.get((min(a, b), max(a, b)), "gloo")
 
-    def label(self, rank: int) -> str:
+    def group(self, rank: int) -> str:
+        """The group of side rank ``rank`` (``ValueError`` when it is in none)."""
         for name, off in self.offsets.items():
             if off <= rank < off + self.sizes[name]:
-                return f"{name} rank {rank - off}"
-        return f"side rank {rank}"
+                return name
+        raise ValueError(f"side rank {rank} is in no group of {self.sizes}")
+
+    def label(self, rank: int) -> str:
+        try:
+            name = self.group(rank)
+        except ValueError:
+            return f"side rank {rank}"
+        return f"{name} rank {rank - self.offsets[name]}"

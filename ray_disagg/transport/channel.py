@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ray_disagg.transport.base import ChannelSpec, TransferError, describe
 from ray_disagg.transport.gloo import GlooTier
-from ray_disagg.transport.links import LinkGroups, connect, group_of, plan_links
+from ray_disagg.transport.links import LinkGroups, connect, plan_links
 from ray_disagg.transport.shm import ShmTier, ShmUnavailable
 
 __all__ = ["ChannelSpec", "Channel", "TransferError", "host_store", "join"]
@@ -60,7 +60,7 @@ class Channel:
 
     def __init__(self, spec: ChannelSpec, rank: int, store, links=(), local=None, device=None):
         self.spec, self.rank, self.local = spec, rank, local
-        self.group = group_of(spec, rank)
+        self.group = spec.group(rank)
         self._store = store  # keeps the TCP connection (and, on the host, the server) alive
         self.links: list[LinkGroups] = list(links)
         self._routes = {  # only the planned peers: no connection outside the handshake
@@ -78,13 +78,14 @@ class Channel:
 
     @property
     def made(self) -> dict[str, int]:
-        """Cross-group process groups this worker created: ``{"gloo": n, "nccl": m}``."""
-        return {k: sum(lg.made[k] for lg in self.links) for k in ("gloo", "nccl")}
+        """Cross-group process groups this worker holds: ``{"gloo": n, "nccl": m}``."""
+        nccl = {id(pg) for lg in self.links for pg, _ in (lg.nccl or {}).values()}
+        return {"gloo": len(self.links), "nccl": len(nccl)}  # a gloo group per link
 
     @property
     def peers(self) -> list[int]:
         """Side ranks of the other groups this worker exchanges with (its connections)."""
-        return sorted({p for lg in self.links for p in lg.link.peers(self.rank)})
+        return sorted(self._routes)
 
     def _route(self, peer: int):
         """``(gloo group, the peer's rank in it)``: the link with ``peer``'s group."""
@@ -98,8 +99,7 @@ class Channel:
         return route
 
     def take_fallbacks(self) -> int:
-        """Tensor messages sent over gloo instead of their planned tier since the last
-        call."""
+        """Tensor messages sent over gloo, not their planned tier, since the last call."""
         n, self.fallbacks = self.fallbacks, 0
         return n
 

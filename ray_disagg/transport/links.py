@@ -37,7 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["Link", "LinkGroups", "connect", "group_of", "plan_links"]
+__all__ = ["Link", "LinkGroups", "connect", "plan_links"]
 
 
 @dataclass(frozen=True)
@@ -71,13 +71,6 @@ class Link:
         return f"{self.groups[0]}-{self.groups[1]}"
 
 
-def group_of(spec, rank: int) -> str:
-    for name, off in spec.offsets.items():
-        if off <= rank < off + spec.sizes[name]:
-            return name
-    raise ValueError(f"side rank {rank} is in no group of {spec.sizes}")
-
-
 def plan_links(spec) -> tuple[Link, ...]:
     """Every link of the channel, in the global order in which workers connect them: one
     per pair of groups with transfer pairs, and one between the hub (the first group) and
@@ -86,7 +79,7 @@ def plan_links(spec) -> tuple[Link, ...]:
     hub = order[0]
     pairs: dict[tuple[str, str], set] = {(hub, g): set() for g in order[1:]}
     for a, b in spec.tiers:
-        ga, gb = sorted((group_of(spec, a), group_of(spec, b)), key=order.index)
+        ga, gb = sorted((spec.group(a), spec.group(b)), key=order.index)
         pairs.setdefault((ga, gb), set()).add((min(a, b), max(a, b)))
     links = []
     for (ga, gb), ps in sorted(
@@ -121,8 +114,8 @@ class LinkGroups:
     """One worker's process groups of a link: the gloo group (headers, gloo tensors) and
     the NCCL communicators of its part (``nccl``: peer side rank -> (group, rank in it))."""
 
-    def __init__(self, link: Link, gloo, nccl: dict, made: dict[str, int]):
-        self.link, self.gloo, self.nccl, self.made = link, gloo, nccl, made
+    def __init__(self, link: Link, gloo, nccl: dict):
+        self.link, self.gloo, self.nccl = link, gloo, nccl
 
 
 def connect(link: Link, spec, store, me: int, node_ip: str, device=None) -> LinkGroups:
@@ -138,23 +131,21 @@ def connect(link: Link, spec, store, me: int, node_ip: str, device=None) -> Link
         dist.PrefixStore(prefix, store), link.rank(me), len(link.members), opts
     )
     _handshake(gloo, link, me)
-    made = {"gloo": 1, "nccl": 0}
-    nccl = _nccl(link, spec, store, me, device, prefix, made)
-    return LinkGroups(link, gloo, nccl, made)
+    return LinkGroups(link, gloo, _nccl(link, spec, store, me, device, prefix))
 
 
 def _handshake(gloo, link: Link, me: int) -> None:
     """Connect ``me`` to each of its peers now (a dead peer is then noticed at once, as
     with eager connections): every send posted first, so no two members wait in a cycle."""
-    peers = [link.rank(p) for p in link.peers(me)]
-    sent = [(gloo.send([b], p, 0), b) for p in peers for b in [torch.ones(1, dtype=torch.uint8)]]
+    peers, one = [link.rank(p) for p in link.peers(me)], torch.ones(1, dtype=torch.uint8)
+    sent = [gloo.send([one], p, 0) for p in peers]
     for p in peers:
         gloo.recv([torch.zeros(1, dtype=torch.uint8)], p, 0).wait()
-    for work, _ in sent:
+    for work in sent:
         work.wait()
 
 
-def _nccl(link: Link, spec, store, me: int, device, prefix: str, made: dict) -> dict:
+def _nccl(link: Link, spec, store, me: int, device, prefix: str) -> dict:
     """peer -> (communicator, the peer's rank in it) for ``me``'s NCCL-tier peers."""
     part = link.part(me)
     if part is None:
@@ -164,7 +155,6 @@ def _nccl(link: Link, spec, store, me: int, device, prefix: str, made: dict) -> 
     mine = [p for p in link.pairs if me in p and spec.tier(*p) == "nccl"]
     gpus = [(spec.locations[r].node, spec.locations[r].gpu) for r in part] if spec.locations else []
     if len(set(gpus)) < len(gpus):  # two members on one GPU: a communicator per pair
-        made["nccl"] = len(mine)
         return {
             (b if a == me else a): (
                 pair_group(store, spec.prefix, a, b, me, spec.timeout_s, device),
@@ -175,5 +165,4 @@ def _nccl(link: Link, spec, store, me: int, device, prefix: str, made: dict) -> 
     pg = link_group(
         store, f"{prefix}/nccl{link.nccl_parts.index(part)}", part, me, spec.timeout_s, device
     )
-    made["nccl"] = 1
     return {(b if a == me else a): (pg, part.index(b if a == me else a)) for a, b in mine}
