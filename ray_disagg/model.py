@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from ray_disagg.models import IGNORE_INDEX, get_adapter, loading, lora
+from ray_disagg.models import ADAPTERS, IGNORE_INDEX, get_adapter, loading, lora
 from ray_disagg.models.base import ModelAdapter
 from ray_disagg.parallel.row_blocks import block_rows
 from ray_disagg.settings import check_settings, setting
@@ -85,7 +85,9 @@ class HFModelSpec:
         if isinstance(self.config, dict):
             cfg = dict(self.config)
             if "model_type" not in cfg:
-                raise ValueError("config dict needs a 'model_type' key (e.g. 'qwen2_5_vl').")
+                raise ValueError(
+                    f"config dict needs a 'model_type' key (one of {sorted(ADAPTERS)})."
+                )
             self.config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
         if self.config is not None and not isinstance(self.config, PretrainedConfig):
             raise ValueError(

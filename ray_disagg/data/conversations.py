@@ -20,14 +20,15 @@ each assistant message's content and its ``<|im_end|>``, never the role header
 ``<|im_start|>assistant\\n`` or the newline after ``<|im_end|>``.
 
 Videos (``<video>`` with ``"video"`` / ``"videos"``, or ``{"type": "video", "video": path}``)
-are decoded with PyAV and cut into patches as the family's video processor does
-(:mod:`ray_disagg.data.video`), for the families whose template puts one placeholder per
-video (Qwen2-VL, Qwen2.5-VL, Qwen2.5-Omni; Qwen3-VL with its timestamps). Audio
-(``<audio>`` with ``"audio"`` / ``"audios"``, or ``{"type": "audio", "audio": path}``;
-Qwen2.5-Omni) is decoded with PyAV and turned into log-mel features by the family's
-feature extractor, one ``<|AUDIO|>`` per audio-tower output (:mod:`ray_disagg.data.audio`).
-Gemma 3, InternVL and LLaVA-OneVision images, and InternVL and LLaVA-OneVision videos:
-:mod:`ray_disagg.data.tiles` (Gemma 3 has no video input: its video records are refused).
+are decoded with PyAV and cut into patches as the family's video processor does (its
+adapter's ``video_item``; :mod:`ray_disagg.data.video`). Audio (``<audio>`` with
+``"audio"`` / ``"audios"``, or ``{"type": "audio", "audio": path}``; a family with an
+audio tower) is decoded with PyAV and turned into log-mel features by the family's
+feature extractor (:mod:`ray_disagg.data.audio`). Each placeholder token becomes the
+tokens of the adapter's ``media_ids`` and the media the fields of its ``media_fields``
+(the hooks of :mod:`ray_disagg.models.processing`). Families whose media are expanded in
+the text (``tiled_media``: Gemma 3, InternVL, LLaVA-OneVision):
+:mod:`ray_disagg.data.tiles`; a family without a video input refuses video records.
 """
 
 from __future__ import annotations
@@ -39,22 +40,13 @@ from typing import Any
 import numpy as np
 
 from ray_disagg.data.records import MEDIA, read_records, to_messages
-from ray_disagg.data.tiles import TILE_FAMILIES, tile_sample
+from ray_disagg.data.tiles import tile_sample
 from ray_disagg.models.base import IGNORE_INDEX
 
 __all__ = ["ConversationProcessor", "read_records", "to_messages"]
 
 logger = logging.getLogger(__name__)
 
-# families whose template puts one placeholder per video (no timestamps), and the field
-# of each video's seconds per temporal patch
-_VIDEO = {
-    "qwen2_vl": None,
-    "qwen2_5_vl": "second_per_grid_ts",
-    "qwen2_5_omni_thinker": "video_second_per_grid",
-    "qwen3_vl": None,  # timestamps in the text instead (its own video processing)
-}
-_TIMESTAMPED = {"qwen3_vl"}
 LABEL_MODES = ("assistant", "last", "all")
 
 
@@ -86,12 +78,13 @@ class ConversationProcessor:
             ``max_pixels``); decoded with PyAV (extra ``video``).
         feature_extractor: the family's audio feature extractor (Qwen2.5-Omni: its
             ``WhisperFeatureExtractor``), for audio parts (:mod:`ray_disagg.data.audio`).
-        video_processor: Qwen3-VL: its ``Qwen3VLVideoProcessor`` (settings only: frame
-            sampling, the clip's pixel budget, normalization); InternVL, LLaVA-OneVision:
-            the video processor or its settings as a mapping (e.g. its
-            ``video_preprocessor_config.json``; InternVL's class needs torchvision), by
-            default the image processor's; the Qwen2 families cut video frames with
-            ``image_processor``.
+        video_processor: the family's video processor where its videos need one (the
+            adapter's ``video_processor_hint``; Qwen3-VL: its ``Qwen3VLVideoProcessor``,
+            settings only: frame sampling, the clip's pixel budget, normalization);
+            InternVL, LLaVA-OneVision: the video processor or its settings as a mapping
+            (e.g. its ``video_preprocessor_config.json``; InternVL's class needs
+            torchvision), by default the image processor's; the Qwen2 families cut video
+            frames with ``image_processor``.
 
     Example:
         >>> proc = ConversationProcessor(tokenizer=tok, image_processor=ip,  # doctest: +SKIP
@@ -120,7 +113,7 @@ class ConversationProcessor:
         from ray_disagg.models import get_adapter
 
         self.tokenizer, self.image_processor, self.config = tokenizer, image_processor, config
-        self.family = type(get_adapter(config))  # its media (a ValueError if unsupported)
+        self.adapter = get_adapter(config)  # the family's hooks (a ValueError if unsupported)
         self.media_root = None if media_root is None else os.fspath(media_root)
         self.labels, self.system_prompt = labels, system_prompt
         self.fps, self.max_frames = fps, max_frames
@@ -131,20 +124,6 @@ class ConversationProcessor:
         """Where the media file ``rel`` of a record is (under ``media_root`` if set)."""
         return rel if self.media_root is None else os.path.join(self.media_root, rel)
 
-    def _video(self, path: str) -> tuple[np.ndarray, np.ndarray, Any]:
-        """``(pixels, grid, seconds per group)``; Qwen3-VL: ``(pixels, grid, each
-        group's timestamp)``."""
-        from ray_disagg.data.video import decode_video, qwen3_video, video_patches
-
-        if self.config.model_type in _TIMESTAMPED:
-            vp = self.video_processor
-            return qwen3_video(path, vp, fps=self.fps, max_frames=self.max_frames)
-
-        t = self.image_processor.temporal_patch_size
-        frames, fps = decode_video(path, fps=self.fps, max_frames=self.max_frames, multiple=t)
-        pixels, grid = video_patches(frames, self.image_processor)
-        return pixels, grid, t / fps
-
     def _media(self, media: list[tuple[str, str]], rid) -> dict[str, list]:
         """Per kind, the processed items in order: ``(pixels, grid[, seconds per grid])``."""
         out = {kind: [] for kind in MEDIA}
@@ -154,7 +133,7 @@ class ConversationProcessor:
                 if kind == "image":
                     out[kind].append(image_patches(path, self.image_processor))
                 elif kind == "video":
-                    out[kind].append(self._video(path))
+                    out[kind].append(self.adapter.video_item(path, self))
                 else:
                     from ray_disagg.data.audio import audio_features
 
@@ -195,64 +174,28 @@ class ConversationProcessor:
         return full, spans
 
     def _check(self, media: list[tuple[str, str]], rid) -> None:
-        kinds, model_type = {kind for kind, _ in media}, self.config.model_type
-        if "video" in kinds and "videos" not in self.family.media:
+        kinds, adapter = {kind for kind, _ in media}, self.adapter
+        model_type = self.config.model_type
+        if "video" in kinds and "videos" not in adapter.media:
             raise ValueError(
-                f"record {rid!r} has a video but {model_type} {self.family.video_field_refusal}"
+                f"record {rid!r} has a video but {model_type} {adapter.video_field_refusal}"
             )
-        timestamped = self.config.model_type in _TIMESTAMPED
-        if "video" in kinds and timestamped and self.video_processor is None:
+        hint = adapter.video_processor_hint
+        if "video" in kinds and hint is not None and self.video_processor is None:
             raise ValueError(
-                f"record {rid!r}: {self.config.model_type} videos need "
-                "ConversationProcessor(video_processor=...), the family's (e.g. "
-                "Qwen3VLVideoProcessor.from_pretrained(model_dir); only its settings are read)"
+                f"record {rid!r}: {model_type} videos need "
+                f"ConversationProcessor(video_processor=...), the family's ({hint}; only its "
+                "settings are read)"
             )
-        if "audio" in kinds and getattr(self.config, "audio_token_id", None) is None:
+        if "audio" in kinds and "audios" not in adapter.media:
             raise ValueError(
-                f"record {rid!r}: audio needs a family with an audio tower (Qwen2.5-Omni), "
-                f"not {self.config.model_type!r}"
+                f"record {rid!r}: audio needs a family with an audio tower, not {model_type!r}"
             )
         if "audio" in kinds and self.feature_extractor is None:
             raise ValueError(
                 f"record {rid!r}: audio needs ConversationProcessor(feature_extractor=...), "
                 "the family's (e.g. WhisperFeatureExtractor.from_pretrained(model_dir))"
             )
-
-    def _replacement(self, kind: str, item, token: int) -> list[int]:
-        """The tokens one placeholder becomes, as the family's processor expands it."""
-        if kind == "audio":
-            from ray_disagg.models.qwen2_5_omni.adapter import audio_rows
-
-            return [token] * int(audio_rows(int(item[1].sum())))
-        merge = self.config.vision_config.spatial_merge_size
-        if kind == "image" or self.config.model_type not in _TIMESTAMPED:
-            return [token] * (int(item[1].prod()) // merge**2)
-        _, grid, times = item  # Qwen3-VL: "<t seconds>" and its own run, per frame group
-        c, per_group = self.config, int(grid[0, 1:].prod()) // merge**2
-        out = []
-        for t in times:
-            out += self.tokenizer(f"<{t:.1f} seconds>", add_special_tokens=False)["input_ids"]
-            out += [c.vision_start_token_id, *[token] * per_group, c.vision_end_token_id]
-        return out
-
-    def _fields(self, done: dict[str, list]) -> dict[str, Any]:
-        """The sample's media fields (``None`` for a kind it has none of)."""
-        out = {}
-        for kind, (pixels, grid) in (
-            ("image", ("pixel_values", "image_grid_thw")),
-            ("video", ("pixel_values_videos", "video_grid_thw")),
-        ):
-            items = done[kind]
-            out[pixels] = np.concatenate([i[0] for i in items]) if items else None
-            out[grid] = np.concatenate([i[1] for i in items]) if items else None
-        seconds = _VIDEO.get(self.config.model_type)
-        if done["video"] and seconds is not None:
-            out[seconds] = np.asarray([v[2] for v in done["video"]], np.float32)
-        if done["audio"]:  # frames past the longest audio are never read by the tower
-            frames = max(int(mask.sum()) for _, mask in done["audio"])
-            out["input_features"] = np.stack([f[:, :frames] for f, _ in done["audio"]])
-            out["feature_attention_mask"] = np.stack([m[:frames] for _, m in done["audio"]])
-        return out
 
     def __call__(self, record: dict) -> dict[str, Any]:
         rid = record.get("id")
@@ -267,10 +210,10 @@ class ConversationProcessor:
         tiled families' per variant): ``id``, ``input_ids``, ``labels`` and the media
         fields (the same arrays in every sample)."""
         self._check(media, rid)
-        if self.config.model_type in TILE_FAMILIES:  # text-level expansion
+        if self.adapter.tiled_media:  # text-level expansion
             return [tile_sample(self, {"id": rid}, m, media) for m in variants]
         done = self._media(media, rid)
-        fields = self._fields(done)
+        fields = self.adapter.media_fields(done)
         return [{"id": rid, **self._tokens(m, done, rid), **fields} for m in variants]
 
     def encode_prompt(self, rid, messages: list[dict], media) -> dict[str, Any]:
@@ -278,7 +221,7 @@ class ConversationProcessor:
         template with the generation prompt, the system prompt first when set) and the
         media fields; nothing is labelled."""
         self._check(media, rid)
-        if self.config.model_type in TILE_FAMILIES:
+        if self.adapter.tiled_media:
             raise ValueError(
                 f"record {rid!r}: prompts of the tiled {self.config.model_type} family are not "
                 "processed yet (it does not generate yet either)"
@@ -294,7 +237,7 @@ class ConversationProcessor:
         ids = np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], np.int64)
         done = self._media(media, rid)
         ids, _ = self._expand(ids, np.zeros(len(ids), dtype=bool), done, rid)
-        return {"id": rid, "input_ids": ids, **self._fields(done)}
+        return {"id": rid, "input_ids": ids, **self.adapter.media_fields(done)}
 
     def _tokens(self, messages: list[dict], done: dict, rid) -> dict[str, np.ndarray]:
         try:
@@ -320,7 +263,7 @@ class ConversationProcessor:
                     f"placeholders for {len(done[kind])} {kind}s"
                 )
             for pos, item in zip(where, done[kind]):
-                spliced[int(pos)] = self._replacement(kind, item, token)
+                spliced[int(pos)] = self.adapter.media_ids(kind, item, token, self.tokenizer)
         out_ids, out_keep, last = [], [], 0
         for pos in sorted(spliced):
             out_ids += [ids[last:pos], np.asarray(spliced[pos], dtype=np.int64)]

@@ -32,20 +32,10 @@ def _ids(words: list[str]) -> list[int]:
 
 
 def _image_processor(config, image_size: int):
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
+    """The family's image processor made from ``config``, images ``image_size`` square."""
+    from ray_disagg.models import get_adapter
 
-    v = config.vision_config
-    return Qwen2VLImageProcessorPil(
-        patch_size=v.patch_size,
-        temporal_patch_size=v.temporal_patch_size,
-        merge_size=v.spatial_merge_size,
-        min_pixels=image_size * image_size,
-        max_pixels=image_size * image_size,
-        do_rescale=True,
-        do_normalize=True,
-    )
+    return get_adapter(config).build_image_processor(image_size * image_size)
 
 
 def caption_sample(config, pixel_values, grid_thw, words: list[str], sample_id) -> dict:

@@ -7,13 +7,10 @@ import json
 import os
 import re
 
-__all__ = ["MEDIA", "TEMPLATE_NEWLINE", "read_records", "to_messages"]
+__all__ = ["MEDIA", "read_records", "to_messages"]
 
 MEDIA = ("image", "video", "audio")
 _TAG = re.compile(r"(<image>|<video>|<audio>)")
-# families whose chat template writes a newline after each image / video part itself
-# (InternVL "<IMG_CONTEXT>\n", LLaVA-OneVision "<image>\n")
-TEMPLATE_NEWLINE = frozenset({"internvl", "llava_onevision"})
 _ROLES = {
     "human": "user",
     "user": "user",
@@ -41,10 +38,18 @@ def _paths(record: dict, key: str) -> list[str]:
     return [value] if isinstance(value, str) else list(value)
 
 
-def _llava_parts(text: str, files: dict, used: dict, media: list, rid, model_type) -> list:
+def _template_newline(model_type: str | None) -> bool:
+    """Whether the family's chat template writes a newline after each media part itself
+    (its adapter's ``template_newline``)."""
+    from ray_disagg.models import ADAPTERS
+
+    return model_type in ADAPTERS and ADAPTERS[model_type].template_newline
+
+
+def _turn_parts(text: str, files: dict, used: dict, media: list, rid, newline: bool) -> list:
     """The content parts of one LLaVA turn: each tag a media part, the text between tags
-    as written (whitespace included), except the newline right after a tag in the
-    families whose template writes that newline itself (:data:`TEMPLATE_NEWLINE`)."""
+    as written (whitespace included), except the newline right after a tag when the
+    family's template writes that newline itself (``newline``)."""
     parts, after_tag = [], False
     for piece in _TAG.split(text):
         kind = piece[1:-1] if _TAG.fullmatch(piece) else None
@@ -55,7 +60,7 @@ def _llava_parts(text: str, files: dict, used: dict, media: list, rid, model_typ
             used[kind] += 1
             parts.append({"type": kind})
         else:
-            if after_tag and model_type in TEMPLATE_NEWLINE and piece.startswith("\n"):
+            if after_tag and newline and piece.startswith("\n"):
                 piece = piece[1:]
             if piece:
                 parts.append({"type": "text", "text": piece})
@@ -63,14 +68,15 @@ def _llava_parts(text: str, files: dict, used: dict, media: list, rid, model_typ
     return parts
 
 
-def _llava_messages(record: dict, rid, model_type) -> tuple[list[dict], list[tuple[str, str]]]:
-    files = {kind: _paths(record, kind) for kind in MEDIA}
+def _turns(record: dict, rid, model_type) -> tuple[list[dict], list[tuple[str, str]]]:
+    """The messages and media of a LLaVA record."""
+    files, newline = {kind: _paths(record, kind) for kind in MEDIA}, _template_newline(model_type)
     messages, media, used = [], [], {kind: 0 for kind in MEDIA}
     for turn in record["conversations"]:
         role = _ROLES.get(turn.get("from"))
         if role is None:
             raise ValueError(f"record {rid!r}: unknown role {turn.get('from')!r}")
-        parts = _llava_parts(turn["value"], files, used, media, rid, model_type)
+        parts = _turn_parts(turn["value"], files, used, media, rid, newline)
         messages.append({"role": role, "content": parts})
     for kind in MEDIA:
         if used[kind] != len(files[kind]):
@@ -89,8 +95,9 @@ def to_messages(
     A LLaVA turn's text is kept as written: each ``<image>`` / ``<video>`` / ``<audio>``
     tag becomes a media part where it stands and the text around it is untouched, as
     Qwen's own fine-tuning code replaces the tag in place. The one exception is the
-    family's template (``model_type``): InternVL's and LLaVA-OneVision's write a newline
-    after each image themselves, so for them the newline right after a tag is not kept
+    family's template (``model_type``, its adapter's ``template_newline``): InternVL's and
+    LLaVA-OneVision's write a newline after each image themselves, so for them the
+    newline right after a tag is not kept
     (``"<image>\\nWhat?"`` renders once as ``"<IMG_CONTEXT>\\nWhat?"``). Gemma 3's
     template trims each text part itself.
 
@@ -103,7 +110,7 @@ def to_messages(
     """
     rid = record.get("id")
     if "conversations" in record:
-        return _llava_messages(record, rid, model_type)
+        return _turns(record, rid, model_type)
     if "messages" not in record:
         raise ValueError(f"record {rid!r}: neither 'conversations' nor 'messages'")
     messages, media = [], []

@@ -1,29 +1,15 @@
-"""Conversations for the LLaVA-shaped families (Gemma 3, InternVL, LLaVA-OneVision), on
-the CPU route of the Qwen families: the tokenizer's chat template, the family's PIL image
-processor (no torchvision), and each image placeholder of the rendered text replaced by
-the text the family's processor puts there, before tokenizing (so the tokens are the
-processor's):
+"""Conversations of the families whose media are expanded in the text (the adapter's
+``tiled_media``: Gemma 3, InternVL, LLaVA-OneVision), on the CPU route of the others:
+the tokenizer's chat template, the family's PIL image processor (no torchvision), and
+each image or video mark of the rendered text (the adapter's ``media_mark``) replaced by
+the text the family's processor puts there (``tile_image``, ``tile_video_text``) before
+tokenizing, so the tokens are the processor's; the tiles become the sample's fields
+(``tile_fields``). The hooks are in each family's ``processing.py``
+(:mod:`ray_disagg.models.processing`).
 
-- Gemma 3: ``<start_of_image>`` becomes ``"\\n\\n<start_of_image>" + <image>*n +
-  "<end_of_image>\\n\\n"``; with pan-and-scan, the original image's sequence and one per
-  crop in the processor's sentence. One tile per image and crop.
-- InternVL: the context token becomes ``<img>`` + context tokens for every tile +
-  ``</img>``.
-- LLaVA-OneVision: ``<image>`` is repeated once per row the model makes of the image
-  (crops alone in their sample, one base tile when the sample has several images).
-
-Videos (InternVL, LLaVA-OneVision; Gemma 3 has no video input) are decoded with PyAV and
-their frames sampled and made tiles as the family's video processor does
-(:func:`~ray_disagg.data.video.tile_frames`); the video placeholder becomes the text of
-the family's processor (its own ``replace_video_token``):
-
-- InternVL: ``<video>`` becomes one ``Frame{i}: <img>`` + context tokens + ``</img>`` run
-  per frame, and each frame is a tile of ``pixel_values``, images' tiles and videos'
-  frames in the order of their placeholders (the model has no video input).
-- LLaVA-OneVision: ``<video>`` is repeated once per row the model makes of the video
-  (the pooled rows of every frame and one ``image_newline`` row); the frames go to
-  ``pixel_values_videos`` ``(frames, C, S, S)`` with each video's frame count in
-  ``video_frames``.
+Videos are decoded with PyAV and their frames sampled and made tiles as the family's
+video processor does (:func:`~ray_disagg.data.video.tile_frames`, from the adapter's
+``video_initial_shift``).
 
 Label spans (found on the rendered text) move with the replacements; replaced text is
 never labelled.
@@ -32,35 +18,11 @@ never labelled.
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-__all__ = ["TILE_FAMILIES", "tile_sample"]
-
-TILE_FAMILIES = ("gemma3", "internvl", "llava_onevision")
-
-
-def _token(tokenizer, token_id: int) -> str:
-    return tokenizer.convert_ids_to_tokens(int(token_id))
-
-
-def placeholder(config, tokenizer, kind: str = "image") -> str:
-    """The text the chat template writes for one image (``kind="video"``: one video)."""
-    if kind == "video":
-        if config.model_type == "internvl":
-            return getattr(tokenizer, "video_token", None) or "<video>"
-        return _token(tokenizer, config.video_token_id)
-    if config.model_type == "gemma3":
-        return _token(tokenizer, config.boi_token_id)
-    return _token(tokenizer, config.image_token_id)
-
-
-def _image_marks(tokenizer) -> tuple[str, str]:
-    """InternVL's begin / end of an image (or a frame)."""
-    start = getattr(tokenizer, "start_image_token", None) or "<img>"
-    return start, getattr(tokenizer, "end_image_token", None) or "</img>"
+__all__ = ["tile_sample"]
 
 
 def _encode(path: str, image_processor) -> dict[str, np.ndarray]:
@@ -70,65 +32,19 @@ def _encode(path: str, image_processor) -> dict[str, np.ndarray]:
         return dict(image_processor(images=[im.convert("RGB")], return_tensors="np"))
 
 
-def _image(adapter, tokenizer, enc: dict, alone: bool) -> tuple[np.ndarray, str, Any]:
-    """``(tiles, replacement text, image size or None)`` of one processed image."""
-    c = adapter.config
-    image = _token(tokenizer, c.image_token_id)
-    pixels = np.asarray(enc["pixel_values"], dtype=np.float32)
-    if c.model_type == "gemma3":
-        seq = f"\n\n{_token(tokenizer, c.boi_token_id)}{image * c.mm_tokens_per_image}"
-        seq += f"{_token(tokenizer, c.eoi_token_id)}\n\n"
-        crops = int(np.ravel(enc.get("num_crops", [0]))[0])
-        if crops:
-            seq = (
-                f"Here is the original image {seq} and here are some crops to help you see "
-                "better " + " ".join([seq] * crops)
-            )
-        return pixels, seq, None
-    if c.model_type == "internvl":
-        start, end = _image_marks(tokenizer)
-        return pixels, f"{start}{image * (c.image_seq_length * len(pixels))}{end}", None
-    size = tuple(int(x) for x in np.ravel(enc["image_sizes"])[:2])
-    tiles = pixels.reshape(-1, *pixels.shape[-3:])[: adapter.image_tiles(size, alone)]
-    return tiles, image * adapter.image_rows(size, alone), size
-
-
 def _video(proc, adapter, path: str) -> tuple[np.ndarray, str, None]:
     """``(frames as tiles, replacement text, None)`` of one video: the frames of
     :func:`~ray_disagg.data.video.tile_frames` with the video processor's settings (the
-    image processor's where none is given), the text of the family processor's own
-    ``replace_video_token``."""
-    from ray_disagg.data.video import tile_frames, video_setting
+    image processor's where none is given), the text of the family's
+    ``tile_video_text``."""
+    from ray_disagg.data.video import tile_frames
 
-    c, tok = adapter.config, proc.tokenizer
     settings = proc.video_processor if proc.video_processor is not None else proc.image_processor
-    internvl = c.model_type == "internvl"
-    shift = video_setting(settings, "initial_shift", True) if internvl else False
+    shift = adapter.video_initial_shift(settings)
     frames = tile_frames(
         path, settings, fps=proc.fps, max_frames=proc.max_frames, initial_shift=shift
     )
-    inputs = {"pixel_values_videos": [frames]}
-    if internvl:
-        from transformers.models.internvl.processing_internvl import InternVLProcessor
-
-        start, end = _image_marks(tok)
-        me = SimpleNamespace(
-            start_image_token=start,
-            end_image_token=end,
-            image_token=_token(tok, c.image_token_id),
-            image_seq_length=c.image_seq_length,
-        )
-        return frames, InternVLProcessor.replace_video_token(me, inputs, 0), None
-    from transformers.models.llava_onevision.processing_llava_onevision import (
-        LlavaOnevisionProcessor,
-    )
-
-    v = c.vision_config
-    me = SimpleNamespace(
-        num_image_tokens=(v.image_size // v.patch_size) ** 2,
-        video_token=_token(tok, c.video_token_id),
-    )
-    return frames, LlavaOnevisionProcessor.replace_video_token(me, inputs, 0), None
+    return frames, adapter.tile_video_text(proc.tokenizer, frames), None
 
 
 def _expand(text: str, spans, marks: dict, replacements: dict, rid):
@@ -173,7 +89,7 @@ def _media_items(proc, adapter, media: list, rid) -> dict[str, list]:
         try:
             if kind == "image":
                 enc = _encode(path, proc.image_processor)
-                items[kind].append(_image(adapter, proc.tokenizer, enc, alone=n_images == 1))
+                items[kind].append(adapter.tile_image(proc.tokenizer, enc, alone=n_images == 1))
             else:
                 items[kind].append(_video(proc, adapter, path))
         except (OSError, ValueError) as e:
@@ -181,38 +97,19 @@ def _media_items(proc, adapter, media: list, rid) -> dict[str, list]:
     return items
 
 
-def _fields(model_type: str, items: dict, order: list[str]) -> dict[str, np.ndarray]:
-    """The sample's media fields (InternVL: frames are tiles, in placeholder order)."""
-    images, videos = items["image"], items["video"]
-    if model_type == "internvl":
-        todo = {kind: iter(v) for kind, v in items.items()}
-        tiles = [next(todo[kind])[0] for kind in order]
-        return {"pixel_values": np.concatenate(tiles)} if tiles else {}
-    out = {}
-    if images:
-        out["pixel_values"] = np.concatenate([i[0] for i in images])
-        if model_type == "llava_onevision":
-            out["image_sizes"] = np.asarray([i[2] for i in images], dtype=np.int64)
-    if videos:
-        out["pixel_values_videos"] = np.concatenate([v[0] for v in videos])
-        out["video_frames"] = np.asarray([len(v[0]) for v in videos], dtype=np.int64)
-    return out
-
-
 def tile_sample(proc, record: dict, messages: list[dict], media: list) -> dict[str, Any]:
-    """The sample of ``record`` for a LLaVA-shaped family (``proc``: the
+    """The sample of ``record`` for a family with ``tiled_media`` (``proc``: the
     :class:`~ray_disagg.data.conversations.ConversationProcessor`)."""
-    from ray_disagg.models import get_adapter
     from ray_disagg.models.base import IGNORE_INDEX
 
-    rid, adapter, tok = record.get("id"), get_adapter(proc.config), proc.tokenizer
+    rid, adapter, tok = record.get("id"), proc.adapter, proc.tokenizer
     items = _media_items(proc, adapter, media, rid)
     try:
         text, spans = proc.render(messages)
     except Exception as e:  # a template error names the record
         raise ValueError(f"record {rid!r}: {e}") from e
     kinds = ("image", "video") if "videos" in adapter.media else ("image",)
-    marks = {kind: placeholder(proc.config, tok, kind) for kind in kinds}
+    marks = {kind: adapter.media_mark(tok, kind) for kind in kinds}
     reps = {kind: [i[1] for i in items[kind]] for kind in kinds}
     text, spans, ranges, order = _expand(text, spans, marks, reps, rid)
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -226,4 +123,4 @@ def tile_sample(proc, record: dict, messages: list[dict], media: list) -> dict[s
         dtype=bool,
     )
     sample = {"id": rid, "input_ids": ids, "labels": np.where(keep, ids, IGNORE_INDEX)}
-    return {**sample, **_fields(adapter.model_type, items, order)}
+    return {**sample, **adapter.tile_fields(items, order)}

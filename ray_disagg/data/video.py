@@ -21,11 +21,13 @@ from collections.abc import Mapping
 import numpy as np
 
 __all__ = [
+    "decode_frames",
     "decode_video",
     "group_timestamps",
-    "qwen3_video",
+    "patchify",
     "tile_frame_indices",
     "tile_frames",
+    "transform_frames",
     "video_patches",
     "video_setting",
 ]
@@ -40,7 +42,7 @@ def _sample(total: int, rate: float, fps: float, max_frames, multiple: int) -> n
     return np.linspace(0, total - 1, want).round().astype(int)
 
 
-def _decode(path, pick) -> tuple[np.ndarray, list[int], float, int]:
+def decode_frames(path, pick) -> tuple[np.ndarray, list[int], float, int]:
     """``(frames, their indices in the video, the video's frames per second, its frame
     count)`` of the frames ``pick(total frames, fps)`` chooses. Only the chosen frames are
     kept in memory when the container states its frame count."""
@@ -77,7 +79,7 @@ def decode_video(
     def pick(total: int, rate: float) -> np.ndarray:
         return _sample(total, rate, fps, max_frames, multiple)
 
-    frames, keep, rate, total = _decode(path, pick)
+    frames, keep, rate, total = decode_frames(path, pick)
     return frames, len(keep) / (total / rate)
 
 
@@ -95,10 +97,10 @@ def video_patches(frames: np.ndarray, image_processor) -> tuple[np.ndarray, np.n
         x = ip.resize(frame.transpose(2, 0, 1), size=size, resample=ip.resample, factor=p * m)
         x = ip.normalize(ip.rescale(x, ip.rescale_factor), ip.image_mean, ip.image_std)
         out.append(np.asarray(x, dtype=np.float32))
-    return _patchify(np.stack(out), p, m, t)
+    return patchify(np.stack(out), p, m, t)
 
 
-def _transform(frames, size, resample, factor, stats) -> np.ndarray:
+def transform_frames(frames, size, resample, factor, stats) -> np.ndarray:
     """Frames ``[T, H0, W0, C]`` uint8 -> ``[T, C, *size]`` float32 with transformers'
     transforms: resized (``resample``), rescaled by ``factor`` and normalized with
     ``stats = (mean, std)`` (each skipped when ``None``), as the video processors do."""
@@ -117,7 +119,7 @@ def _transform(frames, size, resample, factor, stats) -> np.ndarray:
     return np.stack(out).astype(np.float32)
 
 
-def _patchify(x: np.ndarray, p: int, m: int, t: int) -> tuple[np.ndarray, np.ndarray]:
+def patchify(x: np.ndarray, p: int, m: int, t: int) -> tuple[np.ndarray, np.ndarray]:
     """Frames ``[T, C, H, W]`` (the last repeated to a multiple of ``t``) as the tower's
     patches ``[groups * h * w, C * t * p * p]`` in merge-window order, and their grid."""
     if len(x) % t:
@@ -136,45 +138,6 @@ def group_timestamps(indices: list[int], rate: float, t: int) -> list[float]:
     indices = list(indices) + [indices[-1]] * (-len(indices) % t)
     times = [i / rate for i in indices]
     return [(times[k] + times[k + t - 1]) / 2 for k in range(0, len(times), t)]
-
-
-def qwen3_video(
-    path: str | os.PathLike, video_processor, *, fps: float | None = None, max_frames=None
-) -> tuple[np.ndarray, np.ndarray, list[float]]:
-    """``(pixel_values_videos, video_grid_thw [1, 3], seconds of each frame group)`` of
-    the video at ``path`` as Qwen3-VL's video processor makes them, with its settings
-    (``video_processor``: a ``Qwen3VLVideoProcessor``, only read): frames sampled at
-    ``fps`` (default its own) between its ``min_frames`` and ``max_frames``, every frame
-    resized to one size chosen for the whole clip (its ``smart_resize`` over frames x
-    pixels), rescaled and normalized, grouped by ``temporal_patch_size``."""
-    from transformers.image_utils import PILImageResampling
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
-
-    vp = video_processor
-    fps = vp.fps if fps is None else fps
-    most = vp.max_frames if max_frames is None else min(max_frames, vp.max_frames)
-
-    def pick(total: int, rate: float) -> np.ndarray:
-        n = min(max(int(total / rate * fps), vp.min_frames), most, total)
-        return np.linspace(0, total - 1, n).round().astype(int)
-
-    frames, keep, rate, _ = _decode(path, pick)
-    p, m, t = vp.patch_size, vp.merge_size, vp.temporal_patch_size
-    size, n = vp.size, len(frames)
-    max_pixels = size["longest_edge"]
-    if vp.cap_pixels_per_frame:  # the processor's per-frame cap
-        cap = vp.max_video_tokens * (p * m) ** 2
-        per_frame = max(min(cap, max_pixels // n), int(size["shortest_edge"] * 1.05))
-        max_pixels = per_frame * n
-    h, w = smart_resize(
-        n, frames.shape[1], frames.shape[2], t, p * m, size["shortest_edge"], max_pixels
-    )
-    scaled = _transform(
-        frames, (h, w), PILImageResampling(vp.resample), vp.rescale_factor,
-        (vp.image_mean, vp.image_std),
-    )  # fmt: skip
-    pixels, grid = _patchify(scaled, p, m, t)
-    return pixels, grid, group_timestamps(keep, rate, t)
 
 
 def tile_frame_indices(
@@ -245,7 +208,7 @@ def tile_frames(
     def pick(total: int, rate: float) -> np.ndarray:
         return tile_frame_indices(total, rate, fps, max_frames, initial_shift)
 
-    frames, _, _, _ = _decode(path, pick)
+    frames, _, _, _ = decode_frames(path, pick)
     factor = get("rescale_factor", 1 / 255) if get("do_rescale", True) else None
     stats = (get("image_mean"), get("image_std")) if get("do_normalize", True) else None
-    return _transform(frames, (height, width), resample, factor, stats)
+    return transform_frames(frames, (height, width), resample, factor, stats)

@@ -20,6 +20,7 @@ from torch import nn
 from ray_disagg.models.costs import CostHooks
 from ray_disagg.models.generation import GenerationHooks
 from ray_disagg.models.moe import RouterSpec, router_spec
+from ray_disagg.models.processing import ProcessingHooks
 
 if TYPE_CHECKING:
     from ray_disagg.parallel.tensor_parallel import BlockTPPlan, LayerTPPlan, LinearSplit
@@ -68,7 +69,7 @@ def tensor_or_none(rows: list, dtype=np.int64) -> torch.Tensor | None:
     return torch.from_numpy(np.concatenate(parts) if parts[0].ndim else np.stack(parts))
 
 
-class ModelAdapter(CostHooks, GenerationHooks):
+class ModelAdapter(CostHooks, GenerationHooks, ProcessingHooks):
     """Base class of the per-family adapters (one package each under ``ray_disagg.models``:
     ``adapter.py`` the data handling, ``parallelize.py`` the parallel plans, ``flavors.py``
     the tiny configs).

@@ -4,8 +4,8 @@ The ``cp`` ranks of an LLM replica all run the model's own embedding, merge of t
 encoders' crossings and multimodal rope positions over the whole batch (cheap next to the
 decoder), then each keeps a contiguous slice of the sequence (:func:`slice_bounds`) for the
 decoder layers: a forward pre-hook on the decoder stack (:func:`enable_context_parallel`)
-cuts ``inputs_embeds`` and ``position_ids`` (and Qwen3-VL's DeepStack mask and rows) to
-the slice and hands the layers no mask.
+cuts ``inputs_embeds`` and ``position_ids`` to the slice (a family's other inputs along
+the sequence: its ``prepare_context`` hook) and hands the layers no mask.
 Every attention call swaps sequence and heads with an all-to-all
 (:class:`~ray_disagg.parallel.ulysses.SeqToHeads`), attends over the whole sequence
 (causal per row; with packed rows, causal within each sample, the samples found where the
@@ -145,26 +145,9 @@ def _slice_inputs(_module, args, kwargs):
         segments = _segments(positions[0] if positions.ndim == 3 else positions)
     kwargs["inputs_embeds"] = embeds[:, lo:hi]
     kwargs["position_ids"] = positions[..., lo:hi]
-    _slice_deepstack(kwargs, lo, hi)
     kwargs["attention_mask"] = dict.fromkeys(MASK_KINDS)  # no layer gets a mask
     kwargs["context"] = dataclasses.replace(cp, segments=segments)
     return args, kwargs
-
-
-def _slice_deepstack(kwargs: dict, lo: int, hi: int) -> None:
-    """Qwen3-VL's DeepStack inputs of the slice: ``visual_pos_masks`` ``(B, S)`` cut to
-    ``[lo, hi)`` and each level's rows ``(n_visual, d)`` (in the mask's row-major order)
-    to those of the slice's visual positions (a gather on the device; the boolean index
-    syncs once, as HF's own ``_deepstack_process`` does per level; their gradients reach
-    the crossings, summed over the ``cp`` ranks with the rest)."""
-    masks, levels = kwargs.get("visual_pos_masks"), kwargs.get("deepstack_visual_embeds")
-    if masks is None or levels is None:
-        return
-    order = masks.flatten().long().cumsum(0).view_as(masks) - 1  # each visual row's index
-    local = masks[:, lo:hi]
-    rows = order[:, lo:hi][local]
-    kwargs["visual_pos_masks"] = local
-    kwargs["deepstack_visual_embeds"] = [e.index_select(0, rows.to(e.device)) for e in levels]
 
 
 def _to_heads(t: torch.Tensor, cp: ContextSlice) -> torch.Tensor:

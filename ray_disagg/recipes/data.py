@@ -239,27 +239,19 @@ def _feature_extractor(d: dict, key: str, config, tok_dir: str):
 
 
 def _video_processor(d: dict, key: str, config, tok_dir: str):
-    """Qwen3-VL's video processor settings; InternVL's and LLaVA-OneVision's as the
-    mapping of their ``video_preprocessor_config.json`` where the directory has one
-    (InternVL's class needs torchvision; else their frames take the image processor's);
-    ``None`` for families that cut video frames with the image processor. From
-    ``video_processor`` or the tokenizer's directory."""
-    if config.model_type in ("internvl", "llava_onevision"):
-        import json
+    """The family's video processor or its settings (its adapter's
+    ``load_video_processor``: Qwen3-VL's class; InternVL's and LLaVA-OneVision's
+    ``video_preprocessor_config.json`` as a mapping, ``None`` without one), from
+    ``video_processor`` or the tokenizer's directory; ``None`` for families that cut video
+    frames with the image processor."""
+    from ray_disagg.models import get_adapter
 
-        path = _local(d["video_processor"] or tok_dir, f"{key}.video_processor")
-        path = os.path.join(path, "video_preprocessor_config.json")
-        if not os.path.isfile(path):
-            return None
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    if config.model_type != "qwen3_vl":
+    adapter = get_adapter(config)
+    if not adapter.reads_video_processor:
         return None
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-
     path = _local(d["video_processor"] or tok_dir, f"{key}.video_processor")
     with at(key):
-        return Qwen3VLVideoProcessor.from_pretrained(path, local_files_only=True)
+        return adapter.load_video_processor(path)
 
 
 def _processors(recipe, d: dict, key: str):

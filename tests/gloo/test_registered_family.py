@@ -1,12 +1,13 @@
 """Tier 2: a family added from a package of its own (``register_family`` and
 transformers' ``AutoConfig.register``, no edit of ``ray_disagg``) trains through the
 local runner (its workers import the package when they unpickle its config) equal to the
-family it copies."""
+family it copies, and its conversations become the same samples."""
 
 import json
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 import ray_disagg.models as models
@@ -76,3 +77,21 @@ def test_registering_another_module_for_a_known_type_names_the_fix(copy_family):
         models.register_family("qwen2_5_vl", "copy_family")
     models.register_family("qwen2_5_vl_copy", "copy_family:CopyAdapter", exist_ok=True)
     assert models.ADAPTERS["qwen2_5_vl_copy"] is copy_family.CopyAdapter
+
+
+def test_a_registered_family_processes_conversations_as_the_family_it_copies(copy_family, tmp_path):
+    """The data code asks the adapter's processing hooks (no family named outside
+    ``models/``): the copy's samples of real records equal Qwen2.5-VL's, field by field."""
+    from tests.conversation_data import RECORDS, build_media, build_model_dir, make_processor
+
+    model_dir, media = build_model_dir(tmp_path / "model"), build_media(tmp_path)
+    ours = make_processor(model_dir, media, copy_family.tiny_copy_config())
+    theirs = make_processor(model_dir, media, tiny_qwen2_5_vl_config())
+    for record in RECORDS:
+        mine, want = ours(record), theirs(record)
+        assert mine.keys() == want.keys()
+        for key, value in want.items():
+            if value is None or isinstance(value, str):
+                assert mine[key] == value, key
+            else:
+                np.testing.assert_array_equal(mine[key], value, err_msg=key)

@@ -15,7 +15,7 @@ from PIL import Image
 
 from ray_disagg import tiny_qwen2_5_vl_config, tiny_qwen3_vl_config
 from ray_disagg.data.conversations import read_records, to_messages
-from ray_disagg.models import get_adapter
+from ray_disagg.models import ADAPTERS, get_adapter
 from tests.conversation_data import (
     RECORDS,
     SPECIAL,
@@ -191,11 +191,14 @@ def test_videos_are_sampled_grouped_and_patched_as_the_family_does(model_dir, me
         make_processor(model_dir, tmp_path, tiny_qwen3_vl_config())(record)
 
 
-def test_qwen3_videos_get_a_timestamp_and_a_run_per_frame_group(model_dir, tmp_path):
-    """Qwen3-VL: frames sampled, one size for the whole clip and the pixels of each group
-    as its video processor's settings make them; each group's tokens are ``<t seconds>``
-    then its own vision start / pads / end, where the template put the video pad (the
-    installed processor's ``replace_video_token``, timestamps from its own function)."""
+@pytest.mark.parametrize("model_type", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5"])
+def test_qwen3_videos_get_a_timestamp_and_a_run_per_frame_group(model_dir, tmp_path, model_type):
+    """Qwen3-VL and the families that share its processor (Qwen3-VL-MoE, Qwen3.5; once
+    only the exact ``qwen3_vl`` got timestamps): frames sampled, one size for the whole
+    clip and the pixels of each group as its video processor's settings make them; each
+    group's tokens are ``<t seconds>`` then its own vision start / pads / end, where the
+    template put the video pad (the installed processor's ``replace_video_token``,
+    timestamps from its own function); HF's model takes the sample."""
     from transformers.image_transforms import normalize, rescale, resize
     from transformers.image_utils import ChannelDimension, PILImageResampling
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
@@ -212,7 +215,7 @@ def test_qwen3_videos_get_a_timestamp_and_a_run_per_frame_group(model_dir, tmp_p
     frames = (rng.random((10, 40, 48, 3)) * 255).astype(np.uint8)
     _write_video(tmp_path / "v.mp4", frames, fps=4)
     vp = Qwen3VLVideoProcessor(patch_size=4, size={"shortest_edge": 256, "longest_edge": 6144})
-    cfg = tiny_qwen3_vl_config()
+    cfg = ADAPTERS[model_type].tiny_config()
     proc = make_processor(model_dir, tmp_path, cfg, video_processor=vp)
     record = {"id": "v3", "video": "v.mp4", "conversations": [
         {"from": "human", "value": "<video>\nwhich digit is this?"},

@@ -1,10 +1,12 @@
 """Tier 1: imports flow one way. The layers below the runtime (model adapters, parallel
 techniques, transports, the pipeline) never import the worker, the launcher, the trainer,
 the test machinery or Ray; nothing in the package but ``ray_disagg.testing`` itself and the
-tests imports ``ray_disagg.testing`` from a user's path."""
+tests imports ``ray_disagg.testing`` from a user's path; family knowledge stays in
+``ray_disagg.models``."""
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -224,3 +226,97 @@ def test_building_one_family_imports_no_other_family(model_type):
     for cls in ADAPTERS.values():
         for module in (cls.__module__, cls.hf_class.__module__):
             assert module in own or module not in loaded, f"{model_type} loaded {module}"
+
+
+# Where families may be named: their own packages, and the test machinery (which writes
+# each family's model directory and chat template for the tests); the package's
+# ``__init__`` exports each family's tiny config by name.
+FAMILY_HOMES = ("models", "testing")
+
+
+def _family_words() -> re.Pattern:
+    """The families' words: the leading letters of every registered ``model_type`` (qwen,
+    gemma, internvl, llava) and the family features the generic code once named."""
+    from ray_disagg.models import ADAPTERS
+
+    words = {re.match(r"[a-z]+", t).group() for t in ADAPTERS} | {"deepstack", "omni"}
+    return re.compile("|".join(sorted(words)), re.IGNORECASE)
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the string constants standing alone as a statement (docstrings)."""
+    out = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        for stmt in body if isinstance(body, list) else []:
+            if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+                out.add(id(stmt.value))
+    return out
+
+
+def _family_mentions(source: str, words: re.Pattern) -> list[str]:
+    """What ``source`` names of a family outside docstrings and comments: an import of a
+    family package (a subpackage of ``ray_disagg.models``) or of transformers' per-model
+    modules, an identifier or a string with a family's word."""
+    tree, found = ast.parse(source), []
+    docs = _docstrings(tree)
+    packages = {p.name for p in (ROOT / "models").iterdir() if (p / "__init__.py").exists()}
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            top, _, rest = name.partition(".models.")
+            family = rest.split(".")[0]
+            if (top == "transformers" and family) or (top == "ray_disagg" and family in packages):
+                found.append(f"line {node.lineno}: imports {name}")
+        text = None
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            text = node.value
+        elif isinstance(node, ast.Name):
+            text = node.id
+        elif isinstance(node, ast.Attribute):
+            text = node.attr
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            text = node.name
+        elif isinstance(node, ast.alias):
+            text = node.asname or node.name
+        if text is not None and words.search(text):
+            found.append(f"line {getattr(node, 'lineno', '?')}: {text[:60]!r}")
+    return found
+
+
+def test_no_family_is_named_outside_the_models_package():
+    """``data/``, ``recipes/``, ``parallel/``, ``pipeline/``, ``transport/``, ``worker/``,
+    ``launch/`` and every other module outside ``models/`` ask the adapter's hooks: they
+    import no family module and name no family (docstrings aside), so a family is one
+    package (``register_family``)."""
+    words, offenders, seen = _family_words(), [], set()
+    for f in sorted(ROOT.rglob("*.py")):
+        rel = f.relative_to(ROOT)
+        if rel.parts[0] in FAMILY_HOMES or rel == pathlib.Path("__init__.py"):
+            continue
+        seen.add(rel.parts[0])
+        offenders += [f"{rel} {m}" for m in _family_mentions(f.read_text(), words)]
+    assert {"data", "recipes", "parallel", "pipeline", "transport", "worker", "launch"} <= seen
+    assert offenders == []
+
+
+def test_the_family_check_finds_a_family():
+    source = (
+        '"""Qwen in a docstring is fine."""\n'
+        "import transformers.models.gemma3.modeling_gemma3\n"
+        "from ray_disagg.models.internvl import adapter\n"
+        "from ray_disagg.models import base\n"
+        "if config.model_type == 'llava_onevision':\n"
+        "    slice_deepstack(x)\n"
+    )
+    found = _family_mentions(source, _family_words())
+    assert any("imports transformers.models.gemma3" in m for m in found)
+    assert any("imports ray_disagg.models.internvl" in m for m in found)
+    assert not any("models.base" in m for m in found)
+    assert any("'llava_onevision'" in m for m in found)
+    assert any("'slice_deepstack'" in m for m in found)
+    assert not any("Qwen in" in m for m in found)

@@ -22,6 +22,7 @@ from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_fo
 from ray_disagg.models.base import SampleError
 from ray_disagg.models.flops import Flops, linear
 from ray_disagg.models.gemma3.flavors import tiny_gemma3_config
+from ray_disagg.models.gemma3.processing import Gemma3Processing
 from ray_disagg.models.llava_common import LlavaAdapter
 from ray_disagg.models.packing import PACKED_KEY, host_to_device, is_packed
 from ray_disagg.parallel.context_parallel import MASK_KINDS
@@ -50,7 +51,7 @@ def packed_masks(batch: dict, image_token_id: int, window: int) -> dict[str, tor
     return {"full_attention": full[:, None], "sliding_attention": sliding[:, None]}
 
 
-class Gemma3Adapter(LlavaAdapter):
+class Gemma3Adapter(Gemma3Processing, LlavaAdapter):
     model_type = "gemma3"
     config_class = Gemma3Config
     hf_class = Gemma3ForConditionalGeneration

@@ -16,12 +16,13 @@ from transformers import InternVLConfig, InternVLForConditionalGeneration
 
 from ray_disagg.models.flops import Flops, linear
 from ray_disagg.models.internvl.flavors import tiny_internvl_config
+from ray_disagg.models.internvl.processing import InternVLProcessing
 from ray_disagg.models.llava_common import LlavaAdapter
 
 __all__ = ["InternVLAdapter"]
 
 
-class InternVLAdapter(LlavaAdapter):
+class InternVLAdapter(InternVLProcessing, LlavaAdapter):
     model_type = "internvl"
     config_class = InternVLConfig
     hf_class = InternVLForConditionalGeneration

@@ -42,6 +42,7 @@ from ray_disagg.models.base import (
 )
 from ray_disagg.models.llava_common.costs import LlavaTowerCosts
 from ray_disagg.models.llava_common.parallelize import LlavaParallelMixin
+from ray_disagg.models.llava_common.processing import TileProcessing
 from ray_disagg.models.packing import PackedTextMixin
 from ray_disagg.models.tower_flops import pair, tile_patches
 from ray_disagg.parallel.tile_parallel import tile_sp_forward
@@ -50,7 +51,9 @@ from ray_disagg.parallel.ulysses import HostRows
 __all__ = ["LlavaAdapter"]
 
 
-class LlavaAdapter(LlavaTowerCosts, LlavaParallelMixin, PackedTextMixin, ModelAdapter):
+class LlavaAdapter(
+    LlavaTowerCosts, LlavaParallelMixin, PackedTextMixin, TileProcessing, ModelAdapter
+):
     """Shared logic of the LLaVA-shaped families (see module docstring)."""
 
     encoder_parts = ("vision",)

@@ -36,12 +36,13 @@ from ray_disagg.models.base import Crossing, SampleError, tensor_or_none
 from ray_disagg.models.flops import Flops, linear
 from ray_disagg.models.llava_common import LlavaAdapter
 from ray_disagg.models.llava_onevision.flavors import tiny_llava_onevision_config
+from ray_disagg.models.llava_onevision.processing import OnevisionProcessing
 from ray_disagg.models.llava_onevision.videos import OnevisionVideos
 
 __all__ = ["LlavaOnevisionAdapter"]
 
 
-class LlavaOnevisionAdapter(OnevisionVideos, LlavaAdapter):
+class LlavaOnevisionAdapter(OnevisionVideos, OnevisionProcessing, LlavaAdapter):
     model_type = "llava_onevision"
     config_class = LlavaOnevisionConfig
     hf_class = LlavaOnevisionForConditionalGeneration

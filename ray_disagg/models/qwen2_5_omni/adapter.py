@@ -63,6 +63,22 @@ class Qwen2_5OmniThinkerAdapter(OmniParallelMixin, QwenVLAdapter):
         n = int(audio_rows(grid))
         return [c.audio_start_token_id, *[c.audio_token_id] * n, c.audio_end_token_id]
 
+    def media_ids(self, kind, item, token, tokenizer):
+        """An audio ``(features, mask)``: one ``token`` per audio-tower output."""
+        if kind != "audio":
+            return super().media_ids(kind, item, token, tokenizer)
+        return [token] * int(audio_rows(int(item[1].sum())))
+
+    def media_fields(self, items):
+        """Also ``input_features`` and ``feature_attention_mask`` of the audios, cut to
+        the longest (frames past it are never read by the tower)."""
+        out = super().media_fields(items)
+        if items["audio"]:
+            frames = max(int(mask.sum()) for _, mask in items["audio"])
+            out["input_features"] = np.stack([f[:, :frames] for f, _ in items["audio"]])
+            out["feature_attention_mask"] = np.stack([m[:frames] for _, m in items["audio"]])
+        return out
+
     def synthetic_inputs(self, spec, rng):
         """Also ``spec["audios"]``: a list of mel-frame counts (random log-mel features)."""
         fields, tokens = super().synthetic_inputs(spec, rng)

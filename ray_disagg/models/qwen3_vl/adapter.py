@@ -9,14 +9,16 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
 from ray_disagg.models.base import Crossing
+from ray_disagg.models.qwen3_vl.context import slice_deepstack
 from ray_disagg.models.qwen3_vl.flavors import tiny_qwen3_vl_config
 from ray_disagg.models.qwen3_vl.parallelize import PER_HEAD_NORMS, TOWER_MLP, TOWER_PLAN
+from ray_disagg.models.qwen3_vl.processing import Qwen3VLProcessing
 from ray_disagg.models.qwen_common.adapter import MODALITIES, QwenVLAdapter
 
 __all__ = ["Qwen3VLAdapter"]
 
 
-class Qwen3VLAdapter(QwenVLAdapter):
+class Qwen3VLAdapter(Qwen3VLProcessing, QwenVLAdapter):
     model_type = "qwen3_vl"
     config_class = Qwen3VLConfig
     hf_class = Qwen3VLForConditionalGeneration
@@ -47,6 +49,11 @@ class Qwen3VLAdapter(QwenVLAdapter):
         t, h, w = (int(x) for x in grid)  # each frame is its own group for get_rope_index
         frame = super().placeholder_tokens(modality, (1, h, w))
         return frame * t
+
+    def prepare_context(self, decoder):
+        """DeepStack's mask and rows are sliced with the sequence
+        (:func:`~ray_disagg.models.qwen3_vl.context.slice_deepstack`)."""
+        decoder.register_forward_pre_hook(slice_deepstack, with_kwargs=True)
 
     def encoder_output(self, received, modality):
         emb = received.get(f"{modality}_embeds")

@@ -27,6 +27,7 @@ from ray_disagg.models.base import (
 from ray_disagg.models.packing import PackedQwenMixin
 from ray_disagg.models.qwen_common.costs import QwenTowerCosts
 from ray_disagg.models.qwen_common.parallelize import QwenParallelMixin
+from ray_disagg.models.qwen_common.processing import QwenProcessing
 from ray_disagg.parallel.ulysses import HostRows, sp_tower_forward
 
 __all__ = ["MODALITIES", "QwenVLAdapter", "RoutedLLMMixin"]
@@ -38,7 +39,9 @@ MODALITIES = {
 }
 
 
-class QwenVLAdapter(QwenTowerCosts, QwenParallelMixin, PackedQwenMixin, ModelAdapter):
+class QwenVLAdapter(
+    QwenTowerCosts, QwenParallelMixin, PackedQwenMixin, QwenProcessing, ModelAdapter
+):
     """Shared logic of the Qwen VL families (see module docstring; the parallel plans come
     from :class:`~ray_disagg.models.qwen_common.parallelize.QwenParallelMixin`)."""
 
