@@ -25,7 +25,7 @@ from peft import LoraConfig
 from ray.train import RunConfig
 
 from ray_disagg import DisaggregatedTrainer, TensorParallel, load_metrics
-from ray_disagg.models.lora import is_factor
+from ray_disagg.lora.layers import is_factor
 from ray_disagg.planner.memory import estimate, part_model
 from ray_disagg.recipes.recipe import load_recipe
 

@@ -36,7 +36,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1
 
 import ray  # noqa: E402
 
-from ray_disagg.config import DataParallel, TensorParallel  # noqa: E402
+from ray_disagg.config.groups import DataParallel, TensorParallel  # noqa: E402
 from ray_disagg.planner import cost  # noqa: E402
 from ray_disagg.planner.calibrate import (  # noqa: E402
     calibrate,

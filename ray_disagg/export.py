@@ -15,10 +15,10 @@ from ray.train import Checkpoint
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig
 
-from ray_disagg.export_lora import LoraExport
+from ray_disagg.lora.export import LoraExport
+from ray_disagg.lora.files import read_record
+from ray_disagg.lora.layers import is_factor
 from ray_disagg.models import get_adapter
-from ray_disagg.models.lora import is_factor
-from ray_disagg.models.lora_files import read_record
 from ray_disagg.models.safetensors_stream import parse_size, save_streaming
 from ray_disagg.worker.shards import load_alone, read_metadata
 

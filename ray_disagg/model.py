@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from ray_disagg.models import ADAPTERS, IGNORE_INDEX, get_adapter, loading, lora
+from ray_disagg.config.settings import check_settings, setting
+from ray_disagg.lora import layers as lora
+from ray_disagg.models import ADAPTERS, IGNORE_INDEX, get_adapter, loading
 from ray_disagg.models.base import ModelAdapter
 from ray_disagg.parallel.row_blocks import block_rows
-from ray_disagg.settings import check_settings, setting
 
 SLOW_LOAD_S = 5.0  # a load taking longer logs its progress every quarter
 
@@ -138,7 +139,7 @@ class HFModelSpec:
         """Allocate only this rank's shards of ``module`` (a :meth:`meta_model`, possibly
         sharded by DTensor TP/FSDP2) on ``device`` and fill them, one tensor at a time,
         from the pretrained weights or the per-name random init; ``adapter``: the
-        :class:`~ray_disagg.models.lora.PartLora` injected into ``module`` (its factors from
+        :class:`~ray_disagg.lora.layers.PartLora` injected into ``module`` (its factors from
         its directory or freshly initialized). ``log(message)`` gets where the weights
         come from and, once the load has taken ``SLOW_LOAD_S``, its progress every quarter."""
         meta = self.meta_model(part)

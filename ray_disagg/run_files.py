@@ -14,9 +14,14 @@ filesystems as Ray Train's own storage.
   (:func:`write_trace`): where the filesystem appends, ``trace/<group>.jsonl``, a line per
   traced step; on an object store ``trace/<group>-step<N>.json``, a file per step.
 
-Reading (:func:`read_metrics`): ``metrics.jsonl`` line by line, then the segments in name
-order; a step recorded more than once (a restart or a resumed ``fit()`` redid it) keeps
-its last record, so every step comes back once.
+- **The trackers' run ids** (``trackers.json``, :data:`TRACKERS_FILE`), written by the
+  driver's :class:`~ray_disagg.launch.trackers.Trackers` so that a resumed run continues
+  the same tracker runs.
+
+Reading (:func:`read_metrics`, :func:`load_metrics` as a DataFrame; nothing here imports
+Ray or the trainer, so ``ray-disagg plot`` does not): ``metrics.jsonl`` line by line,
+then the segments in name order; a step recorded more than once (a restart or a resumed
+``fit()`` redid it) keeps its last record, so every step comes back once.
 
 Example:
     >>> import tempfile
@@ -37,6 +42,7 @@ import logging
 import os
 import posixpath
 import re
+import sys
 import tempfile
 import time
 
@@ -48,6 +54,8 @@ __all__ = [
     "METRICS_FILE",
     "MetricsHistory",
     "RunDir",
+    "TRACKERS_FILE",
+    "load_metrics",
     "read_metrics",
     "read_records",
     "read_traces",
@@ -57,6 +65,7 @@ __all__ = [
 METRICS_FILE = "metrics.jsonl"
 SEGMENTS = "metrics"
 TRACES = "trace"
+TRACKERS_FILE = "trackers.json"
 _SEGMENT = re.compile(r"(\d+)-(\d+)\.jsonl")
 
 
@@ -73,11 +82,10 @@ class RunDir:
         """The run directory of ``source``: a ``RunDir``, a ``ray.train.Result``, a local
         path (of the run directory or its ``metrics.jsonl``) or a URI
         (``s3://bucket/runs/name``; credentials from the environment, as for Ray Train)."""
-        from ray.train import Result
-
         if isinstance(source, RunDir):
             return source
-        if isinstance(source, Result):
+        train = sys.modules.get("ray.train")  # a Result exists only where Ray Train is loaded
+        if train is not None and isinstance(source, train.Result):
             return cls(source.filesystem or pafs.LocalFileSystem(), source.path)
         text = os.fspath(source)
         if "://" in text:
@@ -145,6 +153,24 @@ def read_metrics(source) -> list[dict]:
     ``source`` as :meth:`RunDir.of`. ``FileNotFoundError`` when the run has no history."""
     by_step = {r["step"]: r for r in read_records(source) if "step" in r}
     return [by_step[s] for s in sorted(by_step)]
+
+
+def load_metrics(source):
+    """Every reported step of a run as a pandas DataFrame (one row per step, sorted):
+    ``source`` is a ``ray.train.Result``, a run directory (a local path or a URI such as
+    ``s3://bucket/runs/name``) or its ``metrics.jsonl`` (:func:`read_metrics`: on any
+    storage the run could use).
+
+    ``Result.metrics_dataframe`` holds only the steps that wrote a checkpoint; this holds
+    them all.
+
+    Example:
+        >>> df = load_metrics(result)  # doctest: +SKIP
+        >>> df[["step", "loss"]]  # doctest: +SKIP
+    """
+    import pandas as pd
+
+    return pd.DataFrame(read_metrics(source))
 
 
 def read_records(source) -> list[dict]:

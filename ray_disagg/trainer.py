@@ -8,22 +8,23 @@ import posixpath
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-import pandas as pd
 import ray
 from ray.train import Checkpoint, Result, RunConfig, ScalingConfig
 
-from ray_disagg.config import ModuleGroup
+from ray_disagg.config.groups import ModuleGroup
+from ray_disagg.config.layout import DataSpec, resolve
+from ray_disagg.config.loop import TrainLoopConfig
 from ray_disagg.data.mixture import Mixture
 from ray_disagg.launch import datasets as dsc
 from ray_disagg.launch import ray_compat as rc
 from ray_disagg.launch.backend import ModuleBackendConfig
 from ray_disagg.launch.checks import check_reference_resume
 from ray_disagg.launch.controller import DisaggregatedController
-from ray_disagg.launch.elastic import ElasticGroup
 from ray_disagg.launch.launches import GroupLaunch, Launch, Transfers
 from ray_disagg.launch.mixtures import check_mixture_resume
-from ray_disagg.launch.policies import GroupFailurePolicy
 from ray_disagg.launch.progress import RunProgress
+from ray_disagg.launch.recovery.elastic import ElasticGroup
+from ray_disagg.launch.recovery.policies import GroupFailurePolicy
 from ray_disagg.launch.resources import (
     Placement,
     check_cluster_capacity,
@@ -32,12 +33,10 @@ from ray_disagg.launch.resources import (
 )
 from ray_disagg.launch.teardown import interrupt_aborts, leave_nothing
 from ray_disagg.launch.trackers import check_report_to
-from ray_disagg.layout import DataSpec, resolve
-from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.lora import check_lora_resume
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan
-from ray_disagg.run_files import RunDir, read_metrics
+from ray_disagg.run_files import RunDir, load_metrics
 from ray_disagg.transport.base import Tier
 from ray_disagg.worker.args import LoopArgs
 from ray_disagg.worker.drill_env import FAULT_DRILL_ENV
@@ -47,22 +46,6 @@ from ray_disagg.worker.shards import check_compatible
 from ray_disagg.worker.standby import StandbyLoop
 
 __all__ = ["DisaggregatedTrainer", "load_metrics"]
-
-
-def load_metrics(source) -> pd.DataFrame:
-    """Every reported step of a run as a DataFrame (one row per step, sorted): ``source``
-    is a ``ray.train.Result``, a run directory (a local path or a URI such as
-    ``s3://bucket/runs/name``) or its ``metrics.jsonl`` (:func:`ray_disagg.run_files.
-    read_metrics`: on any storage the run could use).
-
-    ``Result.metrics_dataframe`` holds only the steps that wrote a checkpoint; this holds
-    them all.
-
-    Example:
-        >>> df = load_metrics(result)  # doctest: +SKIP
-        >>> df[["step", "loss"]]  # doctest: +SKIP
-    """
-    return pd.DataFrame(read_metrics(source))
 
 
 def _train_fn(loop, backend) -> rc.ObjectRefWrapper:
@@ -301,7 +284,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
         return os.path.join(os.path.expanduser("~/ray_results"), run.name)
 
     def restartable_groups(self) -> frozenset[str]:
-        """The groups a worker failure restarts alone (``ray_disagg.layout``)."""
+        """The groups a worker failure restarts alone (``ray_disagg.config.layout``)."""
         return self.layout.restartable
 
     def group_loops(self, args: LoopArgs) -> dict[str, tuple]:

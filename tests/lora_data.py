@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
 from ray_disagg.data.examples import synthetic_samples
-from ray_disagg.models.lora import base_name, file_key, is_factor
+from ray_disagg.lora.layers import base_name, file_key, is_factor
 from tests.helpers import checkpoint_state, losses
 
 GRIDS = [(1, 4, 4), None, (1, 4, 8), (1, 8, 4)]

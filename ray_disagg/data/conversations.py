@@ -79,7 +79,8 @@ class ConversationProcessor:
         feature_extractor: the family's audio feature extractor (Qwen2.5-Omni: its
             ``WhisperFeatureExtractor``), for audio parts (:mod:`ray_disagg.data.audio`).
         video_processor: the family's video processor where its videos need one (the
-            adapter's ``video_processor_hint``; Qwen3-VL: its ``Qwen3VLVideoProcessor``,
+            adapter's ``video_processor_hint``; Qwen3-VL, Qwen3-VL-MoE, Qwen3.5: their
+            ``Qwen3VLVideoProcessor``,
             settings only: frame sampling, the clip's pixel budget, normalization);
             InternVL, LLaVA-OneVision: the video processor or its settings as a mapping
             (e.g. its ``video_preprocessor_config.json``; InternVL's class needs

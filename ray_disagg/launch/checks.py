@@ -8,7 +8,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from ray_disagg.config import (
+from ray_disagg.config.groups import (
     ContextParallel,
     DataParallel,
     ExpertParallel,
@@ -16,8 +16,8 @@ from ray_disagg.config import (
     SequenceParallel,
     TensorParallel,
 )
+from ray_disagg.config.loop import TrainLoopConfig
 from ray_disagg.launch.generation_checks import check_prompts
-from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.models import moe
 from ray_disagg.parallel.tensor_parallel import vocab_rows
 from ray_disagg.transport import TIERS

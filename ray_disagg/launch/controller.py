@@ -12,11 +12,10 @@ Coordinator`, which this controller calls at each start and poll.
 from __future__ import annotations
 
 from ray_disagg.launch.coordinator import Coordinator
-from ray_disagg.launch.elastic import ClusterResources, ElasticGroup
 from ray_disagg.launch.launches import Colocation, Launch
-from ray_disagg.launch.policies import GroupRestartPolicy
 from ray_disagg.launch.ray_compat import ControllerBase
-from ray_disagg.launch.resize import ElasticPolicy
+from ray_disagg.launch.recovery.elastic import ClusterResources, ElasticGroup, ElasticPolicy
+from ray_disagg.launch.recovery.policies import GroupRestartPolicy
 from ray_disagg.launch.step_feed import StepFeed
 from ray_disagg.launch.worker_groups import ModuleWorkerGroups
 
@@ -25,7 +24,7 @@ __all__ = ["DisaggregatedController"]
 
 class DisaggregatedController(ControllerBase):
     """``failure_policy`` (Ray Train's keyword) must be a
-    :class:`~ray_disagg.launch.policies.GroupFailurePolicy`."""
+    :class:`~ray_disagg.launch.recovery.policies.GroupFailurePolicy`."""
 
     def __init__(
         self,

@@ -22,15 +22,15 @@ import logging
 import time
 from collections.abc import Callable
 
-from ray_disagg.launch.decisions import RestartGroup
 from ray_disagg.launch.launches import Launch
-from ray_disagg.launch.policies import GroupFailurePolicy, GroupRestartPolicy
 from ray_disagg.launch.ray_compat import (
     FailureDecision,
     WorkerGroupStartupTimeoutError,
     WorkerStatus,
 )
-from ray_disagg.launch.resize import ElasticPolicy
+from ray_disagg.launch.recovery.decisions import RestartGroup
+from ray_disagg.launch.recovery.elastic import ElasticPolicy
+from ray_disagg.launch.recovery.policies import GroupFailurePolicy, GroupRestartPolicy
 from ray_disagg.launch.worker_groups import ModulePollStatus
 
 logger = logging.getLogger(__name__)

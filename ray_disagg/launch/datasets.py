@@ -9,10 +9,10 @@ import logging
 
 import numpy as np
 
-from ray_disagg.config import ContextParallel
+from ray_disagg.config.groups import ContextParallel
+from ray_disagg.config.loop import TrainLoopConfig
 from ray_disagg.data.mixture import Mixture
 from ray_disagg.launch import mixtures
-from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.models.base import SampleError
 from ray_disagg.models.packing import check_fits
 from ray_disagg.pipeline.assignment import BatchPlan
@@ -103,7 +103,7 @@ def validation_set(datasets, adapter, cfg: TrainLoopConfig, groups, validate: bo
     plan: global batches of ``global_batch_size`` in order, split like training (under a
     token budget one unshuffled epoch of budget steps)."""
     data = datasets.get("validation")
-    if data is None:  # eval_every without one is refused by ray_disagg.layout.resolve
+    if data is None:  # eval_every without one is refused by ray_disagg.config.layout.resolve
         return None, None
     if isinstance(data, Mixture):
         raise ValueError(

@@ -4,8 +4,8 @@ rollouts on the training groups): what the family, the layout and the data must 
 
 from __future__ import annotations
 
-from ray_disagg.config import ContextParallel
-from ray_disagg.loop_config import TrainLoopConfig
+from ray_disagg.config.groups import ContextParallel
+from ray_disagg.config.loop import TrainLoopConfig
 
 __all__ = ["check_generation", "check_prompts"]
 

@@ -22,7 +22,7 @@ class GroupLaunch:
     train_fn_ref: ObjectRefWrapper
     standby_fn_ref: ObjectRefWrapper | None = None
     """The train function of the group's standby workers (``ModuleGroup(standby=True)``:
-    ``ray_disagg.launch.standby``), else ``None``."""
+    ``ray_disagg.launch.recovery.standby``), else ``None``."""
 
 
 @dataclass(frozen=True)

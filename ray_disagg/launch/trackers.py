@@ -32,6 +32,8 @@ import os
 import threading
 import time
 
+from ray_disagg.run_files import TRACKERS_FILE
+
 __all__ = ["TRACKERS", "Trackers", "check_report_to", "run_params"]
 
 logger = logging.getLogger("ray_disagg.trainer")
@@ -206,7 +208,7 @@ class Trackers:
 
     def __init__(self, names: tuple[str, ...], run_dir: str, name: str, params: dict):
         os.makedirs(run_dir, exist_ok=True)
-        self.path, self.lock = os.path.join(run_dir, "trackers.json"), threading.Lock()
+        self.path, self.lock = os.path.join(run_dir, TRACKERS_FILE), threading.Lock()
         self.ids = _read_json(self.path)  # each tracker's run id, the last step logged
         self.warned = self.closed = False
         self.open = {}

@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 import ray
 from ray.util.placement_group import remove_placement_group
 
-from ray_disagg.launch.group_recovery import GroupRecovery
-from ray_disagg.launch.group_restart import Relaunch, interrupt, park
 from ray_disagg.launch.group_start import shutdown_all, start_group
 from ray_disagg.launch.launches import Colocation, GroupLaunch, Transfers
 from ray_disagg.launch.ray_compat import (
@@ -37,6 +35,8 @@ from ray_disagg.launch.ray_compat import (
     WorkerGroupPollStatus,
     WorkerGroupStartupTimeoutError,
 )
+from ray_disagg.launch.recovery.restart import GroupRecovery
+from ray_disagg.launch.recovery.survivors import Relaunch, interrupt, park
 from ray_disagg.launch.reservations import reserve
 from ray_disagg.transport.channel import ChannelSpec
 from ray_disagg.transport.select import group_offsets, pair_tiers

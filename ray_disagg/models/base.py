@@ -297,9 +297,10 @@ class ModelAdapter(CostHooks, GenerationHooks, ProcessingHooks):
     def prepare_context(self, decoder: nn.Module) -> None:
         """Prepare the LLM's ``decoder`` (on ``meta``, after its parallel plans, packing's
         preparation and :func:`~ray_disagg.parallel.context_parallel.enable_context_parallel`)
-        for context-parallel calls, where layers that cannot run on a slice of the
-        sequence take another split (Qwen3.5's linear attention: by heads); nothing by
-        default."""
+        for context-parallel calls: layers that cannot run on a slice of the sequence
+        take another split (Qwen3.5's linear attention: by heads), and inputs of the
+        family's own along the sequence follow the slice (Qwen3-VL's DeepStack: a
+        forward pre-hook after the slicing one); nothing by default."""
 
     def collate_llm(self, items: Sequence[dict]) -> dict[str, Any]:
         """The LLM's batch of ``items``: ``input_ids`` padded to the longest (the text

@@ -31,7 +31,8 @@ def token_text(tokenizer, token_id: int) -> str:
 
 
 class ProcessingHooks:
-    """The processing hooks of a family (defaults: what no family needs)."""
+    """The processing hooks of a family (the defaults: the behaviour shared by most
+    families, or a ``NotImplementedError`` naming the family that has no such step)."""
 
     tiled_media: ClassVar[bool] = False
     """Whether media placeholders are expanded in the rendered text (tiles, see the module
@@ -55,7 +56,8 @@ class ProcessingHooks:
         """A PIL image processor of the family made from its config alone (no files),
         resizing every image to about ``pixels`` pixels (the synthetic examples)."""
         raise NotImplementedError(
-            f"{self.model_type} has no image processor built from its config; give one."
+            f"{self.model_type} has no image processor built from its config (its adapter's "
+            "build_image_processor)."
         )
 
     # ---- media expanded in the token ids ----------------------------------------------

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ray_disagg.config.settings import check_settings, setting
 from ray_disagg.models.base import IGNORE_INDEX, SampleError, sample_name
 from ray_disagg.objectives.base import Objective, TokenLogps
-from ray_disagg.settings import check_settings, setting
 
 __all__ = ["ANSWERS", "DPO", "PAIR_KEYS", "same_prompt"]
 

@@ -39,6 +39,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from ray_disagg.config.settings import check_settings, setting
 from ray_disagg.models.base import IGNORE_INDEX, SampleError, sample_name
 from ray_disagg.models.packing import host_to_device
 from ray_disagg.objectives.base import Objective, TokenLogps
@@ -50,7 +51,6 @@ from ray_disagg.objectives.reward_funcs import (
     reward_name,
     reward_sums,
 )
-from ray_disagg.settings import check_settings, setting
 
 __all__ = ["GRPO", "ROLLOUT_KEYS", "GRPOStep", "nanstd", "reward_name"]
 

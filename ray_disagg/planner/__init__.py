@@ -8,7 +8,7 @@ cluster (``ray-disagg plan`` and ``plan --auto``).
 - :mod:`~ray_disagg.planner.cost`: one step's time (FLOPs, collectives, crossings, the
   schedule);
 - :mod:`~ray_disagg.planner.search`: the layouts enumerated, checked
-  (``ray_disagg.layout.resolve``) and ranked;
+  (``ray_disagg.config.layout.resolve``) and ranked;
 - :mod:`~ray_disagg.planner.calibrate`: the device figures measured on a cluster;
 - :mod:`~ray_disagg.planner.render`: the text and the recipe written.
 

@@ -142,7 +142,8 @@ def measure_layout(recipe, steps: int, storage: str, data: list[dict] | None = N
     memory (MB, the last steps' maximum)."""
     from ray.train import RunConfig
 
-    from ray_disagg.trainer import DisaggregatedTrainer, load_metrics
+    from ray_disagg.run_files import load_metrics
+    from ray_disagg.trainer import DisaggregatedTrainer
 
     loop = dataclasses.replace(
         recipe.loop, max_steps=steps, checkpoint_every=None, eval_every=None, lr=1e-4
@@ -188,7 +189,7 @@ def reference_layouts(r, cluster: Cluster) -> list:
     """Tower 1 + LLM 1 (separate, sequential) with 1 and 2 microbatches; tower 1 + LLM
     data parallel over 2; tower 1 + LLM 1 with activation checkpointing, and with bf16
     autocast; tower 1 + LLM TP2 when the heads split (one device each)."""
-    from ray_disagg.config import DataParallel, TensorParallel
+    from ray_disagg.config.groups import DataParallel, TensorParallel
     from ray_disagg.planner.search import group_for
 
     llm = r.model.adapter.llm_part

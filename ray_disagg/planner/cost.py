@@ -55,7 +55,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ray_disagg.config import ExpertParallel
+from ray_disagg.config.groups import ExpertParallel
 from ray_disagg.models.costs import depth
 from ray_disagg.pipeline.timing import pipeline_seconds
 from ray_disagg.planner.cluster import Cluster, DeviceFigures

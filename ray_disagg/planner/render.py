@@ -15,7 +15,7 @@ import dataclasses
 import os
 import re
 
-from ray_disagg.config import (
+from ray_disagg.config.groups import (
     ContextParallel,
     DataParallel,
     ExpertParallel,

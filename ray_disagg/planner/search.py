@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ray.train import ScalingConfig
 
-from ray_disagg.config import (
+from ray_disagg.config.groups import (
     ContextParallel,
     DataParallel,
     ExpertParallel,
@@ -176,7 +176,7 @@ def _splits_badly(loop, b: int, dps: list[int], bins: int, k: int) -> bool:
 
 def _check(cand: Candidate) -> str | None:
     """Why the layout is invalid for this model (the driver's own checks), else None."""
-    from ray_disagg.layout import resolve
+    from ray_disagg.config.layout import resolve
     from ray_disagg.recipes.data import data_spec
 
     r = cand.recipe

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None):
     args = _parser().parse_args(argv)
     try:
         if args.command == "plot":
-            from ray_disagg.plot_run import plot_run
+            from ray_disagg.plotting import plot_run
 
             out = plot_run(args.run_dir, args.out)
             print("\n".join(out))

@@ -141,12 +141,12 @@ def _local(path: str, key: str) -> str:
 
 
 def data_spec(data: dict):
-    """The ``ray_disagg.layout.DataSpec`` of a recipe's parsed ``data`` (``{"train": ...,
+    """The ``ray_disagg.config.layout.DataSpec`` of a recipe's parsed ``data`` (``{"train": ...,
     "validation": ...}``), without loading it: what ``build_dataset`` makes of the
     training source is ``"map"`` (digits, a ``.json`` list of conversation records),
     ``"ray"`` (parquet, json) or ``"stream"`` (conversation records in ``.jsonl`` /
     ``.parquet`` files or a directory)."""
-    from ray_disagg.layout import DataSpec
+    from ray_disagg.config.layout import DataSpec
 
     d = data["train"]
     kind = "map" if d["type"] == "mixture" else _kind(d)
@@ -229,9 +229,12 @@ def _conversations(d: dict, key: str, config, tok, proc):
 def _feature_extractor(d: dict, key: str, config, tok_dir: str):
     """The audio feature extractor of a family with an audio tower (``None`` otherwise),
     from ``feature_extractor`` or the tokenizer's directory."""
-    if getattr(config, "audio_token_id", None) is None:
-        return None
     from transformers import AutoFeatureExtractor
+
+    from ray_disagg.models import get_adapter
+
+    if "audios" not in get_adapter(config).media:
+        return None
 
     path = _local(d["feature_extractor"] or tok_dir, f"{key}.feature_extractor")
     with at(key):

@@ -50,9 +50,9 @@ from typing import Any
 import yaml
 from ray.train import RunConfig
 
-from ray_disagg.config import ModuleGroup, TrainLoopConfig
+from ray_disagg.config.groups import ModuleGroup, TrainLoopConfig
+from ray_disagg.config.layout import RunLayout, resolve
 from ray_disagg.launch.resources import PLACEMENTS
-from ray_disagg.layout import RunLayout, resolve
 from ray_disagg.model import HFModelSpec
 from ray_disagg.recipes.data import build_dataset, data_spec, parse_data
 from ray_disagg.recipes.schema import (
@@ -108,7 +108,7 @@ class Recipe:
     report_to: tuple[str, ...] = ()
     """``run_config.report_to``: the experiment trackers (``DisaggregatedTrainer(report_to=)``)."""
     layout: RunLayout | None = None
-    """What :func:`ray_disagg.layout.resolve` made of the run (as the trainer will)."""
+    """What :func:`ray_disagg.config.layout.resolve` made of the run (as the trainer will)."""
 
 
 def bundled_recipes() -> dict[str, Path]:

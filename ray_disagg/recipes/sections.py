@@ -12,7 +12,7 @@ import os
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 
 from ray_disagg import models
-from ray_disagg.config import (
+from ray_disagg.config.groups import (
     ContextParallel,
     DataParallel,
     ExpertParallel,
@@ -20,9 +20,9 @@ from ray_disagg.config import (
     SequenceParallel,
     TensorParallel,
 )
+from ray_disagg.config.settings import defaults
 from ray_disagg.model import HFModelSpec
 from ray_disagg.recipes.schema import REQUIRED, at, check, choice, fail, section
-from ray_disagg.settings import defaults
 from ray_disagg.trainer import DisaggregatedTrainer
 
 __all__ = [
@@ -198,7 +198,7 @@ def lora_section(value, path: str):
     lora = section(value, path, {k: d for k, (_, d) in LORA.items()})
     if lora["target_modules"] is None:
         fail(f"{path}.target_modules: name the modules to adapt, e.g. [q_proj, v_proj].")
-    from ray_disagg.models.lora import require_peft
+    from ray_disagg.lora.layers import require_peft
 
     with at(path):
         return require_peft().LoraConfig(**{LORA[k][0]: v for k, v in lora.items()})

@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from ray_disagg.freezing import is_frozen
-from ray_disagg.loop_config import TrainLoopConfig
-from ray_disagg.lr_schedule import lr_at
+from ray_disagg.config.freezing import is_frozen
+from ray_disagg.config.loop import TrainLoopConfig
+from ray_disagg.config.lr_schedule import lr_at
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan, count_label_tokens
 

@@ -7,7 +7,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from ray_disagg.config import ModuleGroup, TrainLoopConfig
+from ray_disagg.config.groups import ModuleGroup, TrainLoopConfig
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan, CoveringPlan
 from ray_disagg.pipeline.budget import BudgetPlan

@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 
-from ray_disagg.models.lora_files import check_resume
+from ray_disagg.lora.files import check_resume
 from ray_disagg.worker.session import get_session
 from ray_disagg.worker.shards import (
     DATA_STATE,

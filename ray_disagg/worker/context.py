@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ray_disagg.config import ExpertParallel, ModuleGroup, TrainLoopConfig
+from ray_disagg.config.groups import ExpertParallel, ModuleGroup, TrainLoopConfig
 from ray_disagg.transport.channel import Channel
 from ray_disagg.worker import mfu
 from ray_disagg.worker.args import LoopArgs
@@ -56,7 +56,7 @@ class WorkerContext:
     """The ranks whose gradients are partial sums of the same tensors (FSDP2 shards over
     it; else gradients are all-reduced over it); ``None``: the whole group."""
     expert_mesh: DeviceMesh | None
-    """``("ep_replica", "ep", "tp")`` with :class:`~ray_disagg.config.ExpertParallel`."""
+    """``("ep_replica", "ep", "tp")`` with :class:`~ray_disagg.config.groups.ExpertParallel`."""
     token_group: Any
     """The ranks holding different tokens of a step (MoE load, router loss), or ``None``."""
     dp_rank: int
@@ -180,7 +180,7 @@ def _token_group(mesh: DeviceMesh, dp_mesh: DeviceMesh, is_cp: bool):
 
 
 def _expert_mesh(group: ModuleGroup, mesh: DeviceMesh, device: torch.device):
-    """With :class:`~ray_disagg.config.ExpertParallel`: the group's ``(dp, tp)`` ranks as
+    """With :class:`~ray_disagg.config.groups.ExpertParallel`: the group's ``(dp, tp)`` ranks as
     ``("ep_replica", "ep", "tp")``: ``ep`` consecutive replicas split the experts (each tp
     rank with its peers of the same tp index)."""
     p = group.parallelism

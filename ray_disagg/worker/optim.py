@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ray_disagg.lr_schedule import lr_at
+from ray_disagg.config.lr_schedule import lr_at
 
 __all__ = ["NoOptimizer", "build_optimizer", "clip_coef", "scale_grads", "set_lr"]
 

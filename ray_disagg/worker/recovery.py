@@ -1,7 +1,7 @@
 """Restart only the failed group: the surviving LLM group's side.
 
 When a worker of an encoder group dies, the coordinator replaces that group alone
-(:meth:`ray_disagg.launch.group_recovery.GroupRecovery.restart`); the LLM group
+(:meth:`ray_disagg.launch.recovery.restart.GroupRecovery.restart`); the LLM group
 keeps its processes, process groups and built model. Its ranks:
 
 1. notice the failure as a failed cross-group transfer (the dead peer's connections

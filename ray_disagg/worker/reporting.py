@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from ray_disagg.lr_schedule import lr_at
+from ray_disagg.config.lr_schedule import lr_at
 from ray_disagg.worker import checkpoint
 from ray_disagg.worker.checkpoint import is_checkpoint_step
 from ray_disagg.worker.clock import StepClock

@@ -27,10 +27,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ray_disagg.lr_schedule import lr_at
+from ray_disagg.config.lr_schedule import lr_at
+from ray_disagg.lora.files import write_record
 from ray_disagg.models import hf_param_name
 from ray_disagg.models.loading import fill, part_tensor
-from ray_disagg.models.lora_files import write_record
 from ray_disagg.parallel.row_blocks import block_rows
 from ray_disagg.worker import background_save
 

@@ -1,5 +1,5 @@
 """A standby worker: a worker of a group's standby copy, ready to take a failed group's
-place (``ray_disagg.launch.standby``).
+place (``ray_disagg.launch.recovery.standby``).
 
 Ray Train starts it like any worker (process, train context, the group's process group
 and device mesh from the backend) and it runs the group's own loop, which builds the

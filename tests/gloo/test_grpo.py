@@ -28,7 +28,7 @@ from ray_disagg import (
     tiny_qwen2_5_vl_config,
 )
 from ray_disagg.data.examples import synthetic_rollouts
-from ray_disagg.models.lora import fresh_factor, is_factor
+from ray_disagg.lora.layers import fresh_factor, is_factor
 from tests.grpo_reference import reference_grpo
 from tests.helpers import (
     assert_params_close,

@@ -22,7 +22,7 @@ from ray_disagg import (
     TrainLoopConfig,
     load_metrics,
 )
-from ray_disagg.models.lora import is_factor
+from ray_disagg.lora.layers import is_factor
 from ray_disagg.testing.reference import reference_train_peft
 from tests.helpers import checkpoint_state, group, run_layout, vt
 from tests.lora_data import assert_matches_peft, save_base_and_adapter

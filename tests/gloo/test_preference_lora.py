@@ -21,7 +21,7 @@ from ray_disagg import (
     tiny_qwen2_5_vl_config,
 )
 from ray_disagg.data.examples import synthetic_pairs
-from ray_disagg.models.lora import fresh_factor, is_factor
+from ray_disagg.lora.layers import fresh_factor, is_factor
 from ray_disagg.testing.reference import reference_preference
 from tests.helpers import assert_params_close, checkpoint_state, group, losses, run_layout, vt
 from tests.lora_data import GRIDS, save_base_and_adapter

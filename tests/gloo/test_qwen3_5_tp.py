@@ -27,7 +27,7 @@ from ray_disagg import (
     tiny_qwen3_5_config,
 )
 from ray_disagg.data.examples import synthetic_samples
-from ray_disagg.models.lora import file_key, is_factor
+from ray_disagg.lora.layers import file_key, is_factor
 from ray_disagg.testing.reference import reference_train_peft
 from tests.helpers import checkpoint_state, group, losses, run_layout, vt
 

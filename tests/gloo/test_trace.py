@@ -11,8 +11,8 @@ import pytest
 from ray_disagg import HFModelSpec, tiny_qwen2_5_vl_config
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.pipeline.schedule import encoder_actions, llm_actions
-from ray_disagg.plot_run import read_traces
 from ray_disagg.recipes.cli import main
+from ray_disagg.run_files import read_traces
 from tests.helpers import group, run_layout, vt
 
 

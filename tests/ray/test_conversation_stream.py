@@ -13,9 +13,9 @@ import pytest
 import ray
 
 from ray_disagg import HFModelSpec, TrainLoopConfig
+from ray_disagg.config.lr_schedule import lr_at
 from ray_disagg.data.examples import synthetic_samples
 from ray_disagg.data.stream import ConversationStream, RecordReader
-from ray_disagg.lr_schedule import lr_at
 from ray_disagg.testing.faults import fault_drill
 from tests.helpers import (
     RESTART_LOOP,

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from ray_disagg import load_metrics
-from ray_disagg.plot_run import plot_run
+from ray_disagg.plotting import plot_run
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "grpo_tiny_vlm.py"
 

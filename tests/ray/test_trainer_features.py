@@ -22,8 +22,8 @@ from ray_disagg import (
     load_metrics,
     tiny_qwen2_5_vl_config,
 )
+from ray_disagg.config.lr_schedule import lr_at
 from ray_disagg.data.examples import synthetic_samples
-from ray_disagg.lr_schedule import lr_at
 from ray_disagg.testing.reference import reference_train
 from tests.helpers import (
     assert_params_close,

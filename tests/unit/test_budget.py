@@ -14,8 +14,8 @@ from ray_disagg import (
     TrainLoopConfig,
     tiny_qwen2_5_vl_config,
 )
+from ray_disagg.config.layout import DataSpec, resolve
 from ray_disagg.data.examples import synthetic_samples
-from ray_disagg.layout import DataSpec, resolve
 from ray_disagg.models.packing import pack_rows
 from ray_disagg.pipeline.bins import BinFiller, fill_epoch, fill_steps
 from ray_disagg.pipeline.budget import BudgetPlan, StreamBudgetPlan

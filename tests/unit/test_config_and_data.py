@@ -49,7 +49,7 @@ def test_module_group_rejects_zero_workers_and_takes_elastic_ranges():
 
 
 def test_elastic_sizes_divide_the_microbatch_share(caplog):
-    from ray_disagg.launch.elastic import ElasticGroup, allowed_sizes, elastic_sizes
+    from ray_disagg.launch.recovery.elastic import ElasticGroup, allowed_sizes, elastic_sizes
 
     cfg = TrainLoopConfig(max_steps=2, global_batch_size=8, micro_batches=2, checkpoint_every=1)
     with caplog.at_level("INFO"):

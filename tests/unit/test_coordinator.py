@@ -11,13 +11,12 @@ import pytest
 from ray.train import Checkpoint, FailureConfig, ScalingConfig
 
 from ray_disagg.launch.coordinator import Coordinator
-from ray_disagg.launch.elastic import ElasticGroup
-from ray_disagg.launch.group_recovery import GroupRecovery
-from ray_disagg.launch.group_restart import Relaunch
 from ray_disagg.launch.launches import GroupLaunch, Launch, Transfers
-from ray_disagg.launch.policies import GroupFailurePolicy, GroupRestartPolicy
 from ray_disagg.launch.ray_compat import FailureDecision, WorkerStatus
-from ray_disagg.launch.resize import ElasticPolicy
+from ray_disagg.launch.recovery.elastic import ElasticGroup, ElasticPolicy
+from ray_disagg.launch.recovery.policies import GroupFailurePolicy, GroupRestartPolicy
+from ray_disagg.launch.recovery.restart import GroupRecovery
+from ray_disagg.launch.recovery.survivors import Relaunch
 from ray_disagg.launch.worker_groups import ModulePollStatus
 
 RETRY, RAISE = FailureDecision.RETRY, FailureDecision.RAISE

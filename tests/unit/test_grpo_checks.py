@@ -23,10 +23,10 @@ from ray_disagg import (
     tiny_qwen2_5_vl_config,
     tiny_qwen2_vl_config,
 )
+from ray_disagg.config.layout import DataSpec
 from ray_disagg.data.examples import save_word_tokenizer, synthetic_rollouts
 from ray_disagg.launch.checks import resolve_objective
 from ray_disagg.launch.progress import step_line
-from ray_disagg.layout import DataSpec
 from ray_disagg.objectives.grpo import GRPOStep, nanstd
 from tests.grpo_reference import advantages_and_metrics, compute_loss
 from tests.rollout_data import prompts_of

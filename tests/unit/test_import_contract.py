@@ -234,13 +234,24 @@ def test_building_one_family_imports_no_other_family(model_type):
 FAMILY_HOMES = ("models", "testing")
 
 
+# The families' words (each built-in model_type starts with one; checked below) and the
+# family features the generic code once named.
+FAMILY_WORDS = ("gemma", "internvl", "llava", "qwen", "deepstack", "omni")
+
+
 def _family_words() -> re.Pattern:
-    """The families' words: the leading letters of every registered ``model_type`` (qwen,
-    gemma, internvl, llava) and the family features the generic code once named."""
+    """``FAMILY_WORDS`` as whole words of letters (``Qwen2VL``, ``_llava_parts``; not
+    ``omnibus``), any case."""
+    return re.compile(r"(?<![a-z])({})(?![a-z])".format("|".join(FAMILY_WORDS)), re.IGNORECASE)
+
+
+def test_every_built_in_family_has_its_word():
     from ray_disagg.models import ADAPTERS
 
-    words = {re.match(r"[a-z]+", t).group() for t in ADAPTERS} | {"deepstack", "omni"}
-    return re.compile("|".join(sorted(words)), re.IGNORECASE)
+    words = _family_words()
+    for model_type, cls in ADAPTERS.items():
+        if cls.__module__.startswith("ray_disagg.models."):
+            assert words.match(model_type.split("_")[0].rstrip("0123456789")), model_type
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -265,8 +276,9 @@ def _family_mentions(source: str, words: re.Pattern) -> list[str]:
         names = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ("ray_disagg." if node.level else "") + (node.module or "")
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
         for name in names:
             top, _, rest = name.partition(".models.")
             family = rest.split(".")[0]
@@ -282,7 +294,9 @@ def _family_mentions(source: str, words: re.Pattern) -> list[str]:
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             text = node.name
         elif isinstance(node, ast.alias):
-            text = node.asname or node.name
+            text = f"{node.name} as {node.asname}"
+        elif isinstance(node, (ast.arg, ast.keyword)):
+            text = node.arg
         if text is not None and words.search(text):
             found.append(f"line {getattr(node, 'lineno', '?')}: {text[:60]!r}")
     return found
@@ -309,6 +323,8 @@ def test_the_family_check_finds_a_family():
         '"""Qwen in a docstring is fine."""\n'
         "import transformers.models.gemma3.modeling_gemma3\n"
         "from ray_disagg.models.internvl import adapter\n"
+        "from ..models import llava_common as tiles\n"
+        "omnibus = 1\n"
         "from ray_disagg.models import base\n"
         "if config.model_type == 'llava_onevision':\n"
         "    slice_deepstack(x)\n"
@@ -316,6 +332,8 @@ def test_the_family_check_finds_a_family():
     found = _family_mentions(source, _family_words())
     assert any("imports transformers.models.gemma3" in m for m in found)
     assert any("imports ray_disagg.models.internvl" in m for m in found)
+    assert any("imports ray_disagg.models.llava_common" in m for m in found)  # relative
+    assert not any("omnibus" in m for m in found)
     assert not any("models.base" in m for m in found)
     assert any("'llava_onevision'" in m for m in found)
     assert any("'slice_deepstack'" in m for m in found)

@@ -1,4 +1,4 @@
-"""Tier 1: LoRA settings refused on the driver by :func:`ray_disagg.layout.resolve`
+"""Tier 1: LoRA settings refused on the driver by :func:`ray_disagg.config.layout.resolve`
 (``ValueError`` naming the setting and the fix), on ``meta`` models, and the name map
 between a part under LoRA and PEFT's adapter file."""
 
@@ -20,8 +20,8 @@ from ray_disagg import (
     tiny_qwen2_5_vl_config,
     tiny_qwen3_vl_moe_config,
 )
-from ray_disagg.layout import DataSpec, resolve
-from ray_disagg.models.lora import check_lora_config, file_key, fresh_factor, inject, is_factor
+from ray_disagg.config.layout import DataSpec, resolve
+from ray_disagg.lora.layers import check_lora_config, file_key, fresh_factor, inject, is_factor
 from tests.helpers import group, vt
 
 LOOP = {"max_steps": 2, "global_batch_size": 2}

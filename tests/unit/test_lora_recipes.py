@@ -7,7 +7,7 @@ as input gradients only."""
 import pytest
 from peft import LoraConfig
 
-from ray_disagg.models.lora import is_factor
+from ray_disagg.lora.layers import is_factor
 from ray_disagg.planner import cost
 from ray_disagg.planner.memory import estimate, part_model
 from ray_disagg.recipes.cli import plan

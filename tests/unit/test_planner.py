@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from ray_disagg.config import (
+from ray_disagg.config.groups import (
     ContextParallel,
     DataParallel,
     ExpertParallel,

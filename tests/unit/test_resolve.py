@@ -1,4 +1,4 @@
-"""Tier 1 (unit, no Ray): one resolution of a run (``ray_disagg.layout.resolve``).
+"""Tier 1 (unit, no Ray): one resolution of a run (``ray_disagg.config.layout.resolve``).
 
 ``DisaggregatedTrainer(...)``, ``ray-disagg plan`` and ``ray-disagg train`` accept and
 refuse the same layouts with the same message, and ``train`` refuses before it starts
@@ -9,9 +9,9 @@ import yaml
 from ray.train import ScalingConfig
 
 from ray_disagg import DisaggregatedTrainer, HFModelSpec, ModuleGroup, tiny_qwen2_5_vl_config
-from ray_disagg.config import ContextParallel, SequenceParallel, TensorParallel
+from ray_disagg.config.groups import ContextParallel, SequenceParallel, TensorParallel
+from ray_disagg.config.layout import DataSpec, resolve
 from ray_disagg.data.examples import digits_samples
-from ray_disagg.layout import DataSpec, resolve
 from ray_disagg.recipes import cli
 
 PARALLELISM = {"tensor": TensorParallel, "sequence": SequenceParallel, "context": ContextParallel}

@@ -171,3 +171,29 @@ def test_a_local_run_is_read_by_its_directory_or_its_metrics_file(tmp_path):
     for source in (tmp_path, str(tmp_path / "metrics.jsonl")):
         assert load_metrics(source)["loss"].tolist() == [9.0, 8.0]
     assert json.loads(run.read("metrics.jsonl").splitlines()[0])["step"] == 1
+
+
+PLOT_ALONE = """
+import json, sys
+from ray_disagg.recipes.cli import main
+run = sys.argv[1]
+with open(run + "/metrics.jsonl", "w") as f:
+    f.writelines(json.dumps({"step": s, "loss": 3.0 - s}) + "\\n" for s in (1, 2))
+paths = main(["plot", run])
+print(json.dumps({"paths": [p.rsplit("/", 1)[1] for p in paths],
+                  "loaded": [m for m in ("ray", "ray_disagg.trainer") if m in sys.modules]}))
+"""
+
+
+def test_plot_reads_a_run_without_importing_ray_or_the_trainer(tmp_path):
+    """``ray-disagg plot`` and ``load_metrics`` read the run's files through
+    ``ray_disagg.run_files`` alone (a fresh interpreter: nothing else imported first)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", PLOT_ALONE, str(tmp_path)],
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"paths": ["loss_curve.png"], "loaded": []}

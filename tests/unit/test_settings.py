@@ -1,4 +1,4 @@
-"""Tier 1 (unit): the declared settings of the config classes (``ray_disagg.settings``):
+"""Tier 1 (unit): the declared settings of the config classes (``ray_disagg.config.settings``):
 one check loop over the declarations, bools refused where numbers are meant, numpy
 numbers taken, a YAML ``1e3`` refused for an int with the fix, and the recipe schema's
 defaults read from the same declarations."""
@@ -11,15 +11,15 @@ import pytest
 from ray.train import ScalingConfig
 
 from ray_disagg import DPO, HFModelSpec, ModuleGroup, TrainLoopConfig, tiny_qwen2_5_vl_config
-from ray_disagg.config import (
+from ray_disagg.config.groups import (
     ContextParallel,
     DataParallel,
     ExpertParallel,
     SequenceParallel,
     TensorParallel,
 )
+from ray_disagg.config.settings import choices, defaults
 from ray_disagg.recipes import recipe, sections
-from ray_disagg.settings import choices, defaults
 
 LOOP = {"max_steps": 2, "global_batch_size": 2}
 DECLARED = (
@@ -102,7 +102,7 @@ def test_enum_fields_are_literals_and_every_field_is_declared():
     assert choices(TrainLoopConfig, "schedule") == ("sequential", "1f1b")
     assert choices(TrainLoopConfig, "assignment") == ("auto", "contiguous", "balanced")
     explicit = {"scaling_config", "parallelism", "config", "pretrained_path"}
-    explicit |= {"peft_config", "peft_path"}  # checked by ray_disagg.models.lora
+    explicit |= {"peft_config", "peft_path"}  # checked by ray_disagg.lora.layers
     explicit |= {"objective"}  # checked by ray_disagg.objectives (its own declared settings)
     for cls in DECLARED:
         hints = typing.get_type_hints(cls)

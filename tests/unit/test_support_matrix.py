@@ -17,9 +17,9 @@ from ray_disagg import (
     SequenceParallel,
     TensorParallel,
 )
+from ray_disagg.config.loop import TrainLoopConfig
 from ray_disagg.launch.checks import validate_layout, validate_loop
 from ray_disagg.launch.generation_checks import check_generation
-from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.models import get_adapter
 from ray_disagg.models.support import BEGIN, END, family_checks, support_markdown
 

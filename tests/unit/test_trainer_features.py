@@ -15,8 +15,8 @@ from ray_disagg import (
     lr_at,
     tiny_qwen2_5_vl_config,
 )
+from ray_disagg.config.freezing import apply_freeze, is_frozen
 from ray_disagg.data.examples import synthetic_samples
-from ray_disagg.freezing import apply_freeze, is_frozen
 from ray_disagg.models.qwen_common.parallelize import SplitQKV
 from ray_disagg.parallel.data_parallel import all_reduce_gradients
 from ray_disagg.worker.args import LoopArgs

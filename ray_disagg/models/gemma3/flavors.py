@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from transformers import Gemma3Config
 
+from ray_disagg.models.flavors import tiny_decoder, tiny_siglip
+
 __all__ = ["tiny_gemma3_config"]
 
 
@@ -12,34 +14,16 @@ def tiny_gemma3_config(**overrides) -> Gemma3Config:
     pixels) pooled to 4 tokens per image, a 2-layer decoder alternating sliding-window
     (8 tokens) and full attention, tied embeddings (as every Gemma 3). Token ids 100-102
     are the image, begin-of-image and end-of-image tokens."""
-    vision = dict(
-        model_type="siglip_vision_model",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=16,
-        patch_size=4,
-        vision_use_head=False,
-    )
-    text = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    text = tiny_decoder(
         head_dim=16,
         query_pre_attn_scalar=16,
         sliding_window=8,
         layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=1024,
-        pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
     )
     kwargs = dict(
-        vision_config=vision,
+        vision_config=tiny_siglip(),
         text_config=text,
         mm_tokens_per_image=4,
         image_token_index=100,

@@ -6,7 +6,11 @@ from typing import Any
 
 from transformers import Qwen2_5_VLConfig
 
-from ray_disagg.models.qwen_common.flavors import tiny_text_config, tiny_window_tower
+from ray_disagg.models.qwen_common.flavors import (
+    TINY_VISION_IDS,
+    tiny_text_config,
+    tiny_window_tower,
+)
 
 __all__ = ["tiny_qwen2_5_vl_config"]
 
@@ -54,9 +58,6 @@ def tiny_qwen2_5_vl_config(
             window_size=window_size,
             fullatt=fullatt_block_indexes,
         ),
-        image_token_id=100,
-        video_token_id=101,
-        vision_start_token_id=102,
-        vision_end_token_id=103,
+        **TINY_VISION_IDS,
         **overrides,
     )

@@ -6,7 +6,7 @@ from typing import Any
 
 from transformers import Qwen2VLConfig
 
-from ray_disagg.models.qwen_common.flavors import tiny_text_config
+from ray_disagg.models.qwen_common.flavors import TINY_VISION_IDS, tiny_text_config
 
 __all__ = ["tiny_qwen2_vl_config"]
 
@@ -51,9 +51,6 @@ def tiny_qwen2_vl_config(
             temporal_patch_size=2,
             in_channels=3,
         ),
-        image_token_id=100,
-        video_token_id=101,
-        vision_start_token_id=102,
-        vision_end_token_id=103,
+        **TINY_VISION_IDS,
         **overrides,
     )

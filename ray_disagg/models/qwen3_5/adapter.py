@@ -60,6 +60,7 @@ class Qwen3_5Adapter(Qwen3VLAdapter):
     def prepare_context(self, decoder):
         """The Gated DeltaNet layers run the whole sequence with this rank's share of the
         heads (:func:`~ray_disagg.models.qwen3_5.context.split_linear_attention_heads`)."""
+        super().prepare_context(decoder)  # DeepStack's slicing: a no-op without its inputs
         split_linear_attention_heads(decoder)
 
     def packed_llm_kwargs(self, inner, batch):

@@ -6,7 +6,8 @@ from typing import Any
 
 from transformers import Qwen3_5Config
 
-from ray_disagg.models.qwen_common.flavors import mrope_section
+from ray_disagg.models.flavors import TINY_VISION_IDS, tiny_decoder
+from ray_disagg.models.qwen_common.flavors import mrope_section, tiny_tower
 
 __all__ = ["tiny_qwen3_5_config", "tiny_qwen3_5_text"]
 
@@ -18,21 +19,19 @@ def tiny_qwen3_5_text(
     DeltaNet linear attention and gated full attention (head_dim 32, a quarter of it
     rotary, mrope over that quarter)."""
     head_dim, partial = 32, 0.25
-    return dict(
+    return tiny_decoder(
         vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=4,
+        hidden=hidden,
+        layers=4,
+        heads=heads,
+        kv_heads=kv_heads,
         layer_types=["linear_attention", "full_attention"] * 2,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
         head_dim=head_dim,
         linear_conv_kernel_dim=4,
         linear_key_head_dim=8,
         linear_value_head_dim=8,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        max_position_embeddings=1024,
         rope_parameters={
             "rope_type": "default",
             "rope_theta": 1e4,
@@ -40,30 +39,18 @@ def tiny_qwen3_5_text(
             "mrope_section": mrope_section(int(head_dim * partial)),
             "mrope_interleaved": True,
         },
-        pad_token_id=0,
         **extra,
     )
 
 
 def tiny_vision(out_hidden: int) -> dict:
     """The tiny Qwen3.5 tower: Qwen3-VL's without DeepStack."""
-    return dict(
-        depth=3,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=4,
-        out_hidden_size=out_hidden,
-        patch_size=4,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        in_channels=3,
-        num_position_embeddings=16,
+    return tiny_tower(
+        depth=3, hidden=32, heads=4, out_hidden=out_hidden, patch_size=4, num_position_embeddings=16
     )
 
 
-TOKEN_IDS = dict(
-    image_token_id=100, video_token_id=101, vision_start_token_id=102, vision_end_token_id=103
-)
+TOKEN_IDS = TINY_VISION_IDS
 
 
 def tiny_qwen3_5_config(**overrides: Any) -> Qwen3_5Config:

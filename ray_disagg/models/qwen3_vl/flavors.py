@@ -6,7 +6,7 @@ from typing import Any
 
 from transformers import Qwen3VLConfig
 
-from ray_disagg.models.qwen_common.flavors import tiny_text_config
+from ray_disagg.models.qwen_common.flavors import TINY_VISION_IDS, tiny_text_config, tiny_tower
 
 __all__ = ["tiny_qwen3_vl_config"]
 
@@ -41,22 +41,15 @@ def tiny_qwen3_vl_config(
             head_dim=text_hidden // text_heads,
             rope={"mrope_interleaved": True},
         ),
-        vision_config=dict(
+        vision_config=tiny_tower(
             depth=vision_depth,
-            hidden_size=vision_hidden,
-            intermediate_size=2 * vision_hidden,
-            num_heads=vision_heads,
-            out_hidden_size=text_hidden,
+            hidden=vision_hidden,
+            heads=vision_heads,
+            out_hidden=text_hidden,
             patch_size=patch_size,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            in_channels=3,
             num_position_embeddings=16,
             deepstack_visual_indexes=list(deepstack_visual_indexes),
         ),
-        image_token_id=100,
-        video_token_id=101,
-        vision_start_token_id=102,
-        vision_end_token_id=103,
+        **TINY_VISION_IDS,
         **overrides,
     )

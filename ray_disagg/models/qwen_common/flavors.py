@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["mrope_section", "tiny_text_config", "tiny_window_tower"]
+from ray_disagg.models.flavors import TINY_VISION_IDS, tiny_decoder
+
+__all__ = [
+    "TINY_VISION_IDS",
+    "mrope_section",
+    "tiny_text_config",
+    "tiny_tower",
+    "tiny_window_tower",
+]
 
 
 def mrope_section(head_dim: int) -> list[int]:
@@ -24,23 +32,21 @@ def tiny_text_config(
         "rope_theta": 1e4,
         **(rope or {}),
     }
-    return dict(
+    return tiny_decoder(
         vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=1024,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
         rope_parameters=rope_parameters,
-        pad_token_id=0,
         **extra,
     )
 
 
-def tiny_window_tower(*, hidden, depth, heads, out_hidden, patch_size, window_size, fullatt):
-    """The ``vision_config`` dict of a tiny windowed tower (Qwen2.5-VL, Omni)."""
-    return dict(
+def tiny_tower(*, hidden: int, depth: int, heads: int, out_hidden: int, patch_size: int, **extra):
+    """The ``vision_config`` dict of a tiny Qwen tower after Qwen2-VL's (merge 2x2, two
+    frames a temporal patch); ``extra``: the family's own fields."""
+    block = dict(
         depth=depth,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -49,7 +55,19 @@ def tiny_window_tower(*, hidden, depth, heads, out_hidden, patch_size, window_si
         patch_size=patch_size,
         spatial_merge_size=2,
         temporal_patch_size=2,
+        in_channels=3,
+    )
+    return {**block, **extra}
+
+
+def tiny_window_tower(*, hidden, depth, heads, out_hidden, patch_size, window_size, fullatt):
+    """The ``vision_config`` dict of a tiny windowed tower (Qwen2.5-VL, Omni)."""
+    return tiny_tower(
+        hidden=hidden,
+        depth=depth,
+        heads=heads,
+        out_hidden=out_hidden,
+        patch_size=patch_size,
         window_size=window_size,
         fullatt_block_indexes=list(fullatt),
-        in_channels=3,
     )

@@ -15,7 +15,7 @@ import json
 import os
 from typing import Any
 
-from ray_disagg.models.lora import CONFIG_FILE, WEIGHTS_FILE, file_key
+from ray_disagg.lora.layers import CONFIG_FILE, WEIGHTS_FILE, file_key
 
 __all__ = [
     "RECORD",

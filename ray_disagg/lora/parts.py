@@ -1,7 +1,7 @@
 """LoRA per part: which part gets which adapter (:func:`part_lora`), the driver's checks
-(:func:`check_lora`, called by :func:`~ray_disagg.layout.resolve`) and the worker's
+(:func:`check_lora`, called by :func:`~ray_disagg.config.layout.resolve`) and the worker's
 injection (:func:`apply_lora`). The layers, the name map and the weights:
-:mod:`ray_disagg.models.lora`.
+:mod:`ray_disagg.lora.layers`.
 
 A part is under LoRA when its group has ``peft_config`` (a fresh adapter on that part) or
 the model spec has ``peft_path`` (a saved PEFT adapter directory, for every part, as
@@ -29,9 +29,10 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from ray_disagg.config import ModuleGroup
-from ray_disagg.freezing import apply_freeze
-from ray_disagg.models.lora import (
+from ray_disagg.config.freezing import apply_freeze
+from ray_disagg.config.groups import ModuleGroup
+from ray_disagg.lora.files import base_record, check_resume, config_dict
+from ray_disagg.lora.layers import (
     PartLora,
     check_adapter_file,
     inject,
@@ -39,7 +40,6 @@ from ray_disagg.models.lora import (
     tied_saved,
     unsupported_layers,
 )
-from ray_disagg.models.lora_files import base_record, check_resume, config_dict
 
 __all__ = [
     "apply_lora",
@@ -171,7 +171,7 @@ def _check_part(spec, part: str, group: ModuleGroup, lora: PartLora, model, adap
 
 def _check_layout(part: str, group: ModuleGroup, label: str) -> None:
     """The layouts LoRA is not tested with yet."""
-    from ray_disagg.config import ExpertParallel
+    from ray_disagg.config.groups import ExpertParallel
 
     if isinstance(group.parallelism, ExpertParallel):
         raise ValueError(

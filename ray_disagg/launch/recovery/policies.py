@@ -8,7 +8,7 @@ decision, the controller executes it).
   failed), it settles Ray's next decision (:meth:`~GroupFailurePolicy.settle`) so that
   nothing is counted twice, or at all for a grow.
 - :class:`GroupRestartPolicy` decides whether a failure restarts the failed group alone
-  (:class:`~ray_disagg.launch.decisions.RestartGroup`) or every group (``None``: Ray
+  (:class:`~ray_disagg.launch.recovery.decisions.RestartGroup`) or every group (``None``: Ray
   Train's full restart).
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 
-from ray_disagg.launch.decisions import RestartGroup
 from ray_disagg.launch.ray_compat import FailureDecision, FailurePolicy, create_failure_policy
+from ray_disagg.launch.recovery.decisions import RestartGroup
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ray_disagg.config import ModuleGroup
-from ray_disagg.freezing import frozen_parts
+from ray_disagg.config.freezing import frozen_parts
+from ray_disagg.config.groups import ModuleGroup
+from ray_disagg.config.loop import TrainLoopConfig
 from ray_disagg.launch.checks import (
     check_budget,
     resolve_objective,
@@ -38,13 +39,12 @@ from ray_disagg.launch.checks import (
     validate_loop,
     validate_transfer,
 )
-from ray_disagg.launch.elastic import elastic_ranges, elastic_sizes
 from ray_disagg.launch.generation_checks import check_generation
-from ray_disagg.launch.group_restart import restartable_groups
 from ray_disagg.launch.launches import Colocation
+from ray_disagg.launch.recovery.elastic import elastic_ranges, elastic_sizes
+from ray_disagg.launch.recovery.standby import standby_groups
+from ray_disagg.launch.recovery.survivors import restartable_groups
 from ray_disagg.launch.resources import colocation_for
-from ray_disagg.launch.standby import standby_groups
-from ray_disagg.loop_config import TrainLoopConfig
 from ray_disagg.lora import check_lora
 
 __all__ = ["DataSpec", "RunLayout", "resolve"]

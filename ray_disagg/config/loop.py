@@ -1,7 +1,7 @@
 """``TrainLoopConfig``: the hyper-parameters of the built-in training loop.
 
 Validated in ``__post_init__`` so that a wrong setting fails on the driver, before any Ray
-worker starts. (Also importable as ``ray_disagg.config.TrainLoopConfig``.)
+worker starts. (Also importable as ``ray_disagg.config.groups.TrainLoopConfig``.)
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ray_disagg.config.settings import check_settings, setting
 from ray_disagg.objectives import Objective, objective_from_any
-from ray_disagg.settings import check_settings, setting
 
 __all__ = ["TrainLoopConfig"]
 

@@ -10,9 +10,9 @@ import os
 
 import torch
 
+from ray_disagg.lora.files import adapter_config, write_adapter_dir
+from ray_disagg.lora.layers import ADAPTER, inject, is_factor, scalings
 from ray_disagg.models import get_adapter, loading
-from ray_disagg.models.lora import ADAPTER, inject, is_factor, scalings
-from ray_disagg.models.lora_files import adapter_config, write_adapter_dir
 
 __all__ = ["LoraExport"]
 

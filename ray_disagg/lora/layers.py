@@ -202,7 +202,7 @@ def check_adapter_file(path: str, module: nn.Module, part: str, saved: set[str])
     with safe_open(os.path.join(path, WEIGHTS_FILE), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
     for name, p in module.named_parameters():
-        if not (is_factor(name) or _under(name, saved)):
+        if not (is_factor(name) or _in_module(name, saved)):
             continue
         key = file_key(name)
         if key not in shapes:
@@ -242,7 +242,7 @@ def adapter_names(model: nn.Module, config: Any) -> set[str]:
     """The parameters of ``model`` (a part under ``config``) that its adapter owns: the
     factors and the ``modules_to_save`` parameters (what a checkpoint keeps)."""
     saved = saved_modules(config.modules_to_save, [n for n, _ in model.named_modules()])
-    return {n for n, _ in model.named_parameters() if is_factor(n) or _under(n, saved)}
+    return {n for n, _ in model.named_parameters() if is_factor(n) or _in_module(n, saved)}
 
 
 def scalings(model: nn.Module) -> dict[str, tuple[float, int, float]]:
@@ -278,7 +278,8 @@ def tied_saved(model: nn.Module, config: Any) -> list[str]:
     return sorted(m for m in saved if any(t.startswith(m + ".") for t in tied))
 
 
-def _under(name: str, modules) -> bool:
+def _in_module(name: str, modules) -> bool:
+    """Whether ``name`` is a parameter inside one of ``modules``."""
     return any(name.startswith(m + ".") for m in modules)
 
 
@@ -323,7 +324,7 @@ class LoraWeights:
     def _from_file(self, name: str) -> bool:
         if self.file is None:
             return False
-        return is_factor(name) or (_under(name, self.saved) and file_key(name) in self.keys)
+        return is_factor(name) or (_in_module(name, self.saved) and file_key(name) in self.keys)
 
     def get(self, name: str) -> torch.Tensor:
         if self._from_file(name):

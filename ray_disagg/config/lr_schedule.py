@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ray_disagg.loop_config import TrainLoopConfig
+from ray_disagg.config.loop import TrainLoopConfig
 
 __all__ = ["lr_at"]
 

@@ -1,7 +1,9 @@
-"""Restarting one group alone, on the workers' side: which groups may
-(:func:`restartable_groups`), what a restart needs from the attempt's start
-(:class:`Relaunch`), and the Ray calls that stop the survivors' transfers and park them
-(used by ``ModuleWorkerGroups``; the sequence is ``GroupRecovery.restart``).
+"""Restarting one group alone, the coordinator's calls to the surviving groups: which
+groups may restart alone (:func:`restartable_groups`, also checked on the driver), what
+a restart needs from the attempt's start (:class:`Relaunch`), and the Ray calls that stop
+the survivors' transfers and park them (used by ``ModuleWorkerGroups``; the sequence is
+:meth:`~ray_disagg.launch.recovery.restart.GroupRecovery.restart`; what the surviving
+workers run meanwhile: :mod:`ray_disagg.worker.recovery`).
 """
 
 from __future__ import annotations

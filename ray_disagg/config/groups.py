@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from ray.train import ScalingConfig
 
-from ray_disagg.loop_config import TrainLoopConfig
-from ray_disagg.settings import check_settings, setting
+from ray_disagg.config.loop import TrainLoopConfig
+from ray_disagg.config.settings import check_settings, setting
 
 __all__ = [
     "DataParallel",
@@ -265,7 +265,7 @@ class ModuleGroup:
         self.parallelism = _normalize_parallelism(self.parallelism)
         check_settings(self, _label(self))
         if self.peft_config is not None:
-            from ray_disagg.models.lora import check_lora_config
+            from ray_disagg.lora.layers import check_lora_config
 
             check_lora_config(self.peft_config, "ModuleGroup(peft_config=...)")
             if not self.trainable:
@@ -296,7 +296,7 @@ class ModuleGroup:
     @property
     def elastic(self) -> bool:
         """``ScalingConfig(num_workers=(min, max))``: the group may resize during the run
-        (a data-parallel encoder group; ``ray_disagg.launch.elastic``)."""
+        (a data-parallel encoder group; ``ray_disagg.launch.recovery.elastic``)."""
         return self.scaling_config.elasticity_enabled
 
     def at_size(self, n: int) -> ModuleGroup:

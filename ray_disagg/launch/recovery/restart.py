@@ -14,7 +14,7 @@ A worker of an encoder group dies; instead of tearing every group down:
    worker until polled); reports not yet consolidated are forgotten;
 3. a new group of the same shape starts (Ray Train's callbacks hand it the latest
    checkpoint, as on a full restart), or the group's standby takes over
-   (:mod:`ray_disagg.launch.standby`, already started; the next one starts once a later
+   (:mod:`ray_disagg.launch.recovery.standby`, already started; the next one starts once a later
    checkpoint is registered);
 4. the side channel is rebuilt (a new gloo group over every worker; the survivors' own
    process groups and models stay).
@@ -31,9 +31,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray_disagg.launch.decisions import RestartGroup
-from ray_disagg.launch.group_restart import Relaunch
-from ray_disagg.launch.standby import Standby
+from ray_disagg.launch.recovery.decisions import RestartGroup
+from ray_disagg.launch.recovery.standby import Standby
+from ray_disagg.launch.recovery.survivors import Relaunch
 
 logger = logging.getLogger(__name__)
 

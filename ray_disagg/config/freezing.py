@@ -13,18 +13,19 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from ray_disagg.config import ModuleGroup
+from ray_disagg.config.groups import ModuleGroup
 
 __all__ = ["is_frozen", "apply_freeze", "frozen_parts"]
 
 
-def _under(name: str, prefixes) -> bool:
+def _matches(name: str, prefixes) -> bool:
+    """Whether ``name`` is one of ``prefixes`` or under one."""
     return any(name == p or name.startswith(p.rstrip(".") + ".") for p in prefixes)
 
 
 def is_frozen(name: str, group: ModuleGroup) -> bool:
     """Whether parameter ``name`` (an HF name) is frozen in ``group``."""
-    return not group.trainable or _under(name, group.freeze)
+    return not group.trainable or _matches(name, group.freeze)
 
 
 def apply_freeze(model: nn.Module, group: ModuleGroup) -> int:
@@ -49,7 +50,7 @@ def frozen_parts(spec, groups: Mapping[str, ModuleGroup]) -> tuple[str, ...]:
             continue  # nothing to check: no model built
         names = [n for n, _ in spec.meta_model(part).named_parameters()]
         for prefix in group.freeze:
-            if not any(_under(n, (prefix,)) for n in names):
+            if not any(_matches(n, (prefix,)) for n in names):
                 shown = sorted({".".join(n.split(".")[:3]) for n in names})[:6]
                 raise ValueError(
                     f"groups[{part!r}].freeze: {prefix!r} matches none of the {part} part's "
