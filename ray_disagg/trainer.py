@@ -33,7 +33,7 @@ from ray_disagg.launch.resources import (
 )
 from ray_disagg.launch.teardown import interrupt_aborts, leave_nothing
 from ray_disagg.launch.trackers import check_report_to
-from ray_disagg.lora import check_lora_resume
+from ray_disagg.lora.parts import check_lora_resume
 from ray_disagg.model import HFModelSpec
 from ray_disagg.pipeline.assignment import BatchPlan
 from ray_disagg.run_files import RunDir, load_metrics

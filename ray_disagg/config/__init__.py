@@ -9,19 +9,12 @@
   a run (the trainer, ``plan`` and ``train``);
 - :mod:`~ray_disagg.config.freezing`: which parameters of a part train.
 
-The objectives (SFT, DPO, GRPO) are :mod:`ray_disagg.objectives`.
+The objectives (SFT, DPO, GRPO) are :mod:`ray_disagg.objectives`. The group configs are
+importable from here too (``from ray_disagg.config import ModuleGroup``), loaded on first
+use: importing one of the modules above loads only what it imports.
 """
 
-from ray_disagg.config.groups import (
-    ContextParallel,
-    DataParallel,
-    ExpertParallel,
-    ModuleGroup,
-    Parallelism,
-    SequenceParallel,
-    TensorParallel,
-    TrainLoopConfig,
-)
+import importlib
 
 __all__ = [
     "ContextParallel",
@@ -33,3 +26,9 @@ __all__ = [
     "TensorParallel",
     "TrainLoopConfig",
 ]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        return getattr(importlib.import_module("ray_disagg.config.groups"), name)
+    raise AttributeError(f"module 'ray_disagg.config' has no attribute {name!r}")

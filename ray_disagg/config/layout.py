@@ -45,7 +45,7 @@ from ray_disagg.launch.recovery.elastic import elastic_ranges, elastic_sizes
 from ray_disagg.launch.recovery.standby import standby_groups
 from ray_disagg.launch.recovery.survivors import restartable_groups
 from ray_disagg.launch.resources import colocation_for
-from ray_disagg.lora import check_lora
+from ray_disagg.lora.parts import check_lora
 
 __all__ = ["DataSpec", "RunLayout", "resolve"]
 

@@ -9,14 +9,7 @@
 - :mod:`~ray_disagg.lora.export`: a checkpoint's merged model or adapter directory.
 """
 
-from ray_disagg.lora.parts import (
-    apply_lora,
-    check_lora,
-    check_lora_resume,
-    lora_key,
-    lora_meta_part,
-    part_lora,
-)
+import importlib
 
 __all__ = [
     "apply_lora",
@@ -26,3 +19,9 @@ __all__ = [
     "lora_meta_part",
     "part_lora",
 ]
+
+
+def __getattr__(name: str):  # loaded on first use: importing lora.layers loads no more
+    if name in __all__:
+        return getattr(importlib.import_module("ray_disagg.lora.parts"), name)
+    raise AttributeError(f"module 'ray_disagg.lora' has no attribute {name!r}")

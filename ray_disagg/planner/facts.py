@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ray_disagg.lora import part_lora
+from ray_disagg.lora.parts import part_lora
 from ray_disagg.planner.memory import part_model, seq_len
 
 __all__ = ["CachedModel", "ModelFacts", "PartFacts", "Workload", "model_facts", "workload"]

@@ -68,8 +68,8 @@ import re
 
 from ray_disagg.config.freezing import is_frozen
 from ray_disagg.launch.ray_compat import resources_per_worker
-from ray_disagg.lora import lora_key, lora_meta_part, part_lora
 from ray_disagg.lora.layers import base_name, is_factor
+from ray_disagg.lora.parts import lora_key, lora_meta_part, part_lora
 from ray_disagg.models.costs import ActivationShape, depth
 from ray_disagg.parallel.tensor_parallel import LayerTPPlan
 from ray_disagg.planner.cluster import Cluster, DeviceFigures

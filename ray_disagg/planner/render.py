@@ -23,7 +23,7 @@ from ray_disagg.config.groups import (
     TensorParallel,
 )
 from ray_disagg.launch.ray_compat import resources_per_worker
-from ray_disagg.lora import part_lora
+from ray_disagg.lora.parts import part_lora
 from ray_disagg.models.support import family_row
 from ray_disagg.pipeline.neighbours import Neighbourhoods
 from ray_disagg.planner.memory import (

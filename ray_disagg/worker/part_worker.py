@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from ray_disagg.config.freezing import apply_freeze
-from ray_disagg.lora import apply_lora, part_lora
 from ray_disagg.lora.files import base_record
 from ray_disagg.lora.layers import adapter_names, adapters_disabled, is_factor
+from ray_disagg.lora.parts import apply_lora, part_lora
 from ray_disagg.models import loading
 from ray_disagg.parallel import expert_parallel as ep
 from ray_disagg.parallel import fsdp

@@ -338,3 +338,45 @@ def test_the_family_check_finds_a_family():
     assert any("'llava_onevision'" in m for m in found)
     assert any("'slice_deepstack'" in m for m in found)
     assert not any("Qwen in" in m for m in found)
+
+
+FIRST_IMPORTS = """
+import importlib, json, pathlib, sys
+
+import ray_disagg
+
+root = pathlib.Path(ray_disagg.__file__).parent
+packages = sorted(
+    ".".join(("ray_disagg", *p.parent.relative_to(root).parts))
+    for p in root.rglob("__init__.py") if p.parent != root
+)
+failed = []
+for what in [*ray_disagg.__all__, *packages]:
+    for m in [m for m in sys.modules if m == "ray_disagg" or m.startswith("ray_disagg.")]:
+        del sys.modules[m]
+    try:
+        if what.startswith("ray_disagg."):
+            importlib.import_module(what)
+        else:
+            getattr(importlib.import_module("ray_disagg"), what)
+    except Exception as e:
+        failed.append(f"{what}: {type(e).__name__}: {e}")
+print(json.dumps({"tried": len(ray_disagg.__all__) + len(packages), "failed": failed}))
+"""
+
+
+def test_every_public_name_and_package_imports_first():
+    """Whatever a program imports first from the package (each public name, each
+    subpackage) loads: no import cycle that only bites in one order (the cycle test above
+    reads explicit imports; a package's ``__init__`` runs implicitly). One interpreter,
+    the package's modules dropped before each try (torch and Ray stay loaded)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_IMPORTS], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["tried"] > 50 and got["failed"] == []
