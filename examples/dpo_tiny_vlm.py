@@ -81,12 +81,13 @@ def main() -> None:
     from ray_disagg.data.conversations import ConversationProcessor
     from ray_disagg.data.preference import PreferenceProcessor
     from ray_disagg.data.stream import ConversationStream
-    from ray_disagg.testing.conversations import build_model_dir
+    from ray_disagg.data.tiny_model import save_tiny_model
 
     root = tempfile.mkdtemp(prefix="dpo_tiny_vlm_")
-    model_dir = build_model_dir(os.path.join(root, "model"))  # tokenizer + image processor
-    records = write_records(root, args.pairs)
     cfg = tiny_qwen2_5_vl_config()
+    # a complete local model directory: the tokenizer (chat template) and image processor
+    model_dir = save_tiny_model(os.path.join(root, "model"), cfg, examples=0, validation=0)
+    records = write_records(root, args.pairs)
     processor = PreferenceProcessor(
         ConversationProcessor(
             tokenizer=AutoTokenizer.from_pretrained(model_dir, local_files_only=True),

@@ -60,6 +60,15 @@ class ProcessingHooks:
             "build_image_processor)."
         )
 
+    def tiny_chat(self) -> tuple[str, dict[str, int], str]:
+        """What a tiny local model directory of the family needs
+        (:func:`~ray_disagg.data.tiny_model.save_tiny_model`): its chat template, its
+        special tokens with the tiny config's ids, and the end-of-turn token."""
+        raise NotImplementedError(
+            f"{self.model_type} has no tiny chat template: save its tokenizer and "
+            "processors yourself (save_pretrained) and point model.pretrained_path there."
+        )
+
     # ---- media expanded in the token ids ----------------------------------------------
 
     def video_item(self, path: str, proc) -> tuple:

@@ -62,6 +62,46 @@ CONVERSATIONS = {
     "max_seq_len": None,
     "max_bad_records": 100,
 }
+TYPE_HELP = {
+    "digits": "scikit-learn's handwritten digits captioned (`a handwritten seven`), made "
+    "in memory (`ray_disagg.data.examples.digits_samples`)",
+    "conversations": "conversation records (`conversations` or `messages` lists; "
+    "docs/data.md) through the tokenizer's chat template and "
+    "the family's processors (`ConversationProcessor`); `.jsonl` / `.parquet` files or a "
+    "directory of them are streamed, a `.json` list is converted at once",
+    "preference": "TRL's conversational preference records (`prompt`, `chosen`, `rejected`, "
+    "`images`) as DPO pairs, for `objective: {type: dpo}`",
+    "prompts": "TRL's prompt-only records (`prompt`, `images` and the reward functions' "
+    "columns) for `objective: {type: grpo}` to complete",
+    "parquet": "a Ray Data dataset of ready samples (`ray.data.read_parquet`)",
+    "json": "a Ray Data dataset of ready samples (`ray.data.read_json`)",
+}
+"""What each data type is (the recipe reference, ``ray_disagg.recipes.reference``)."""
+KEY_HELP = {
+    "num_samples": "how many samples (default: all 1797)",
+    "start": "the first image's index (e.g. 1600 for a held-out set)",
+    "image_size": "images resized to this square side",
+    "records": "the records: a `.json` list, `.jsonl` or `.parquet` file, or a directory of them",
+    "media_root": "the directory relative media paths start from",
+    "tokenizer": "a local tokenizer directory with the chat template (default: "
+    "`model.pretrained_path`)",
+    "image_processor": "a local image processor directory (default: the tokenizer's)",
+    "feature_extractor": "the audio feature extractor's directory (audio families; "
+    "default: the tokenizer's)",
+    "video_processor": "the video processor's directory where the family reads one "
+    "(default: the tokenizer's)",
+    "min_pixels": "the image processor's `min_pixels`",
+    "max_pixels": "the image processor's `max_pixels`",
+    "labels": "the tokens with a loss: `assistant` (every assistant turn), `last` or `all`",
+    "system_prompt": "a system message put first where a record has none",
+    "fps": "video frames sampled per second of video",
+    "max_frames": "at most this many frames per video",
+    "concurrency": "Ray Data actors processing a streamed source",
+    "max_seq_len": "records longer than this many tokens are skipped (and counted)",
+    "max_bad_records": "unreadable records tolerated before the run fails",
+    "paths": "the files or directories Ray Data reads",
+}
+"""What each data key is (the recipe reference)."""
 DATA = {  # type -> keys (with defaults)
     "digits": {"num_samples": None, "start": 0, "image_size": 16},
     "conversations": CONVERSATIONS,

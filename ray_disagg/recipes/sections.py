@@ -53,9 +53,24 @@ TOP = {
 MODEL = {
     "pretrained_path": None,
     "config": None,
+    "build_if_missing": False,
     "peft_path": None,
     **defaults(HFModelSpec, ("seed", "attn_implementation")),
 }
+MODEL_HELP = {
+    "pretrained_path": "a local `save_pretrained` directory: weights, config, tokenizer, "
+    "processors",
+    "config": "a `tiny_*` preset, `{preset: NAME, **kwargs}` or an HF config dict with "
+    "`model_type`: random init (without `pretrained_path`)",
+    "build_if_missing": "build a complete tiny model directory of `config` at "
+    "`pretrained_path` when none is there (random weights from `seed`, a tokenizer with "
+    "the family's chat template, its image processor, example records in `examples/`; "
+    "`plan` and `train` build it, no download)",
+    "peft_path": "a saved PEFT adapter directory to start from",
+    "seed": "the random init's seed",
+    "attn_implementation": "`sdpa` or `eager`",
+}
+"""What each model key is (the recipe reference, ``ray_disagg.recipes.reference``)."""
 SCALING = {  # Ray's ScalingConfig keys a recipe sets, with Ray's defaults
     "num_workers": 1,
     "use_gpu": False,
@@ -125,6 +140,8 @@ def model_section(value, for_training: bool) -> tuple[HFModelSpec, str]:
     path = m["pretrained_path"]
     if path is not None:
         path = os.path.expanduser(str(path))
+        if m["build_if_missing"]:
+            _build_tiny(path, m)
         if os.path.isfile(os.path.join(path, "config.json")):
             with at("model"):
                 return HFModelSpec(pretrained_path=path, **kw), f"pretrained weights from {path}"
@@ -142,6 +159,24 @@ def model_section(value, for_training: bool) -> tuple[HFModelSpec, str]:
     if path is None:
         return spec, "config (random init)"
     return spec, f"inline config: pretrained_path {path} is not on this machine (not checked)"
+
+
+def _build_tiny(path: str, m: dict) -> None:
+    """``model.build_if_missing``: a complete tiny model directory of ``model.config``
+    written at ``path`` unless one is there (:func:`ray_disagg.data.tiny_model.save_tiny_model`)."""
+    check(m["build_if_missing"], "model.build_if_missing", bool, "true or false")
+    if m["config"] is None:
+        fail(
+            "model.build_if_missing: needs model.config, the tiny_* preset to build at "
+            "model.pretrained_path."
+        )
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return
+    from ray_disagg.data.tiny_model import save_tiny_model
+
+    config = model_config(m["config"], "model.config")
+    with at("model.build_if_missing"):
+        save_tiny_model(path, config, seed=m["seed"])
 
 
 def parallelism_section(value, path: str):

@@ -10,7 +10,24 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["QwenProcessing"]
+__all__ = ["CHAT_TEMPLATE", "QwenProcessing"]
+
+# Qwen2-VL's chat template (ChatML; as its chat_template.json ships it).
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
+    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
+    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 class QwenProcessing:
@@ -33,6 +50,17 @@ class QwenProcessing:
             do_rescale=True,
             do_normalize=True,
         )
+
+    def tiny_chat(self):
+        """Qwen2-VL's ChatML template; its vision tokens at the config's ids, the turn
+        markers after them."""
+        c = self.config
+        marks = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+        ids = (c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id)
+        special = dict(zip(marks, ids))
+        last = max(ids)
+        special.update({"<|im_start|>": last + 1, "<|im_end|>": last + 2})
+        return CHAT_TEMPLATE, special, "<|im_end|>"
 
     def video_item(self, path, proc) -> tuple:
         """``(pixels, grid, seconds per temporal group)``: frames decoded at ``proc.fps``

@@ -1,0 +1,33 @@
+"""Tier 2: the bundled CPU recipes ``sft_cpu`` and ``lora_cpu`` as written (their model
+section building the tiny model directory, their data from its example records, their
+groups and loop) train a step through the local runner's workers: the SFT run both
+parts, the LoRA run saving the LLM's adapter alone. (``dpo_cpu`` runs through
+``ray-disagg train`` on Ray: ``tests/ray/test_bundled_recipes.py``.)"""
+
+import math
+
+import pytest
+
+from ray_disagg import DisaggregatedTrainer
+from ray_disagg.lora.layers import is_factor
+from ray_disagg.recipes.recipe import load_recipe, trainer_kwargs
+from ray_disagg.testing.local import fit_local
+from tests.helpers import checkpoint_state
+
+QUICK = [
+    "train_loop_config.max_steps=1",
+    "train_loop_config.global_batch_size=2",
+    "train_loop_config.warmup_steps=0",
+    "train_loop_config.checkpoint_every=1",
+]
+
+
+@pytest.mark.parametrize("recipe", ["sft_cpu", "lora_cpu"])
+def test_a_bundled_cpu_recipe_trains_as_written(recipe, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # the recipe's ~/.cache/ray_disagg/...
+    loaded = load_recipe(recipe, [*QUICK, f"run_config.storage_path={tmp_path / 'runs'}"])
+    assert (tmp_path / ".cache/ray_disagg/tiny_qwen2_5_vl/config.json").is_file()
+    result = fit_local(DisaggregatedTrainer(**trainer_kwargs(loaded)))
+    assert result.metrics["step"] == 1 and math.isfinite(result.metrics["loss"])
+    text = [k for k in checkpoint_state(result.checkpoint) if not k.startswith("model.visual")]
+    assert text and all(is_factor(k) for k in text) == (recipe == "lora_cpu")
