@@ -24,7 +24,11 @@ import tempfile
 
 import numpy as np
 
-__all__ = ["QUESTION", "WORDS", "digit_reward", "save_tiny_model"]
+__all__ = ["QUESTION", "RECORD", "WORDS", "digit_reward", "save_tiny_model"]
+
+RECORD = "tiny_model.json"
+"""In a built directory: what it was built from (the config and the seed)."""
+DIGITS = 1797  # scikit-learn's handwritten digits
 
 NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 QUESTION = "which digit is this?"
@@ -108,10 +112,29 @@ def _examples(directory: str, image_size: int, train: int, validation: int) -> N
                 json.dump(records, f)
 
 
+def _built_from(config, seed: int) -> dict:
+    return json.loads(json.dumps({"config": config.to_dict(), "seed": seed}, default=str))
+
+
+def _check_built(directory: str, config, seed: int) -> None:
+    """A directory built here before must have been built from ``config`` and ``seed``."""
+    path = os.path.join(directory, RECORD)
+    if config is None or not os.path.isfile(path):
+        return  # a model directory of another origin is taken as it is
+    with open(path, encoding="utf-8") as f:
+        if json.load(f) != _built_from(config, seed):
+            raise ValueError(
+                f"{directory!r} holds a tiny model built from another config or seed; give "
+                "another path (or delete it to build it anew)."
+            )
+
+
 def _write(directory: str, config, seed: int, image_size: int, train: int, validation: int):
     from ray_disagg.model import HFModelSpec
     from ray_disagg.models import get_adapter
 
+    with open(os.path.join(directory, RECORD), "w", encoding="utf-8") as f:
+        json.dump(_built_from(config, seed), f)
     config = copy.deepcopy(config)
     adapter = get_adapter(config)
     end = _tokenizer(directory, adapter)
@@ -133,12 +156,19 @@ def save_tiny_model(
     """Write the complete tiny model directory of ``config`` (a tiny config; weights from
     ``seed``) to ``directory`` unless it holds a ``config.json`` already; returns its
     absolute path. Images are ``image_size`` square; ``examples`` train and
-    ``validation`` held-out records per set. Written to a temporary directory beside it
-    first, then renamed into place, so concurrent callers leave one complete copy.
-    Needs scikit-learn and Pillow (the ``test`` extra)."""
+    ``validation`` held-out records per set (0 and 0: no records). Written to a temporary
+    directory beside it first, then renamed into place, so concurrent callers leave one
+    complete copy; a directory built before from another config or seed is a
+    ``ValueError``. Needs scikit-learn and Pillow (the ``test`` extra)."""
     directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
     if os.path.isfile(os.path.join(directory, "config.json")):
+        _check_built(directory, config, seed)
         return directory
+    if min(examples, validation) < 0 or examples + validation > DIGITS:
+        raise ValueError(
+            f"examples={examples}, validation={validation}: each at least 0, together at "
+            f"most {DIGITS} (scikit-learn's digits)."
+        )
     if os.path.isdir(directory) and os.listdir(directory):
         raise ValueError(
             f"{directory!r} exists without a config.json: not a model directory; give an "
@@ -149,6 +179,7 @@ def save_tiny_model(
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}-", dir=parent)
     try:
         _write(tmp, config, seed, image_size, examples, validation)
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep the model from other users
         try:
             os.rename(tmp, directory)
         except OSError:  # another process put its copy there first
@@ -160,7 +191,8 @@ def save_tiny_model(
 
 
 def digit_reward(completions, solution, **_) -> list[float]:
-    """A GRPO reward function for the tiny model's prompts (TRL's signature): 1.0 where a
-    completion names the record's digit (``solution``), else 0.0."""
+    """A GRPO reward function for the tiny model's prompts (TRL's signature): 1.0 where the
+    digits a completion names are exactly the record's (``solution``), else 0.0."""
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-    return [float(s in t.replace(".", " ").split()) for t, s in zip(texts, solution)]
+    named = [[w for w in t.replace(".", " ").split() if w in NUMBERS] for t in texts]
+    return [float(n == [s]) for n, s in zip(named, solution)]

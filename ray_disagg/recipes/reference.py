@@ -59,9 +59,9 @@ def main(argv: list[str] | None = None) -> None:
         print(render(), end="")
         return
     with open(args.write, encoding="utf-8") as f:
-        text = f.read()
+        text = replace(f.read())  # before the page is opened for writing: no markers, no write
     with open(args.write, "w", encoding="utf-8") as f:
-        f.write(replace(text))
+        f.write(text)
 
 
 if __name__ == "__main__":

@@ -138,6 +138,8 @@ def model_section(value, for_training: bool) -> tuple[HFModelSpec, str]:
     if m["peft_path"] is not None:
         kw["peft_path"] = os.path.expanduser(str(m["peft_path"]))
     path = m["pretrained_path"]
+    if m["build_if_missing"] and path is None:
+        fail("model.build_if_missing: needs model.pretrained_path, where to build the model.")
     if path is not None:
         path = os.path.expanduser(str(path))
         if m["build_if_missing"]:
@@ -165,18 +167,31 @@ def _build_tiny(path: str, m: dict) -> None:
     """``model.build_if_missing``: a complete tiny model directory of ``model.config``
     written at ``path`` unless one is there (:func:`ray_disagg.data.tiny_model.save_tiny_model`)."""
     check(m["build_if_missing"], "model.build_if_missing", bool, "true or false")
-    if m["config"] is None:
+    preset = m["config"].get("preset") if isinstance(m["config"], dict) else m["config"]
+    if not isinstance(preset, str):
         fail(
-            "model.build_if_missing: needs model.config, the tiny_* preset to build at "
-            "model.pretrained_path."
+            "model.build_if_missing: needs model.config to be a tiny_* preset (or {preset: "
+            "NAME, ...}), the model to build at model.pretrained_path."
         )
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return
+    has_model = os.path.isfile(os.path.join(path, "config.json"))
+    if not has_model and os.path.isdir(path) and os.listdir(path):
+        fail(
+            f"model.pretrained_path={path!r}: neither a model directory (no config.json) nor "
+            "empty, so model.build_if_missing cannot build there; give a new or empty path."
+        )
     from ray_disagg.data.tiny_model import save_tiny_model
 
     config = model_config(m["config"], "model.config")
-    with at("model.build_if_missing"):
-        save_tiny_model(path, config, seed=m["seed"])
+    try:
+        with at("model.build_if_missing"):
+            save_tiny_model(path, config, seed=m["seed"])
+    except ImportError as e:
+        fail(
+            f"model.build_if_missing: {e}; building the tiny model needs scikit-learn and "
+            "Pillow (pip install scikit-learn pillow, or `make install`)."
+        )
+    except NotImplementedError as e:
+        fail(f"model.build_if_missing: {e}")
 
 
 def parallelism_section(value, path: str):

@@ -11,6 +11,8 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from ray_disagg.models.qwen_common.processing import CHAT_TEMPLATE
+
 __all__ = [
     "OMNI_SPECIAL",
     "QWEN2_5_OMNI_TEMPLATE",
@@ -23,22 +25,7 @@ __all__ = [
     "build_tile_model_dir",
 ]
 
-# Qwen2-VL's chat template (as its tokenizer_config / chat_template.json ship it).
-QWEN2_VL_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
-    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
-    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+QWEN2_VL_TEMPLATE = CHAT_TEMPLATE  # Qwen2-VL's (as its chat_template.json ships it)
 # Qwen2.5-Omni's: its own vision and audio markers, and an audio branch.
 QWEN2_5_OMNI_TEMPLATE = (
     QWEN2_VL_TEMPLATE.replace("<|vision_start|>", "<|vision_bos|>")

@@ -1,8 +1,9 @@
-"""Tier 2: the bundled CPU recipes ``sft_cpu`` and ``lora_cpu`` as written (their model
-section building the tiny model directory, their data from its example records, their
-groups and loop) train a step through the local runner's workers: the SFT run both
-parts, the LoRA run saving the LLM's adapter alone. (``dpo_cpu`` runs through
-``ray-disagg train`` on Ray: ``tests/ray/test_bundled_recipes.py``.)"""
+"""Tier 2: the bundled CPU recipes as written (their model section building the tiny
+model directory, their data from its example records, their groups and loop) train a
+step through the local runner's workers (the recipes' launch through ``ray-disagg
+train`` on Ray is the same code path as ``digits_cpu``'s in ``tests/ray/test_cli.py``):
+``sft_cpu`` trains both parts, ``lora_cpu`` saves the LLM's adapter alone, ``dpo_cpu``
+reports TRL's reward metrics."""
 
 import math
 
@@ -22,7 +23,7 @@ QUICK = [
 ]
 
 
-@pytest.mark.parametrize("recipe", ["sft_cpu", "lora_cpu"])
+@pytest.mark.parametrize("recipe", ["sft_cpu", "lora_cpu", "dpo_cpu"])
 def test_a_bundled_cpu_recipe_trains_as_written(recipe, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))  # the recipe's ~/.cache/ray_disagg/...
     loaded = load_recipe(recipe, [*QUICK, f"run_config.storage_path={tmp_path / 'runs'}"])
@@ -31,3 +32,5 @@ def test_a_bundled_cpu_recipe_trains_as_written(recipe, tmp_path, monkeypatch):
     assert result.metrics["step"] == 1 and math.isfinite(result.metrics["loss"])
     text = [k for k in checkpoint_state(result.checkpoint) if not k.startswith("model.visual")]
     assert text and all(is_factor(k) for k in text) == (recipe == "lora_cpu")
+    assert math.isfinite(result.metrics.get("rewards/margins", 0.0))
+    assert ("rewards/margins" in result.metrics) == (recipe == "dpo_cpu")

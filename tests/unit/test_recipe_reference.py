@@ -85,7 +85,36 @@ def test_the_tiny_model_directory_holds_what_the_recipes_read(tmp_path):
     with open(f"{d}/examples/pairs.json") as f:
         first = json.load(f)[0]
     assert first["chosen"] != first["rejected"] and first["images"] == [first["images"][0]]
+    with pytest.raises(ValueError, match="another config or seed"):
+        save_tiny_model(d, tiny_qwen2_5_vl_config(), seed=1)
+    assert digit_reward(["seven.", "a seven or two.", "nothing"], ["seven"] * 3) == [1, 0, 0]
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "x").write_text("")
     with pytest.raises(ValueError, match="not a model directory"):
         save_tiny_model(tmp_path / "other", tiny_qwen2_5_vl_config())
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["model.pretrained_path=null"], "needs model.pretrained_path"),
+        (["model.config={model_type: qwen2_5_vl}"], "tiny_\\* preset"),
+        (["model.build_if_missing=1"], "true or false"),
+    ],
+)
+def test_build_if_missing_errors_name_the_key(overrides, expected, tmp_path, monkeypatch):
+    from ray_disagg.recipes.recipe import load_recipe
+    from ray_disagg.recipes.schema import RecipeError
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(RecipeError, match=expected):
+        load_recipe("sft_cpu", overrides)
+
+
+def test_build_if_missing_refuses_a_directory_that_is_not_a_model(tmp_path):
+    from ray_disagg.recipes.recipe import load_recipe
+    from ray_disagg.recipes.schema import RecipeError
+
+    (tmp_path / "x.txt").write_text("")
+    with pytest.raises(RecipeError, match=r"model.pretrained_path=.*neither a model directory"):
+        load_recipe("sft_cpu", [f"model.pretrained_path={tmp_path}"])

@@ -13,6 +13,7 @@ from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditio
 
 from ray_disagg.models.base import Crossing, SampleError, tensor_or_none
 from ray_disagg.models.flops import Flops
+from ray_disagg.models.processing import ProcessingHooks
 from ray_disagg.models.qwen2_5_omni.costs import audio_tower_flops
 from ray_disagg.models.qwen2_5_omni.flavors import tiny_qwen2_5_omni_thinker_config
 from ray_disagg.models.qwen2_5_omni.parallelize import TOWER_PLAN, OmniParallelMixin
@@ -62,6 +63,10 @@ class Qwen2_5OmniThinkerAdapter(OmniParallelMixin, QwenVLAdapter):
         c = self.config
         n = int(audio_rows(grid))
         return [c.audio_start_token_id, *[c.audio_token_id] * n, c.audio_end_token_id]
+
+    def tiny_chat(self):
+        """Not written: the thinker's template has its own vision and audio markers."""
+        return ProcessingHooks.tiny_chat(self)
 
     def media_ids(self, kind, item, token, tokenizer):
         """An audio ``(features, mask)``: one ``token`` per audio-tower output."""

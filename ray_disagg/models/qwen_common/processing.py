@@ -52,8 +52,9 @@ class QwenProcessing:
         )
 
     def tiny_chat(self):
-        """Qwen2-VL's ChatML template; its vision tokens at the config's ids, the turn
-        markers after them."""
+        """Qwen2-VL's ChatML template (the later Qwen VL families' tiny models take it too:
+        their images render the same way); its vision tokens at the config's ids, the
+        turn markers after them."""
         c = self.config
         marks = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
         ids = (c.image_token_id, c.video_token_id, c.vision_start_token_id, c.vision_end_token_id)
