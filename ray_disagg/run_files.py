@@ -131,6 +131,18 @@ class RunDir:
         with self.fs.open_input_stream(path) as f:
             return f.read()
 
+    def latest_checkpoint(self) -> str | None:
+        """The path of the run's latest complete checkpoint (the highest
+        ``checkpoint_<N>`` folder holding a ``config.json``), or ``None``."""
+        selector = pafs.FileSelector(self.path, allow_not_found=True)
+        names = sorted(
+            i.base_name
+            for i in self.fs.get_file_info(selector)
+            if i.type == pafs.FileType.Directory and re.fullmatch(r"checkpoint_\d+", i.base_name)
+        )
+        done = [n for n in names if self.read(f"{n}/config.json") is not None]
+        return self.join(done[-1]) if done else None
+
     def files(self, rel: str) -> list[str]:
         """The names of the files directly in folder ``rel``, sorted (none: ``[]``)."""
         selector = pafs.FileSelector(self.join(rel), allow_not_found=True)

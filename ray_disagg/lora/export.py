@@ -23,7 +23,7 @@ class LoraExport:
     directory)."""
 
     def __init__(self, config, records: dict[str, dict], base_path: str | None = None):
-        self.adapter, self.records = get_adapter(config), records
+        self.adapter, self.records, self.base_path = get_adapter(config), records, base_path
         base = next(iter(records.values()))["base"]
         self.meta = loading.meta_model(self.adapter)
         path = base_path or base["pretrained_path"]
@@ -80,6 +80,12 @@ class LoraExport:
         """The PEFT adapter directory of every LoRA part (``tensors``: their factors and
         ``modules_to_save`` parameters)."""
         config = adapter_config(self.records, self.ranks)
+        if self.base_path is not None:
+            config["base_model_name_or_path"] = self.base_path
+        if config.get("task_type") is None:  # as PeftModel.save_pretrained: AutoPeftModel
+            cls = self.adapter.hf_class  # loads the base with this class
+            config["auto_mapping"] = {"base_model_class": cls.__name__,
+                                      "parent_library": cls.__module__}  # fmt: skip
         write_adapter_dir(out, config, tensors)
 
 

@@ -4,11 +4,13 @@
     ray-disagg plan --auto RECIPE [--cluster nodes=1,gpus_per_node=8,gpu_memory_gib=80]
         [--calibrate] [--figures FILE] [--out BEST.yaml]   # rank layouts, write the best
     ray-disagg train RECIPE [key=value ...]   # build the trainer and fit()
+    ray-disagg plot RUN [--out DIR]           # the run's pictures
+    ray-disagg export RUN_OR_CHECKPOINT OUT [--adapter] [--base DIR]   # Hugging Face's layout
     ray-disagg recipes                        # list the bundled recipes
 
-``RECIPE`` is a YAML file or the name of a bundled recipe (``digits_cpu``,
-``qwen2_5_vl_32b_8gpu``). ``python -m ray_disagg`` is the same command. A recipe error
-exits with status 2 and one message on stderr.
+``RECIPE`` is a YAML file or the name of a bundled recipe (``sft_cpu``, ``lora_cpu``,
+``dpo_cpu``, ``digits_cpu``, ``qwen2_5_vl_32b_8gpu``). ``python -m ray_disagg`` is the
+same command. A recipe error exits with status 2 and one message on stderr.
 
 ``train`` calls ``ray.init()`` only when Ray is not initialized: with ``RAY_ADDRESS`` set
 (e.g. under ``ray job submit``) it connects to that cluster, else it starts a local one.
@@ -120,6 +122,25 @@ def train(recipe: str, overrides=()):
     return result
 
 
+def export(source: str, out: str, *, adapter: bool = False, base: str | None = None) -> str:
+    """``ray-disagg export``: :func:`ray_disagg.export_hf` of the checkpoint ``source`` or,
+    for a run's directory, of its latest checkpoint; returns ``out``."""
+    from ray.train import Checkpoint
+
+    from ray_disagg.export import export_hf
+    from ray_disagg.run_files import RunDir
+
+    run = RunDir.of(source)
+    path = run.path if run.read("config.json") is not None else run.latest_checkpoint()
+    if path is None:
+        raise ValueError(
+            f"{source!r} is neither a checkpoint (no config.json) nor a run with a "
+            "checkpoint (checkpoint_<N>/): give one of them."
+        )
+    checkpoint = Checkpoint(path=path, filesystem=run.fs)
+    return export_hf(checkpoint, out, merge_lora=not adapter, base_path=base)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ray-disagg",
@@ -127,7 +148,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Overrides are dotted keys with YAML values, e.g. train_loop_config.max_steps=4 "
         "groups.vision.trainable=false 'groups.text.parallelism={type: tensor, size: 2}'.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,plan,plot,recipes}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{train,plan,plot,export,recipes}"
+    )
     for name, text in (
         ("train", "build the trainer from RECIPE and fit() it"),
         ("plan", "check RECIPE without starting Ray; print the layout and memory per worker"),
@@ -143,6 +166,15 @@ def _parser() -> argparse.ArgumentParser:
                    "or a URI such as s3://bucket/runs/name")  # fmt: skip
     p.add_argument("--out", help="where to write the pictures (default: the run's directory "
                    "when it is local, else ./<name>)")  # fmt: skip
+    text = "write a checkpoint's model (or LoRA adapter) in Hugging Face's layout"
+    p = sub.add_parser("export", help=text, description=text)
+    p.add_argument("source", help="a checkpoint, or a run's directory (its latest checkpoint): "
+                   "a local path or a URI such as s3://bucket/runs/name")  # fmt: skip
+    p.add_argument("out", help="the directory to write (save_pretrained's layout)")
+    p.add_argument("--adapter", action="store_true", help="a LoRA run: the PEFT adapter "
+                   "directory (AutoPeftModel loads it) instead of the merged model")  # fmt: skip
+    p.add_argument("--base", help="a LoRA run: where its base model is, when not where the "
+                   "run read it")  # fmt: skip
     sub.add_parser("recipes", help="list the bundled recipes")
     return parser
 
@@ -176,6 +208,9 @@ def main(argv: list[str] | None = None):
 
             out = plot_run(args.run_dir, args.out)
             print("\n".join(out))
+        elif args.command == "export":
+            out = export(args.source, args.out, adapter=args.adapter, base=args.base)
+            print(out)
         elif args.command == "recipes":
             from ray_disagg.recipes.recipe import bundled_recipes
 

@@ -131,11 +131,13 @@ def test_checkpoints_resume_and_exports_that_peft_loads(saved, reference, tmp_pa
     """The checkpoint keeps the adapter only (and ``lora.json``); resuming in the same
     layout is bit-identical on CPU, resuming in another (vision TP2, split ``qkv``) equals
     the reference; the merged export loads with ``from_pretrained`` and equals PEFT's
-    ``merge_and_unload``; the adapter export loads with ``PeftModel.from_pretrained``."""
-    from peft import PeftModel, get_peft_model_state_dict
+    ``merge_and_unload``; the adapter export (also ``ray-disagg export RUN OUT
+    --adapter``) loads with ``PeftModel.from_pretrained`` and ``AutoPeftModel``."""
+    from peft import AutoPeftModel, PeftModel, get_peft_model_state_dict
     from transformers import Qwen2_5_VLForConditionalGeneration as HF
 
     from ray_disagg import export_hf
+    from ray_disagg.recipes.cli import main
 
     base, adapter, data = saved
     ref_losses, ref = reference
@@ -166,10 +168,16 @@ def test_checkpoints_resume_and_exports_that_peft_loads(saved, reference, tmp_pa
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=k)
     out = export_hf(moved.checkpoint, tmp_path / "adapter", merge_lora=False)
     loaded = PeftModel.from_pretrained(HF.from_pretrained(base), out)
-    want, got = get_peft_model_state_dict(ref), get_peft_model_state_dict(loaded)
-    assert got.keys() == want.keys()
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=k)
+    # as the field loads it: the base's path and class from adapter_config.json
+    auto = AutoPeftModel.from_pretrained(out)
+    # and from the command line, the run's latest checkpoint
+    cli = main(["export", str(tmp_path / "moved"), str(tmp_path / "cli"), "--adapter"])
+    want = get_peft_model_state_dict(ref)
+    for model in (loaded, auto, PeftModel.from_pretrained(HF.from_pretrained(base), cli)):
+        got = get_peft_model_state_dict(model)
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=k)
 
     full_spec = HFModelSpec(pretrained_path=base)
     with pytest.raises(ValueError, match="trained a LoRA adapter, but this run trains it in"):

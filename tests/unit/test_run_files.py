@@ -197,3 +197,22 @@ def test_plot_reads_a_run_without_importing_ray_or_the_trainer(tmp_path):
     )  # fmt: skip
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"paths": ["loss_curve.png"], "loaded": []}
+
+
+def test_the_latest_complete_checkpoint_and_export_refusing_what_is_neither(tmp_path, capsys):
+    """A run's latest checkpoint is its highest ``checkpoint_<N>`` holding a config.json
+    (one still being written is skipped); ``ray-disagg export`` of a directory that is
+    neither a checkpoint nor a run with one exits 2 naming it."""
+    for name, done in (("checkpoint_000001", True), ("checkpoint_000002", False)):
+        (tmp_path / name).mkdir()
+        if done:
+            (tmp_path / name / "config.json").write_text("{}")
+    (tmp_path / "checkpoint_tmp").mkdir()
+    assert RunDir.of(tmp_path).latest_checkpoint() == str(tmp_path / "checkpoint_000001")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert RunDir.of(empty).latest_checkpoint() is None
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(empty), str(tmp_path / "out")])
+    assert e.value.code == 2
+    assert "neither a checkpoint" in capsys.readouterr().err
