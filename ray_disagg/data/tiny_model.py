@@ -139,7 +139,15 @@ def _write(directory: str, config, seed: int, image_size: int, train: int, valid
     adapter = get_adapter(config)
     end = _tokenizer(directory, adapter)
     getattr(config, "text_config", config).eos_token_id = end  # completions end there
-    HFModelSpec(config=config, seed=seed).build_full().save_pretrained(directory)
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one tiny shard: no bar among plan's lines
+    try:
+        HFModelSpec(config=config, seed=seed).build_full().save_pretrained(directory)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     adapter.build_image_processor(image_size * image_size).save_pretrained(directory)
     _examples(directory, image_size, train, validation)
 

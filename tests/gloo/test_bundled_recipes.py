@@ -3,7 +3,8 @@ model directory, their data from its example records, their groups and loop) tra
 step through the local runner's workers (the recipes' launch through ``ray-disagg
 train`` on Ray is the same code path as ``digits_cpu``'s in ``tests/ray/test_cli.py``):
 ``sft_cpu`` trains both parts, ``lora_cpu`` saves the LLM's adapter alone, ``dpo_cpu``
-reports TRL's reward metrics."""
+reports TRL's reward metrics, ``grpo_cpu`` generates its completions and scores them
+with ``digit_reward``."""
 
 import math
 
@@ -23,10 +24,12 @@ QUICK = [
 ]
 
 
-@pytest.mark.parametrize("recipe", ["sft_cpu", "lora_cpu", "dpo_cpu"])
+@pytest.mark.parametrize("recipe", ["sft_cpu", "lora_cpu", "dpo_cpu", "grpo_cpu"])
 def test_a_bundled_cpu_recipe_trains_as_written(recipe, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))  # the recipe's ~/.cache/ray_disagg/...
-    loaded = load_recipe(recipe, [*QUICK, f"run_config.storage_path={tmp_path / 'runs'}"])
+    batch = ["train_loop_config.global_batch_size=1"] if recipe == "grpo_cpu" else []
+    argv = [*QUICK, *batch, f"run_config.storage_path={tmp_path / 'runs'}"]
+    loaded = load_recipe(recipe, argv)
     assert (tmp_path / ".cache/ray_disagg/tiny_qwen2_5_vl/config.json").is_file()
     result = fit_local(DisaggregatedTrainer(**trainer_kwargs(loaded)))
     assert result.metrics["step"] == 1 and math.isfinite(result.metrics["loss"])
@@ -34,3 +37,5 @@ def test_a_bundled_cpu_recipe_trains_as_written(recipe, tmp_path, monkeypatch):
     assert text and all(is_factor(k) for k in text) == (recipe == "lora_cpu")
     assert math.isfinite(result.metrics.get("rewards/margins", 0.0))
     assert ("rewards/margins" in result.metrics) == (recipe == "dpo_cpu")
+    if recipe == "grpo_cpu":  # one prompt, four completions drawn and scored
+        assert 0.0 <= result.metrics["rewards/digit_reward/mean"] <= 1.0

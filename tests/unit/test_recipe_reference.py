@@ -39,6 +39,7 @@ def test_the_page_without_markers_is_refused():
         ("sft_cpu", "recipes-and-cli.md"),
         ("lora_cpu", "lora.md"),
         ("dpo_cpu", "preference-training.md"),
+        ("grpo_cpu", "reinforcement-learning.md"),
     ],
 )
 def test_each_bundled_cpu_recipe_is_on_its_page(recipe, page):
