@@ -4,10 +4,14 @@ curves of any reported metrics, and :func:`plot_run`, what ``ray-disagg plot RUN
 writes:
 
 - ``loss_curve.png``: :func:`ray_disagg.plotting.plot_metrics`;
-- ``reward_curve.png`` (GRPO): the mean reward of each step's completions and, with
-  validation prompts, ``eval_reward``;
-- ``step_times.png``: per step, each group's compute and wait seconds stacked (its
-  ``<group>_compute_s`` and ``<group>_wait_s`` metrics), the step time as a line;
+- ``reward_curve.png`` (a run with TRL's reward metrics; none for SFT): DPO's implicit
+  rewards of the chosen and rejected completions and their margin, the pairs' accuracy
+  on a second panel; GRPO's mean reward of each step's completions with a band of one
+  ``reward_std``, each reward function's mean and, with validation prompts,
+  ``eval_reward``;
+- ``step_times.png``: per step, each group's compute, data wait and wait seconds stacked
+  (its ``<group>_compute_s``, ``<group>_data_wait_s``: waiting for the step's input data,
+  and ``<group>_wait_s``: waiting for other groups), the step time as a line;
 - ``timeline_step<N>.png`` for each step traced with ``train_loop_config["trace_steps"]``
   (``<run>/trace/``, :mod:`ray_disagg.run_files`):
   each group's rank-0 actions of the schedule (``ray_disagg.pipeline.schedule``) as bars
@@ -20,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 import posixpath
+import re
 from collections.abc import Sequence
 
 from ray_disagg.run_files import RunDir, load_metrics, read_traces
@@ -123,9 +128,9 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = [plot_metrics(run, os.path.join(out_dir, "loss_curve.png"))]
     df = load_metrics(run)
-    if "reward" in df.columns:
-        keys = ("reward", "eval_reward")
-        paths.append(plot_metrics(run, os.path.join(out_dir, "reward_curve.png"), keys))
+    rewards = _rewards(df, os.path.join(out_dir, "reward_curve.png"))
+    if rewards is not None:
+        paths.append(rewards)
     groups = [c.removesuffix("_compute_s") for c in df.columns if c.endswith("_compute_s")]
     if groups:
         paths.append(_step_times(df, groups, os.path.join(out_dir, "step_times.png")))
@@ -143,16 +148,33 @@ def _figure(height: float):
     return fig
 
 
+_STACK = (  # a group's seconds in a step, bottom up: metric, legend label, bar style
+    ("compute_s", "compute", {}),
+    ("data_wait_s", "data wait", {"alpha": 0.6, "hatch": "xx"}),
+    ("wait_s", "wait", {"alpha": 0.4, "hatch": "//"}),
+)
+
+
+def _stack(df, group: str) -> list[tuple[str, object, dict]]:
+    """``group``'s stacked segments ``(label, seconds per step, bar style)``: those the
+    run reported (one from before ``data_wait_s`` has no data wait)."""
+    return [
+        (label, df[f"{group}_{metric}"].fillna(0.0), style)
+        for metric, label, style in _STACK
+        if f"{group}_{metric}" in df
+    ]
+
+
 def _step_times(df, groups: list[str], path: str) -> str:
     fig = _figure(4.0)
     ax = fig.add_subplot()
     width = 0.8 / len(groups)
     for k, g in enumerate(groups):
         x = df["step"] + (k - (len(groups) - 1) / 2) * width
-        compute = df[f"{g}_compute_s"].fillna(0.0)
-        wait = df[f"{g}_wait_s"].fillna(0.0) if f"{g}_wait_s" in df else 0.0 * compute
-        ax.bar(x, compute, width, label=f"{g} compute")
-        ax.bar(x, wait, width, bottom=compute, label=f"{g} wait", alpha=0.4, hatch="//")
+        bottom = 0.0 * df["step"]
+        for label, seconds, style in _stack(df, g):
+            ax.bar(x, seconds, width, bottom=bottom, label=f"{g} {label}", **style)
+            bottom = bottom + seconds
     if "step_time_s" in df:
         ax.plot(df["step"], df["step_time_s"], "k.-", label="step time")
     ax.set_xlabel("step")
@@ -181,5 +203,76 @@ def _timeline(step: int, actions: dict[str, list[dict]], path: str) -> str:
     ax.set_yticks(range(len(actions)), sorted(actions))
     ax.set_xlabel("seconds from the step's first action")
     ax.set_title(f"step {step}: each group's rank 0 (waits hatched)")
+    fig.savefig(path, dpi=120)
+    return path
+
+
+_DPO_CURVES = ("rewards/chosen", "rewards/rejected", "rewards/margins")
+_PER_FUNCTION = re.compile(r"rewards/(.+)/mean")
+
+
+def _rewards(df, path: str) -> str | None:
+    """``reward_curve.png`` of a run with TRL's reward metrics (DPO's implicit rewards, or
+    GRPO's ``reward``), else ``None`` (nothing drawn)."""
+    if any(k in df and df[k].notna().any() for k in _DPO_CURVES):
+        return _dpo_rewards(df, path)
+    if "reward" in df and df["reward"].notna().any():
+        return _grpo_rewards(df, path)
+    return None
+
+
+def _curve(ax, df, key: str, label: str, **style) -> None:
+    """``key`` against ``step`` where reported (the points shown in a short run)."""
+    rows = df[["step", key]].dropna()
+    ax.plot(rows["step"], rows[key], marker="o" if len(rows) <= 30 else None, markersize=3,
+            label=label, **style)  # fmt: skip
+
+
+def _dpo_rewards(df, path: str) -> str:
+    """DPO: the chosen and rejected completions' implicit rewards and their margin on one
+    panel, the share of pairs ranked right (``rewards/accuracies``) below."""
+    fig = _figure(5.5)
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
+    for key in (k for k in _DPO_CURVES if k in df):
+        _curve(top, df, key, key.removeprefix("rewards/"))
+    top.axhline(0.0, color="gray", linewidth=0.5)
+    top.set_ylabel("reward (beta x log-ratio)")
+    top.legend(fontsize="small")
+    top.set_title("DPO rewards")
+    if "rewards/accuracies" in df:
+        _curve(bottom, df, "rewards/accuracies", "accuracy", color="tab:green")
+    bottom.set_ylim(-0.05, 1.05)
+    bottom.set_ylabel("accuracy")
+    bottom.set_xlabel("step")
+    bottom.xaxis.get_major_locator().set_params(integer=True)
+    for ax in (top, bottom):
+        ax.grid(True, alpha=0.3)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _grpo_rewards(df, path: str) -> str:
+    """GRPO: the mean reward of each step's completions with a band of one ``reward_std``
+    either side, each reward function's mean and, with validation prompts,
+    ``eval_reward``."""
+    fig = _figure(4.0)
+    ax = fig.add_subplot()
+    _curve(ax, df, "reward", "reward", color="black", zorder=3)  # over a function's own mean
+    if "reward_std" in df:
+        rows = df[["step", "reward", "reward_std"]].dropna()
+        low, high = rows["reward"] - rows["reward_std"], rows["reward"] + rows["reward_std"]
+        ax.fill_between(rows["step"], low, high, color="gray", alpha=0.25, label="± reward_std")
+    for key in df.columns:
+        name = _PER_FUNCTION.fullmatch(key)
+        if name and df[key].notna().any():
+            _curve(ax, df, key, name.group(1), linestyle="--", linewidth=1.0)
+    if "eval_reward" in df and df["eval_reward"].notna().any():
+        _curve(ax, df, "eval_reward", "eval_reward", color="tab:red")
+    ax.set_xlabel("step")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_ylabel("reward")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    ax.set_title("GRPO rewards")
     fig.savefig(path, dpi=120)
     return path

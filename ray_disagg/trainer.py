@@ -14,6 +14,7 @@ from ray.train import Checkpoint, Result, RunConfig, ScalingConfig
 from ray_disagg.config.groups import ModuleGroup
 from ray_disagg.config.layout import DataSpec, resolve
 from ray_disagg.config.loop import TrainLoopConfig
+from ray_disagg.config.run_warnings import emit
 from ray_disagg.data.mixture import Mixture
 from ray_disagg.launch import datasets as dsc
 from ray_disagg.launch import ray_compat as rc
@@ -101,8 +102,9 @@ class DisaggregatedTrainer(rc.TrainerBase):
 
     While ``fit()`` runs, the driver prints the layout, one line per reported step (a live
     bar when stdout is a terminal) and a summary at the end
-    (:mod:`ray_disagg.launch.progress`); Ray Train's own log line of every report is
-    dropped in the workers unless ``verbose=True``. ``report_to``: experiment trackers
+    (:mod:`ray_disagg.launch.progress`); Ray Train's own log line of every report, and
+    Ray Data's progress bars of the datasets the run reads (on the driver and in the
+    workers), are off unless ``verbose=True``. ``report_to``: experiment trackers
     (``"tensorboard"``, ``"mlflow"``, ``"wandb"``) the driver logs every reported step
     and the run's settings to (:mod:`ray_disagg.launch.trackers`).
 
@@ -151,7 +153,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
                 f"{type(model).__name__}."
             )
         self.model_spec = model
-        self.adapter = adapter = model.adapter
+        self.adapter = model.adapter
         if not start_timeout_s > 0:
             raise ValueError(f"start_timeout_s={start_timeout_s!r}: must be > 0 seconds.")
         self.wait_for_resources, self.start_timeout_s = wait_for_resources, start_timeout_s
@@ -167,6 +169,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
             restart_failed_group=restart_failed_group,
             data=DataSpec.of(datasets, validate_samples),
         )  # fmt: skip
+        emit(layout.warnings)
         self.train_data = datasets["train"]
         self.groups, self.loop_config = dict(layout.groups), layout.loop
         self.placement, self.transfer = placement, layout.transfer
@@ -175,10 +178,7 @@ class DisaggregatedTrainer(rc.TrainerBase):
         self.frozen_parts, self._samples_validated = layout.frozen_parts, layout.samples_validated
         if resume_from_checkpoint is not None:
             self._check_resume(resume_from_checkpoint)
-        self.plan = self._batch_plan()
-        self._val_data, self.val_plan = dsc.validation_set(
-            datasets, adapter, self.loop_config, self.groups, validate_samples
-        )
+        self._plan_data(datasets, validate_samples)
         total = sum(g.num_workers for g in self.groups.values())
         super().__init__(
             _not_called,
@@ -198,12 +198,17 @@ class DisaggregatedTrainer(rc.TrainerBase):
             check_reference_resume(root, self.adapter.llm_part, self.loop_config)
             check_mixture_resume(root, self.train_data, self.adapter.llm_part)
 
-    def _batch_plan(self) -> BatchPlan:
-        """The plan of every step's samples (map-style samples checked and costed here)."""
-        validated = self._samples_validated
-        return dsc.batch_plan(
-            self.train_data, self.adapter, self.loop_config, self.groups, validated
-        )
+    def _plan_data(self, datasets, validate_samples: bool) -> None:
+        """The plan of every step's samples (map-style samples checked and costed here)
+        and the validation set's; Ray Data's progress bars of these reads as ``verbose``."""
+        with dsc.progress_bars(datasets.values(), shown=self.verbose):
+            self.plan: BatchPlan = dsc.batch_plan(
+                self.train_data, self.adapter, self.loop_config, self.groups,
+                self._samples_validated,
+            )  # fmt: skip
+            self._val_data, self.val_plan = dsc.validation_set(
+                datasets, self.adapter, self.loop_config, self.groups, validate_samples
+            )
 
     def worker_env_vars(self) -> dict[str, str]:
         """Environment variables every worker gets on top of Ray Train's: a fault drill

@@ -30,9 +30,12 @@ from typing import Any, Literal
 from ray_disagg.config.freezing import frozen_parts
 from ray_disagg.config.groups import ModuleGroup
 from ray_disagg.config.loop import TrainLoopConfig
+from ray_disagg.config.refusals import Refusal, Refusals
+from ray_disagg.config.run_warnings import run_warnings
 from ray_disagg.launch.checks import (
     check_budget,
     resolve_objective,
+    resolve_rollouts,
     resolve_schedule,
     validate_groups,
     validate_layout,
@@ -130,6 +133,9 @@ class RunLayout:
     """The parts that train a LoRA adapter (:mod:`ray_disagg.lora`)."""
     samples_validated: bool
     """The driver checks every sample before the run (map-style data)."""
+    warnings: tuple[str, ...] = ()
+    """Settings that cannot do what they say (:func:`~ray_disagg.config.run_warnings.
+    run_warnings`): printed by ``plan``, emitted by the trainer."""
 
 
 def resolve(
@@ -149,37 +155,107 @@ def resolve(
     adapter = model.adapter
     groups = validate_groups(groups, adapter)
     loop = TrainLoopConfig.from_any(loop)
+    refusals = Refusals()  # independent checks, reported together
+    placed = _place(adapter, groups, loop, placement, transfer, restart_failed_group, data,
+                    refusals)  # fmt: skip
+    groups, lora, frozen = placed.groups, None, None
+    loop = resolve_rollouts(loop, data)  # what the checks below read of GRPO
+    before = len(refusals.errors)
+    with refusals.check():
+        validate_layout(adapter, groups)
+    laid_out = len(refusals.errors) == before
+    if check_weights:
+        with refusals.check():
+            model.check_weights()
+    if laid_out:  # LoRA and freezing are checked on a layout that stands
+        with refusals.check():
+            lora = check_lora(model, groups)
+        with refusals.check():
+            frozen = frozen_parts(model, groups)
+    validated = data.validate_samples and not data.streamed
+    with refusals.check():
+        loop = resolve_schedule(loop, placement, data.kind, validated)
+    with refusals.check():
+        validate_loop(adapter, loop, model.attn_implementation)
+    if lora is not None and frozen is not None:  # what the objective's checks read
+        trained = [p for p in groups if p not in frozen]
+        with refusals.check():
+            loop = resolve_objective(loop, data, lora, trained)
+            check_generation(adapter, groups, loop, model)
+    with refusals.check():
+        check_evaluation(loop, data.validation)
+    refusals.raise_any()
+    return RunLayout(
+        groups=groups, loop=loop, placement=placement, colocation=placed.colocation,
+        transfer=placed.transfer, restartable=placed.restartable,
+        elastic_sizes=placed.elastic_sizes, standby=placed.standby,
+        frozen_parts=frozen, lora_parts=frozenset(lora), samples_validated=validated,
+        warnings=run_warnings(loop, data.validation),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Placed:
+    groups: dict[str, ModuleGroup]
+    colocation: Colocation | None
+    transfer: str
+    restartable: frozenset[str]
+    elastic_sizes: dict[str, list[int]]
+    standby: frozenset[str]
+
+
+def _place(adapter, groups, loop, placement, transfer, restart_failed_group, data, refusals):
+    """Where the groups run and how they recover (the refusals into ``refusals``)."""
     ipc = placement == "colocated" and transfer in ("auto", "cuda_ipc")
     ipc = ipc and all(g.scaling_config.use_gpu for g in groups.values())
     restartable = frozenset()
     if restart_failed_group:
         restartable = restartable_groups(adapter, data.streamed, ipc)
-    elastic = elastic_ranges(groups, adapter, placement, restartable)
-    check_budget(loop, data.kind, elastic)
-    colocation = colocation_for(groups, placement)
-    transfer = validate_transfer(transfer, groups)
-    standby = standby_groups(groups, placement, restartable, loop)
-    sizes = elastic_sizes(elastic, loop)
+    elastic, colocation, standby, sizes = {}, None, frozenset(), {}
+    with refusals.check():
+        elastic = elastic_ranges(groups, adapter, placement, restartable)
+    with refusals.check():
+        check_budget(loop, data.kind, elastic)
+    with refusals.check():
+        colocation = colocation_for(groups, placement)
+    with refusals.check():
+        transfer = validate_transfer(transfer, groups)
+    with refusals.check():
+        standby = standby_groups(groups, placement, restartable, loop)
+    with refusals.check():
+        sizes = elastic_sizes(elastic, loop)
     groups = {n: g.at_size(sizes[n][0]) if n in sizes else g for n, g in groups.items()}
-    validate_layout(adapter, groups)
-    if check_weights:
-        model.check_weights()
-    lora = check_lora(model, groups)
-    frozen = frozen_parts(model, groups)
-    validated = data.validate_samples and not data.streamed
-    loop = resolve_schedule(loop, placement, data.kind, validated)
-    validate_loop(adapter, loop, model.attn_implementation)
-    trained = [p for p in groups if p not in frozen]
-    loop = resolve_objective(loop, data, lora, trained)
-    check_generation(adapter, groups, loop, model)
-    if loop.eval_every is not None and not data.validation:
-        raise ValueError(
-            "train_loop_config['eval_every'] is set but there is no validation set: "
-            'pass datasets={"train": ..., "validation": ...} (a recipe: data.validation), '
-            "or drop eval_every."
+    return _Placed(groups, colocation, transfer, restartable, sizes, standby)
+
+
+def check_evaluation(loop: TrainLoopConfig, validation: bool) -> None:
+    """A validation set is evaluated under SFT and GRPO's generated completions only, and
+    ``eval_every`` needs one; both refusals at once (dropping the set refuses
+    ``eval_every``)."""
+    obj, refusals = loop.objective, Refusals()
+    name = type(obj).__name__
+    evaluates = obj is None or obj.generates
+    if validation and not evaluates:
+        refusals.errors.append(Refusal(
+            f"train_loop_config['objective']={name}: validation sets are evaluated under "
+            "a per-sequence objective only for GRPO's generated completions (the rewards "
+            "of greedy completions of validation prompts); drop datasets['validation'].",
+            recipe=f"data.validation: under train_loop_config.objective {{type: "
+            f"{name.lower()}}} there is no validation (it is evaluated under a "
+            "per-sequence objective only for GRPO's generated completions); set "
+            "data.validation: null.",
+        ))  # fmt: skip
+    if loop.eval_every is not None and not (validation and evaluates):
+        why, add, yaml_add = f"{name} evaluates none", ".", "."
+        if evaluates:
+            why = "there is no validation set"
+            add = ', or pass datasets={"train": ..., "validation": ...}.'
+            yaml_add = ", or add data.validation."
+        refusals.errors.append(
+            Refusal(
+                f"train_loop_config['eval_every'] is set but {why}: drop eval_every{add}",
+                recipe=f"train_loop_config.eval_every is set but {why}: set "
+                f"train_loop_config.eval_every: null{yaml_add}",
+            )
         )
-    return RunLayout(
-        groups=groups, loop=loop, placement=placement, colocation=colocation,
-        transfer=transfer, restartable=restartable, elastic_sizes=sizes, standby=standby,
-        frozen_parts=frozen, lora_parts=frozenset(lora), samples_validated=validated,
-    )  # fmt: skip
+    refusals.raise_any()

@@ -177,7 +177,8 @@ def epoch_order(num_records: int, seed: int, epoch: int, shuffle: bool) -> np.nd
 
 STREAM_FIXES = (  # when its converting actors find no free CPUs
     "Give the groups' workers fewer CPUs (ScalingConfig(resources_per_worker={'CPU': 0.5})), "
-    "lower the stream's num_cpus or concurrency (recipe: data.train.concurrency), or use a "
+    "lower the stream's num_cpus or concurrency (a recipe's data.train.num_cpus, "
+    "data.train.concurrency), or use a "
     "cluster with more CPUs."
 )
 

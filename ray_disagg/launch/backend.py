@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ray_disagg.launch.ray_compat import TorchBackend, TorchConfig, quiet_train_reports
+from ray_disagg.launch.ray_compat import (
+    TorchBackend,
+    TorchConfig,
+    quiet_data_progress,
+    quiet_train_reports,
+)
 from ray_disagg.worker import runtime
 
 __all__ = ["ModuleBackendConfig"]
@@ -36,7 +41,8 @@ class ModuleBackendConfig(TorchConfig):
 
     verbose: bool = False
     """Keep Ray Train's log line of every report in the workers (dropped by default: the
-    driver prints each step, ``ray_disagg.launch.progress``)."""
+    driver prints each step, ``ray_disagg.launch.progress``) and Ray Data's progress bars
+    of the datasets they read (off by default)."""
 
     def __post_init__(self) -> None:
         self.mesh_shape = tuple(int(s) for s in self.mesh_shape)
@@ -70,6 +76,7 @@ class _ModuleBackend(TorchBackend):
         super().on_start(worker_group, backend_config)
         if not backend_config.verbose:
             worker_group.execute(quiet_train_reports)
+            worker_group.execute(quiet_data_progress)
         worker_group.execute(
             runtime.init_runtime,
             backend_config.module,

@@ -17,6 +17,7 @@ from ray_disagg.config.groups import (
     TensorParallel,
 )
 from ray_disagg.config.loop import TrainLoopConfig
+from ray_disagg.config.refusals import Refusal
 from ray_disagg.launch.generation_checks import check_prompts
 from ray_disagg.models import moe
 from ray_disagg.parallel.tensor_parallel import vocab_rows
@@ -261,6 +262,17 @@ def check_budget(cfg: TrainLoopConfig, kind: str, elastic) -> None:
         )
 
 
+def resolve_rollouts(cfg: TrainLoopConfig, data) -> TrainLoopConfig:
+    """``cfg`` with GRPO's ``rollouts="auto"`` decided by the data: replay the recorded
+    completions the samples carry, else generate them."""
+    obj = cfg.objective
+    if getattr(obj, "rollouts", None) != "auto":
+        return cfg
+    obj = copy.copy(obj)
+    object.__setattr__(obj, "rollouts", "recorded" if data.recorded else "generate")
+    return dataclasses.replace(cfg, objective=obj)
+
+
 def resolve_objective(cfg: TrainLoopConfig, data, lora, trained):
     """``cfg`` with its objective's reference model decided (``"auto"``: the LoRA-free
     model when it is the initial one, else a frozen copy), or ``ValueError`` naming the
@@ -273,17 +285,9 @@ def resolve_objective(cfg: TrainLoopConfig, data, lora, trained):
         check_prompts(obj, data.prompts)
         return cfg
     name = type(obj).__name__
-    if getattr(obj, "rollouts", None) == "auto":  # GRPO: replay recorded completions, or generate
-        obj = copy.copy(obj)
-        object.__setattr__(obj, "rollouts", "recorded" if data.recorded else "generate")
-        cfg = dataclasses.replace(cfg, objective=obj)
+    cfg = resolve_rollouts(cfg, data)
+    obj = cfg.objective
     check_prompts(obj, data.prompts)
-    if data.validation and not obj.generates:
-        raise ValueError(
-            f"train_loop_config['objective']={name}: validation sets are evaluated under "
-            "a per-sequence objective only for GRPO's generated completions (the rewards "
-            "of greedy completions of validation prompts); drop datasets['validation']."
-        )
     _check_iterations(cfg, data)
     if obj.needs_reference and obj.reference == "precompute" and data.kind != "map":
         raise ValueError(
@@ -350,17 +354,23 @@ def _check_pairs(obj, pairs: bool | None) -> None:
     if pairs is None or pairs == wants:
         return
     if pairs:
-        raise ValueError(
-            "datasets['train'] holds preference pairs (a PreferenceProcessor stream or a "
-            "recipe's 'preference' data) but train_loop_config has no objective for them; "
-            "set train_loop_config['objective']=ray_disagg.DPO(beta=0.1) "
-            "(recipe: train_loop_config.objective: {type: dpo})."
+        raise Refusal(
+            "datasets['train'] holds preference pairs (a PreferenceProcessor stream) but "
+            "train_loop_config has no objective for them; set "
+            "train_loop_config['objective']=ray_disagg.DPO(beta=0.1).",
+            recipe="data.train is of type 'preference' but train_loop_config has no "
+            "objective for pairs; set train_loop_config.objective: {type: dpo, beta: 0.1}.",
         )
-    raise ValueError(
-        f"train_loop_config['objective']={type(obj).__name__} trains on preference pairs "
-        "but datasets['train'] makes SFT samples; stream TRL preference records (prompt, "
-        "chosen, rejected, images) through PreferenceProcessor(processor) (recipe: data "
-        "type 'preference'), or drop the objective."
+    name = type(obj).__name__
+    raise Refusal(
+        f"train_loop_config['objective']={name} trains on preference pairs but "
+        "datasets['train'] makes SFT samples; stream TRL preference records (prompt, "
+        "chosen, rejected, images) through PreferenceProcessor(processor), or drop the "
+        "objective.",
+        recipe=f"train_loop_config.objective {{type: {name.lower()}}} trains on preference "
+        "pairs but data.train makes SFT samples; give TRL preference records (prompt, chosen, "
+        "rejected, images) as data.train: {type: preference, records: ...}, or set "
+        "train_loop_config.objective: null.",
     )
 
 

@@ -1,5 +1,6 @@
 """Driver-side checks of ``datasets``: the training set, the validation set and its
-plan, and one pass over map-style samples (validation, packing lengths, balancing costs)."""
+plan, and one pass over map-style samples (validation, packing lengths, balancing costs);
+Ray Data's progress bars while the driver reads them (:func:`progress_bars`)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,29 @@ def _naming(where: str):
         yield
     except ValueError as e:
         raise type(e)(f"{where}: {e}") from e
+
+
+@contextlib.contextmanager
+def progress_bars(datasets, shown: bool):
+    """Ray Data's progress bars while the driver reads ``datasets`` (a Ray Dataset's
+    count, a validation set): as they are when ``shown``
+    (``DisaggregatedTrainer(verbose=True)``), else off in the current ``DataContext``
+    (which a ``ConversationStream``'s conversions copy) and in each Ray Dataset's own,
+    and restored after."""
+    if shown:
+        yield
+        return
+    from ray.data import DataContext
+
+    contexts = [DataContext.get_current(), *(d.context for d in datasets if is_ray_dataset(d))]
+    saved = [(c.enable_progress_bars, c.enable_operator_progress_bars) for c in contexts]
+    for c in contexts:
+        c.enable_progress_bars = c.enable_operator_progress_bars = False
+    try:
+        yield
+    finally:
+        for c, (bars, ops) in zip(contexts, saved):
+            c.enable_progress_bars, c.enable_operator_progress_bars = bars, ops
 
 
 def _budget(cfg: TrainLoopConfig) -> dict:

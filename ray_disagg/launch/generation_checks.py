@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ray_disagg.config.groups import ContextParallel
 from ray_disagg.config.loop import TrainLoopConfig
+from ray_disagg.config.refusals import Refusal
 
 __all__ = ["check_generation", "check_prompts"]
 
@@ -52,15 +53,21 @@ def check_prompts(obj, prompts: bool | None) -> None:
     if prompts is None or prompts == generates:
         return
     if prompts:
-        raise ValueError(
-            "datasets['train'] holds prompts to complete (a PromptProcessor stream or a "
-            "recipe's 'prompts' data) but train_loop_config's objective does not generate; "
-            "set train_loop_config['objective']=ray_disagg.GRPO(reward_funcs=[...]) "
-            "(recipe: train_loop_config.objective: {type: grpo, ...})."
+        raise Refusal(
+            "datasets['train'] holds prompts to complete (a PromptProcessor stream) but "
+            "train_loop_config's objective does not generate; set train_loop_config"
+            "['objective']=ray_disagg.GRPO(reward_funcs=[...]).",
+            recipe="data.train is of type 'prompts' but train_loop_config.objective does "
+            "not generate; set train_loop_config.objective: {type: grpo, reward_funcs: "
+            "[...]}.",
         )
-    raise ValueError(
-        f"train_loop_config['objective']={type(obj).__name__} generates completions of "
-        "prompts but datasets['train'] makes conversations with their answers; stream TRL "
-        "prompt records (prompt, images, reward columns) through PromptProcessor(processor) "
-        "(recipe: data type 'prompts')."
+    name = type(obj).__name__
+    raise Refusal(
+        f"train_loop_config['objective']={name} generates completions of prompts but "
+        "datasets['train'] makes conversations with their answers; stream TRL prompt "
+        "records (prompt, images, reward columns) through PromptProcessor(processor).",
+        recipe=f"train_loop_config.objective {{type: {name.lower()}}} generates completions of "
+        "prompts but data.train makes conversations with their answers; give TRL prompt "
+        "records (prompt, images, reward columns) as data.train: {type: prompts, records: "
+        "...}.",
     )

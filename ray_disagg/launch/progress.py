@@ -61,7 +61,8 @@ def format_count(n: float) -> str:
 def step_line(m: dict, max_steps: int) -> str:
     """One reported step: ``step s/N loss ... lr ... tokens/s ... step ...s ETA h:mm:ss``
     (``val_loss`` when the step evaluated; DPO's ``rewards/margins``, GRPO's ``reward``; ``MFU``
-    when the devices' peak is known)."""
+    when the devices' peak is known; ``(data wait ...s)`` when waiting for the step's data
+    took a tenth of it or more)."""
     left = (max_steps - m["step"]) * m.get("mean_step_time_s", m["step_time_s"])
     parts = [f"step {m['step']}/{max_steps}", f"loss {m['loss']:.4f}"]
     if "val_loss" in m:
@@ -73,7 +74,11 @@ def step_line(m: dict, max_steps: int) -> str:
     parts += [f"lr {m['lr']:.3g}", f"tokens/s {m['tokens_per_s']:.0f}"]
     if "mfu" in m:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
-    parts += [f"step {m['step_time_s']:.3f}s", f"ETA {format_eta(left)}"]
+    parts.append(f"step {m['step_time_s']:.3f}s")
+    data = max((v for k, v in m.items() if k.endswith("_data_wait_s")), default=0.0)
+    if data > 0 and data >= 0.1 * m["step_time_s"]:
+        parts.append(f"(data wait {data:.3f}s)")
+    parts.append(f"ETA {format_eta(left)}")
     return " ".join(parts)
 
 

@@ -3,8 +3,8 @@ recorded on the driver), for the Ray dashboard's Grafana panels and any Promethe
 scrapes the nodes' metrics export port. Ray prefixes every name with ``ray_``:
 
 - ``ray_disagg_{loss,tokens_per_s,mfu,step,step_time_s}``, tagged ``run``;
-- ``ray_disagg_group_{mfu,compute_s,wait_s,peak_memory_mb}``, tagged ``run`` and
-  ``group``.
+- ``ray_disagg_group_{mfu,compute_s,wait_s,data_wait_s,peak_memory_mb}``, tagged ``run``
+  and ``group``.
 
 A gauge keeps the last step's value; a metric the step did not report (``mfu`` without a
 known peak) is left unset.
@@ -17,7 +17,7 @@ import warnings
 __all__ = ["RUN_GAUGES", "GROUP_GAUGES", "RayMetrics"]
 
 RUN_GAUGES = ("loss", "tokens_per_s", "mfu", "step", "step_time_s")
-GROUP_GAUGES = ("mfu", "compute_s", "wait_s", "peak_memory_mb")
+GROUP_GAUGES = ("mfu", "compute_s", "wait_s", "data_wait_s", "peak_memory_mb")
 
 
 class RayMetrics:

@@ -49,7 +49,8 @@ class Op(enum.Enum):
 
 
 WAITS = frozenset({Op.RECV_INPUTS, Op.SEND_INPUTS, Op.RECV_CROSSINGS, Op.RECV_GRADS, Op.WAIT_SENDS})
-"""Actions whose time is waiting on another group (reading samples counts as waiting)."""
+"""Actions whose time is waiting on another group (reading samples counts as waiting; a
+step's metrics give the time spent on its input data apart: ``<group>_data_wait_s``)."""
 
 
 @dataclass(frozen=True)

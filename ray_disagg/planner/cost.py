@@ -74,7 +74,13 @@ from ray_disagg.planner.memory import (
     schedule,
     step_samples,
 )
-from ray_disagg.planner.rollout import decode_seconds, generating, prompt_tokens, update_sequences
+from ray_disagg.planner.rollout import (
+    decode_seconds,
+    generating,
+    prompt_tokens,
+    reference_mode,
+    update_sequences,
+)
 
 __all__ = [
     "CachedModel",
@@ -244,13 +250,13 @@ def _core_bound(r, compute: dict, c: Cluster) -> float:
 def passes(r, part: str, facts) -> int:
     """Forward-sized passes of a part per microbatch: 1 forward, 2 backward, 1 more
     forward under activation checkpointing; 1 when frozen; under LoRA the backward is
-    one pass (input gradients; the factors' are small)."""
+    one pass (input gradients; the factors' are small); 1 more forward of a trained part
+    for an objective's reference model (a copy, or the model with its adapters off)."""
     pf = facts.parts[part]
     if not pf.trainable:
         return 1
-    return (
-        (3 if pf.lora else 4) if r.groups[part].activation_checkpointing else (2 if pf.lora else 3)
-    )
+    n = (3 if pf.lora else 4) if r.groups[part].activation_checkpointing else (2 if pf.lora else 3)
+    return n + (reference_mode(r) in ("copy", "adapters_disabled"))
 
 
 def part_flops(r, facts, work) -> dict[str, float]:

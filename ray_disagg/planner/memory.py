@@ -15,6 +15,9 @@ also under ``bf16`` autocast; 2 for ``bfloat16``):
   none), sharded the same way, x P.
 - optimizer: AdamW's two states of the trainable parameters, 2 x P, sharded the same way
   and divided by the group's workers with ZeRO-1.
+- reference: an objective's frozen copy of a trained part (``DPO(reference="copy")``,
+  also what ``"auto"`` chooses without LoRA), its parameters as above; a DPO sample is
+  a pair: two sequences through the LLM (its activations and FLOPs), one set of media.
 - activations, ``a`` bytes per element (2 under bf16 or bfloat16, else 4), assuming a
   memory-efficient attention kernel (no ``seq^2`` term):
 
@@ -73,7 +76,7 @@ from ray_disagg.lora.parts import lora_key, lora_meta_part, part_lora
 from ray_disagg.models.costs import ActivationShape, depth
 from ray_disagg.parallel.tensor_parallel import LayerTPPlan
 from ray_disagg.planner.cluster import Cluster, DeviceFigures
-from ray_disagg.planner.rollout import kv_cache_bytes, update_sequences
+from ray_disagg.planner.rollout import kv_cache_bytes, reference_mode, update_sequences
 
 __all__ = [
     "GiB",
@@ -101,10 +104,13 @@ class WorkerMemory:
     grads: float
     optimizer: float
     activations: float | None
+    reference: float = 0.0
+    """An objective's frozen copy of the part (``DPO(reference="copy")``)."""
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + (self.activations or 0.0)
+        state = self.params + self.grads + self.optimizer + self.reference
+        return state + (self.activations or 0.0)
 
 
 def mesh(group) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -185,10 +191,8 @@ def step_samples(r) -> int:
     llm = r.groups.get(r.model.adapter.llm_part)
     if budget is None or llm is None:
         return b
-    n, per = update_sequences(r, seq_len(r))  # GRPO: its completions
-    per_sample = (
-        n * per if n > 1 else seq_len(r) * getattr(r.loop.objective, "sequences_per_sample", 1)
-    )
+    n, per = update_sequences(r, seq_len(r))  # DPO's pair, GRPO's completions
+    per_sample = n * per
     return min(b, max(1, budget // per_sample) * llm.dp_size * r.loop.micro_batches)
 
 
@@ -260,12 +264,15 @@ def estimate(r) -> dict[str, WorkerMemory]:
         if act is not None and r.loop.bf16 and r.loop.param_dtype == "float32" and not group.fsdp:
             act += trained / 2  # autocast caches bf16 copies of trainable leaf weights
         zero1 = group.num_workers if getattr(group.parallelism, "zero1", False) else 1
+        params_bytes = local * p_bytes + factors[0] * 4
+        copy = reference_mode(r) == "copy" and trainable + factors[1] > 0
         out[part] = WorkerMemory(
             num_params=local + factors[0],
-            params=local * p_bytes + factors[0] * 4,
+            params=params_bytes,
             grads=trained,
             optimizer=2 * trained / zero1,
             activations=act,
+            reference=params_bytes if copy else 0.0,
         )
     return out
 

@@ -35,6 +35,7 @@ from ray_disagg.planner.memory import (
     schedule,
     seq_len,
 )
+from ray_disagg.planner.rollout import reference_mode, update_sequences
 from ray_disagg.planner.search import Candidate, PlanResult
 
 __all__ = ["recipe_dict", "render", "render_auto", "write_recipe"]
@@ -84,6 +85,12 @@ def render(r) -> str:
         "(an estimate: AdamW 2 states, ZeRO-1/FSDP2/TP sharding, no gradient or optimizer",
         " state for frozen parameters; the activation formulas are in ray_disagg.planner.memory)",
     ]
+    warnings = r.layout.warnings if r.layout is not None else ()
+    if warnings:
+        from ray_disagg.recipes.words import in_recipe_words
+
+        lines += ["", "warnings:"]
+        lines += [f"  - {in_recipe_words(ValueError(w))}" for w in warnings]
     return "\n".join(lines)
 
 
@@ -111,6 +118,8 @@ def _header(r) -> list[str]:
         f"{'bf16 autocast, ' if loop.bf16 else ''}{loop.param_dtype} parameters + AdamW",
         "data: " + ", ".join(f"{k} {_source(d)}" for k, d in r.data.items()),
     ]
+    if loop.objective is not None:
+        lines.insert(-1, f"objective: {_objective(r)}")
     for k in r.data:
         stats = recipe_statistics(r, k)
         if stats is not None:
@@ -124,6 +133,22 @@ def _header(r) -> list[str]:
             f"{adapter.image_tokens(size)} tokens), seq_len {seq_len(r)} tokens per sample"
         )
     return lines
+
+
+def _objective(r) -> str:
+    """The objective and what it adds to the estimate."""
+    obj = r.loop.objective
+    n, per = update_sequences(r, seq_len(r))
+    text = f"{type(obj).__name__}: {n} sequence(s) of {per:.0f} tokens per sample"
+    mode = reference_mode(r)
+    if mode is not None:
+        held = {
+            "copy": "a frozen copy of each trained part (in memory below) and its forward",
+            "adapters_disabled": "the trained parts with their adapters off: one more forward",
+            "precompute": "log-probs computed before training",
+        }[mode]
+        text += f"; reference {mode}: {held}"
+    return text
 
 
 def _peer_lines(r) -> list[str]:
@@ -180,12 +205,14 @@ def _layout_rows(r) -> list[list[str]]:
 def _memory_lines(r, memory: dict[str, WorkerMemory]) -> list[str]:
     big = max(m.total for m in memory.values()) >= GiB
     unit, div = ("GiB", GiB) if big else ("MiB", 2**20)
-    head = ["params/worker", "params", "grads", "optimizer", "activations", "total"]
-    rows = [[f"per worker ({unit})", *head]]
+    ref = any(m.reference for m in memory.values())
+    head = ["params/worker", "params", "grads", "optimizer", *["reference"] * ref]
+    rows = [[f"per worker ({unit})", *head, "activations", "total"]]
     for part, m in memory.items():
         act = "n/a" if m.activations is None else f"{m.activations / div:.2f}"
-        sizes = (f"{v / div:.2f}" for v in (m.params, m.grads, m.optimizer))
+        state = (m.params, m.grads, m.optimizer, *[m.reference] * ref)
         name = f"{part} (x{r.groups[part].num_workers})"
+        sizes = (f"{v / div:.2f}" for v in state)
         rows.append([name, _count(m.num_params), *sizes, act, f"{m.total / div:.2f}"])
     lines = _table(rows)
     gpu = per_gpu(r, memory)

@@ -26,6 +26,7 @@ __all__ = [
     "generating",
     "kv_cache_bytes",
     "prompt_tokens",
+    "reference_mode",
     "update_sequences",
 ]
 
@@ -51,13 +52,29 @@ def prompt_tokens(r, tokens: float) -> float:
 
 
 def update_sequences(r, tokens: float) -> tuple[int, float]:
-    """``(sequences, tokens of each)`` one sample trains: one of ``tokens``, or a GRPO
-    prompt's ``num_generations``, each the prompt and a completion at full length
-    (generated or recorded)."""
+    """``(sequences, tokens of each)`` one sample trains on the LLM: one of ``tokens``, a
+    preference pair's two (DPO: chosen and rejected, each ``tokens``), or a GRPO prompt's
+    ``num_generations``, each the prompt and a completion at full length (generated or
+    recorded)."""
     obj = r.loop.objective
     if getattr(obj, "num_generations", None) is None:
-        return 1, tokens
+        return getattr(obj, "sequences_per_sample", 1), tokens
     return obj.num_generations, prompt_tokens(r, tokens) + obj.max_completion_length
+
+
+def reference_mode(r) -> str | None:
+    """How the objective holds its reference model (``DPO.reference`` as the trainer
+    decides ``"auto"``: ``"copy"``, ``"adapters_disabled"`` or ``"precompute"``), ``None``
+    without one. A ``"copy"`` holds a frozen copy of each trained part's parameters
+    (sharded as the part, no gradients or optimizer state); it and
+    ``"adapters_disabled"`` add a forward of each trained part per microbatch."""
+    obj = r.loop.objective
+    if obj is None or not obj.needs_reference:
+        return None
+    if obj.reference == "auto":
+        layout = getattr(r, "layout", None)
+        return layout.loop.objective.reference if layout is not None else "copy"
+    return obj.reference
 
 
 def kv_cache_bytes(r, prompts: float, tokens: float, tp: int, a: int) -> float:

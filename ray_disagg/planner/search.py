@@ -177,6 +177,7 @@ def _splits_badly(loop, b: int, dps: list[int], bins: int, k: int) -> bool:
 def _check(cand: Candidate) -> str | None:
     """Why the layout is invalid for this model (the driver's own checks), else None."""
     from ray_disagg.config.layout import resolve
+    from ray_disagg.config.refusals import refusals_of
     from ray_disagg.recipes.data import data_spec
 
     r = cand.recipe
@@ -186,7 +187,7 @@ def _check(cand: Candidate) -> str | None:
             data=data_spec(r.data), check_weights=False,
         )  # fmt: skip
     except ValueError as e:
-        return f"invalid: {str(e).split(';')[0]}"
+        return f"invalid: {str(refusals_of(e)[0]).split(';')[0]}"
     return None
 
 

@@ -29,6 +29,7 @@ import argparse
 import math
 import os
 import sys
+import warnings
 
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 
@@ -110,14 +111,18 @@ def _print_result(result) -> None:
 
 def train(recipe: str, overrides=()):
     """Build the recipe's ``DisaggregatedTrainer``, ``fit()`` it and return the Result."""
+    from ray_disagg.config.run_warnings import RunWarning
     from ray_disagg.planner.render import render
     from ray_disagg.recipes.recipe import load_recipe, trainer_kwargs
     from ray_disagg.trainer import DisaggregatedTrainer
 
     r = load_recipe(recipe, overrides, for_training=True)
-    print(render(r), flush=True)
+    print(render(r), flush=True)  # with the run's warnings
     _ensure_ray(r.groups)
-    result = DisaggregatedTrainer(**trainer_kwargs(r)).fit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RunWarning)
+        trainer = DisaggregatedTrainer(**trainer_kwargs(r))
+    result = trainer.fit()
     _print_result(result)
     return result
 

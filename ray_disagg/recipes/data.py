@@ -59,6 +59,7 @@ CONVERSATIONS = {
     "fps": 2.0,
     "max_frames": None,
     "concurrency": 1,
+    "num_cpus": 1.0,
     "max_seq_len": None,
     "max_bad_records": 100,
 }
@@ -97,6 +98,7 @@ KEY_HELP = {
     "fps": "video frames sampled per second of video",
     "max_frames": "at most this many frames per video",
     "concurrency": "Ray Data actors processing a streamed source",
+    "num_cpus": "CPUs each of those actors reserves",
     "max_seq_len": "records longer than this many tokens are skipped (and counted)",
     "max_bad_records": "unreadable records tolerated before the run fails",
     "paths": "the files or directories Ray Data reads",
@@ -125,8 +127,9 @@ def parse_data(value, path: str) -> dict:
     for k in (*keys, "concurrency", "max_seq_len", "max_bad_records"):
         if d.get(k) is not None:
             check(d[k], f"{path}.{k}", int, "an int")
-    if d.get("fps") is not None:
-        check(d["fps"], f"{path}.fps", (int, float), "a number")
+    for k in ("fps", "num_cpus"):
+        if d.get(k) is not None:
+            check(d[k], f"{path}.{k}", (int, float), "a number")
     if "labels" in d:
         from ray_disagg.data.conversations import LABEL_MODES
 
@@ -261,6 +264,7 @@ def _conversations(d: dict, key: str, config, tok, proc):
             paths=records,
             processor=convert,
             concurrency=d["concurrency"],
+            num_cpus=d["num_cpus"],
             max_seq_len=d["max_seq_len"],
             max_bad_records=d["max_bad_records"],
         )
@@ -301,13 +305,7 @@ def _processors(recipe, d: dict, key: str):
     """The tokenizer and image processor of a data source, from local directories."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    tok = d["tokenizer"] or recipe.model.pretrained_path
-    if tok is None:
-        fail(
-            f"{key}.tokenizer: required (a local tokenizer directory) when the model has no "
-            "pretrained_path."
-        )
-    tok = _local(tok, f"{key}.tokenizer")
+    tok = _local(_tokenizer(recipe, d, key), f"{key}.tokenizer")
     proc = _local(d["image_processor"] or tok, f"{key}.image_processor")
     pixels = {k: d[k] for k in ("min_pixels", "max_pixels") if d[k] is not None}
     with at(key):
@@ -315,3 +313,49 @@ def _processors(recipe, d: dict, key: str):
             AutoTokenizer.from_pretrained(tok, local_files_only=True),
             AutoImageProcessor.from_pretrained(proc, local_files_only=True, **pixels),
         )
+
+
+def _tokenizer(recipe, d: dict, key: str) -> str:
+    # plan's fallback to the inline config when the weights are elsewhere keeps the path
+    named = (recipe.raw.get("model") or {}).get("pretrained_path")
+    tok = d["tokenizer"] or recipe.model.pretrained_path or named
+    if tok is None:
+        fail(
+            f"{key}.tokenizer: required (a local tokenizer directory with the chat "
+            "template) when the model has no pretrained_path; set model.pretrained_path or "
+            f"{key}.tokenizer."
+        )
+    return tok
+
+
+def _sources(data: dict):
+    """``(key path, source)`` of every source of the recipe's data (a mixture's each)."""
+    for which, d in data.items():
+        if d["type"] == "mixture":
+            yield from ((f"data.{which}[{s['name']}]", s) for s in d["sources"])
+        else:
+            yield f"data.{which}", d
+
+
+def check_sources(recipe, for_training: bool) -> None:
+    """The checks of the recipe's data that load nothing, every refusal together: a
+    record source's tokenizer is named; with ``for_training`` its local files exist
+    (``plan`` may plan a run whose files are on the cluster only)."""
+    from ray_disagg.config.refusals import Refusals
+
+    refusals = Refusals()
+    for key, d in _sources(recipe.data):
+        if d["type"] not in ("conversations", "preference", "prompts"):
+            continue
+        tok = None
+        with refusals.check():
+            tok = _tokenizer(recipe, d, key)
+        if not for_training:
+            continue
+        paths = {"records": d["records"], "media_root": d["media_root"], "tokenizer": tok,
+                 "image_processor": d["image_processor"]}  # fmt: skip
+        for name, path in paths.items():
+            if path is not None:
+                with refusals.check():
+                    _local(path, f"{key}.{name}")
+    refusals.raise_any()

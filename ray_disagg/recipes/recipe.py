@@ -52,9 +52,11 @@ from ray.train import RunConfig
 
 from ray_disagg.config.groups import ModuleGroup, TrainLoopConfig
 from ray_disagg.config.layout import RunLayout, resolve
+from ray_disagg.config.refusals import Refusals
+from ray_disagg.launch.checks import resolve_rollouts
 from ray_disagg.launch.resources import PLACEMENTS
 from ray_disagg.model import HFModelSpec
-from ray_disagg.recipes.data import build_dataset, data_spec, parse_data
+from ray_disagg.recipes.data import build_dataset, check_sources, data_spec, parse_data
 from ray_disagg.recipes.schema import (
     REQUIRED,
     RecipeError,
@@ -74,6 +76,7 @@ from ray_disagg.recipes.sections import (
     report_to_section,
     run_config_section,
 )
+from ray_disagg.recipes.words import recipe_message
 from ray_disagg.transport import TIERS
 
 __all__ = [
@@ -146,51 +149,94 @@ def load_recipe(source, overrides=(), *, for_training: bool = False) -> Recipe:
     ``for_training``: ``model.pretrained_path`` must exist (``plan`` falls back to the
     inline ``model.config``) and weights are left for the trainer to check."""
     name, raw = _read(source)
-    raw = apply_overrides(raw, overrides)
-    top = section(raw, "recipe", TOP)
-    model, model_source = model_section(top["model"], for_training)
-    adapter = model.adapter
-    groups_raw = top["groups"]
-    if not isinstance(groups_raw, dict):
-        fail(f"groups: must be a mapping over the model's parts {list(adapter.parts)}.")
-    unknown = sorted(set(groups_raw) - set(adapter.parts))
-    if unknown:
-        fail(
-            f"groups: unknown group(s) {unknown}; {adapter.model_type} has groups "
-            f"{list(adapter.parts)}."
-        )
-    groups = {n: group_section(n, v) for n, v in groups_raw.items()}
-    data = section(top["data"], "data", {"train": REQUIRED, "validation": None})
-    data = {k: parse_data(v, f"data.{k}") for k, v in data.items() if v is not None}
-    check(top["wait_for_resources"], "wait_for_resources", bool, "true or false")
-    with at("train_loop_config"):
-        loop = TrainLoopConfig.from_any(top["train_loop_config"])
-    recipe = Recipe(
-        name=name,
-        model=model,
-        model_source=model_source,
-        groups=groups,
-        loop=loop,
-        placement=choice(top["placement"], "placement", PLACEMENTS),
-        transfer=top["transfer"],
-        wait_for_resources=top["wait_for_resources"],
-        data=data,
-        run_config=run_config_section(top["run_config"], name),
-        report_to=report_to_section(top["run_config"]),
-        plan=plan_section(top["plan"], data),
-        raw=raw,
-    )
-    choice(recipe.transfer, "transfer", ("auto", *TIERS))
-    recipe.layout = resolve(
-        model, groups, loop, placement=recipe.placement, transfer=recipe.transfer,
-        data=data_spec(data),
-        check_weights=not for_training,
-    )  # fmt: skip
-    recipe.groups = {n: groups[n] for n in recipe.layout.groups}  # the parts' order
-    score = recipe.run_config.checkpoint_config.checkpoint_score_attribute
-    if "validation" not in data and score == "val_loss":
-        fail("run_config.checkpoint.score_attribute='val_loss': needs data.validation.")
+    try:
+        raw = apply_overrides(raw, overrides)
+        top = section(raw, "recipe", TOP)
+        model, model_source = model_section(top["model"], for_training)
+        recipe = _sections(name, top, model, raw)
+        recipe.model_source = model_source
+    except ValueError as e:
+        raise RecipeError(recipe_message(name, e)) from None
+    _check_run(recipe, for_training)
+    recipe.groups = {n: recipe.groups[n] for n in recipe.layout.groups}  # the parts' order
     return recipe
+
+
+def _sections(name: str, top: dict, model: HFModelSpec, raw: dict) -> Recipe:
+    """The recipe's sections after ``model``, each checked on its own and every refusal
+    reported together."""
+    refusals, parts = Refusals(), list(model.adapter.parts)
+    groups_raw, groups, data, loop = top["groups"], {}, {}, None
+    if not isinstance(groups_raw, dict):
+        fail(f"groups: must be a mapping over the model's parts {parts}.")
+    unknown = sorted(set(groups_raw) - set(parts))
+    if unknown:
+        refusals.errors.append(RecipeError(
+            f"groups: unknown group(s) {unknown}; {model.adapter.model_type} has groups {parts}."
+        ))  # fmt: skip
+    for n, v in groups_raw.items():
+        with refusals.check():
+            groups[n] = group_section(n, v)
+    before = len(refusals.errors)
+    with refusals.check():
+        data = section(top["data"], "data", {"train": REQUIRED, "validation": None})
+    data = {k: v for k, v in data.items() if v is not None}
+    for k, v in data.items():
+        with refusals.check():
+            data[k] = parse_data(v, f"data.{k}")
+    data_ok = len(refusals.errors) == before
+    with refusals.check():
+        check(top["wait_for_resources"], "wait_for_resources", bool, "true or false")
+    with refusals.check(), at("train_loop_config"):
+        loop = TrainLoopConfig.from_any(top["train_loop_config"])
+    with refusals.check():
+        choice(top["placement"], "placement", PLACEMENTS)
+    with refusals.check():
+        choice(top["transfer"], "transfer", ("auto", *TIERS))
+    run = {}
+    with refusals.check():
+        run["run_config"] = run_config_section(top["run_config"], name)
+    with refusals.check():
+        run["report_to"] = report_to_section(top["run_config"])
+    if data_ok:  # the plan's defaults read the data
+        with refusals.check():
+            run["plan"] = plan_section(top["plan"], data)
+    refusals.raise_any()
+    return Recipe(
+        name=name, model=model, model_source="", groups=groups, loop=loop,
+        placement=top["placement"], transfer=top["transfer"],
+        wait_for_resources=top["wait_for_resources"], data=data, raw=raw, **run,
+    )  # fmt: skip
+
+
+def _check_run(recipe: Recipe, for_training: bool) -> None:
+    """What the trainer checks on the driver (:func:`~ray_disagg.config.layout.resolve`)
+    and the recipe's own cross-key checks, every independent refusal reported together
+    in the recipe's words (``RecipeError``)."""
+    refusals = Refusals()
+    with refusals.check():
+        recipe.layout = resolve(
+            recipe.model, recipe.groups, recipe.loop, placement=recipe.placement,
+            transfer=recipe.transfer, data=data_spec(recipe.data),
+            check_weights=not for_training,
+        )  # fmt: skip
+    score = recipe.run_config.checkpoint_config.checkpoint_score_attribute
+    obj = resolve_rollouts(recipe.loop, data_spec(recipe.data)).objective
+    if score == "val_loss" and ("validation" not in recipe.data or obj is not None):
+        fix = "add data.validation, or set run_config.checkpoint.score_attribute: null"
+        if obj is not None:  # GRPO's validation reports eval_reward; DPO's, nothing
+            name = type(obj).__name__
+            fix = (f"{name} reports no val_loss; set run_config.checkpoint.score_attribute: "
+                   + ("eval_reward (order: max)" if obj.generates else "null"))  # fmt: skip
+        refusals.errors.append(RecipeError(
+            f"run_config.checkpoint.score_attribute: val_loss needs a validation loss: {fix}."
+        ))  # fmt: skip
+    with refusals.check():
+        check_sources(recipe, for_training)
+    try:
+        refusals.raise_any()
+    except ValueError as e:
+        raise RecipeError(recipe_message(recipe.name, e)) from None
 
 
 def trainer_kwargs(recipe: Recipe) -> dict[str, Any]:

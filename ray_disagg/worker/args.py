@@ -89,7 +89,7 @@ class LoopArgs:
         metrics = None
         if objective is not None:
             metrics = (*objective.metric_names, *objective.step_metric_names)
-        return StepStats(list(self.groups), counters, metrics, self.sources)
+        return StepStats(list(self.groups), counters, metrics, self.sources, a.llm_part)
 
     def leader_side_rank(self, channel, group: str, dp_rank: int) -> int:
         """Side rank of the model-parallel rank 0 of replica ``dp_rank`` of ``group``."""

@@ -1,6 +1,6 @@
-"""A worker's time in a step: :class:`StepClock` (computing and waiting, the wall time
-between two stats exchanges) and the trace of a traced step's actions
-(``<run>/trace/``, :func:`write_trace`)."""
+"""A worker's time in a step: :class:`StepClock` (computing, waiting and, of the waiting,
+getting the step's inputs; the wall time between two stats exchanges) and the trace of a
+traced step's actions (``<run>/trace/``, :func:`write_trace`)."""
 
 from __future__ import annotations
 
@@ -18,17 +18,19 @@ __all__ = ["StepClock", "write_trace"]
 
 
 class StepClock:
-    """Seconds a worker spends computing and waiting in a step (:meth:`span`), and the
-    wall time between two stats exchanges, not counting time spent reporting
-    (``excluded``)."""
+    """Seconds a worker spends computing and waiting in a step (:meth:`span`); of the
+    waiting, those spent getting the step's inputs (``inputs``, added where they are
+    read: the reading group's pull from its data, another group's receipt of them;
+    ``StepStats`` makes the data wait of it); and the wall time between two stats
+    exchanges, not counting time spent reporting (``excluded``)."""
 
-    __slots__ = ("compute", "cycles", "excluded", "last_exchange", "trace", "wait")
+    __slots__ = ("compute", "cycles", "excluded", "inputs", "last_exchange", "trace", "wait")
 
     def __init__(self):
         self.last_exchange = time.perf_counter()
         self.excluded = 0.0
         self.cycles: list[float] = []
-        self.compute = self.wait = 0.0
+        self.compute = self.wait = self.inputs = 0.0
         self.trace: list | None = None  # a traced step's [action, start, end, waiting]
 
     def begin(self, step: int, trace_steps) -> None:
@@ -50,6 +52,16 @@ class StepClock:
             if self.trace is not None and action is not None:
                 self.trace.append([str(action), wall, wall + dt, waiting])
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Spans inside (a validation pass) count in no step's compute, wait or input
+        time (their wall time is :meth:`exclude`'s)."""
+        saved = (self.compute, self.wait, self.inputs)
+        try:
+            yield
+        finally:
+            self.compute, self.wait, self.inputs = saved
+
     def exclude(self, seconds: float) -> None:
         """Leave ``seconds`` (reporting, validation) out of this step's time."""
         self.excluded += seconds
@@ -59,10 +71,11 @@ class StepClock:
         trace, self.trace = self.trace, None
         return trace
 
-    def take(self) -> tuple[float, float]:
-        """``(compute, wait)`` seconds of this step so far; starts the next step at 0."""
-        out = (self.compute, self.wait)
-        self.compute = self.wait = 0.0
+    def take(self) -> tuple[float, float, float]:
+        """``(compute, wait, inputs)`` seconds of this step so far (``inputs``: of the
+        spans' seconds, those spent getting the step's inputs); starts the next step at 0."""
+        out = (self.compute, self.wait, self.inputs)
+        self.compute = self.wait = self.inputs = 0.0
         return out
 
     def exchange(self, channel: Channel, stats: torch.Tensor, layout, is_timer: bool):

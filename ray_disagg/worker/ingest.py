@@ -128,10 +128,23 @@ def make_source(
     if not is_ray_dataset(data):
         return MapStyleSource(data, plan, group) if is_leader else None
     dp = plan.dp_sizes[group]
-    box = [data.streaming_split(dp, equal=True) if dist.get_rank() == 0 else None]
+    box = [None]
+    if dist.get_rank() == 0:
+        _progress_bars_as_here(data)
+        box = [data.streaming_split(dp, equal=True)]
     dist.broadcast_object_list(box, src=0, group=object_group)
     per_step = plan.global_batch_size // dp
     return StreamSource(box[0][dp_rank], per_step) if is_leader else None
+
+
+def _progress_bars_as_here(data) -> None:
+    """Ray Data's progress bars off for ``data`` (this worker's copy of it: its split's
+    coordinator runs with its context) when they are off in this process
+    (``DisaggregatedTrainer(verbose=False)``: ``ray_compat.quiet_data_progress``)."""
+    here, ctx = ray.data.DataContext.get_current(), data.context
+    ctx.enable_progress_bars = ctx.enable_progress_bars and here.enable_progress_bars
+    ops = ctx.enable_operator_progress_bars and here.enable_operator_progress_bars
+    ctx.enable_operator_progress_bars = ops
 
 
 def read_samples(source, step, positions, args) -> list[dict]:

@@ -1,7 +1,8 @@
 """What a step measures, into the stats vector every rank sums once a step
 (:class:`~ray_disagg.worker.stats.StepStats`): the LLM's loss slots, each group's own
-slots (gradient norm, compute and wait time, peak memory), the sample ids, and where
-tensors went. When and how a step is reported: :mod:`ray_disagg.worker.reporting`."""
+slots (gradient norm, compute and wait time, the wait for the step's inputs, peak
+memory), the sample ids, and where tensors went. When and how a step is reported:
+:mod:`ray_disagg.worker.reporting`."""
 
 from __future__ import annotations
 
@@ -82,12 +83,13 @@ def record(w: PartWorker, stats, sq: float, inflight: int) -> None:
     """The group's own slots (from its rank 0) and this rank's transfer fallbacks."""
     ctx = w.ctx
     ix, part = ctx.args.stats.index, ctx.part
-    compute, wait = w.state.clock.take()
+    compute, wait, inputs = w.state.clock.take()
     backward_passes = w.state.take_backward_passes()
     if ctx.group_rank == 0:
         stats[ix[f"{part}_sq"]] = sq
         stats[ix[f"{part}_time"]] = compute
         stats[ix[f"{part}_wait"]] = wait
+        stats[ix[f"{part}_inputs"]] = inputs
         stats[ix[f"{part}_peak"]] = memory.peak_memory_mb(ctx.device)
         memory.reset_peak_memory(ctx.device)  # the next step's peak: from here
         stats[ix[f"{part}_inflight"]] = inflight

@@ -8,6 +8,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ray_disagg.config.freezing import apply_freeze
 from ray_disagg.lora.files import base_record
@@ -26,6 +27,42 @@ from ray_disagg.worker.parallelize import ParallelPart, parallelize_part
 from ray_disagg.worker.runtime import get_runtime
 from ray_disagg.worker.shards import ShardWriter
 from ray_disagg.worker.state import WorkerState
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """A part's parameter elements, trainable and in all: the whole part's (a DTensor
+    counts its full shape, so these are the same in every layout) and this rank's own
+    (a DTensor's local shard: less under FSDP2, TP or EP)."""
+
+    trainable: int
+    total: int
+    local_trainable: int
+    local_total: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ParameterCounts:
+        """The counts of ``model``'s parameters (each once, tied ones included)."""
+        sizes = [  # (whole, this rank's, trainable)
+            (
+                p.numel(),
+                p.to_local().numel() if isinstance(p, DTensor) else p.numel(),
+                p.requires_grad,
+            )
+            for p in model.parameters()
+        ]
+        return cls(
+            trainable=sum(n for n, _, train in sizes if train),
+            total=sum(n for n, _, _ in sizes),
+            local_trainable=sum(held for _, held, train in sizes if train),
+            local_total=sum(held for _, held, _ in sizes),
+        )
+
+    def __str__(self) -> str:
+        held = ""
+        if (self.local_trainable, self.local_total) != (self.trainable, self.total):
+            held = f" (this rank holds {self.local_trainable:,} of {self.local_total:,})"
+        return f"{self.trainable:,} of {self.total:,} parameter elements trainable{held}"
 
 
 @dataclass(frozen=True)
@@ -125,11 +162,9 @@ class PartWorker:
             model, self.opt, self.ctx.part, self.ctx.args, log=log, writer=self.writer
         )
         if log is not None:
-            n_all = sum(p.numel() for p in model.parameters())
-            n_train = sum(p.numel() for p in self.params)
             log(
-                f"{self.ctx.part}: ready, {n_train:,} of {n_all:,} local parameter elements "
-                f"trainable; starting at step {self.start + 1}/{self.ctx.cfg.max_steps}"
+                f"{self.ctx.part}: ready, {ParameterCounts.of(model)}; "
+                f"starting at step {self.start + 1}/{self.ctx.cfg.max_steps}"
             )
         return self.start
 

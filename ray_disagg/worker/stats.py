@@ -22,9 +22,10 @@ class StepStats:
       (e.g. a full /dev/shm), every rank;
     - ``checkpoint_writing``: ranks whose asynchronous checkpoint write is not done, every
       rank (0 everywhere: the checkpoint is reported this step);
-    - ``<group>_{sq,time,wait,peak,inflight,bwd}``: squared grad norm, compute and wait
-      seconds, peak memory (MB), most microbatches alive at once, backward passes run, of
-      each group, from its rank 0;
+    - ``<group>_{sq,time,wait,inputs,peak,inflight,bwd}``: squared grad norm, compute and
+      wait seconds, of the wait the seconds spent getting the step's inputs (the reading
+      group's read of its data; another group's receipt of its inputs), peak memory (MB),
+      most microbatches alive at once, backward passes run, of each group, from its rank 0;
     - ``<group>_flops``: the model FLOPs of the group's samples (:mod:`ray_disagg.worker.mfu`),
       its DP leaders; ``<group>_peak_flops``: the sum of its ranks' peak FLOP/s (NaN when
       one has none), every rank of the group;
@@ -37,13 +38,15 @@ class StepStats:
     """
 
     def __init__(self, groups: list[str], counters: list[str], objective_metrics=None,
-                 sources=()):  # fmt: skip
+                 sources=(), reader: str | None = None):  # fmt: skip
         self.groups, self.counters = list(groups), list(counters)
+        self.reader = reader or self.groups[-1]  # the group that reads the data: the LLM
         self.objective_metrics = objective_metrics  # None: no objective (SFT)
         self.sources = tuple(sources)
         names = ["loss", "label_tokens", "llm_tokens", "samples", "cycle", "transfer_fallbacks"]
         names += ["checkpoint_writing"]
-        per_group = ("sq", "time", "wait", "peak", "inflight", "bwd", "flops", "peak_flops")
+        per_group = ("sq", "time", "wait", "inputs", "peak", "inflight", "bwd", "flops",
+                     "peak_flops")  # fmt: skip
         names += [f"{g}_{k}" for g in groups for k in per_group]
         names += list(counters)
         if objective_metrics is not None:
@@ -73,10 +76,14 @@ class StepStats:
             "tokens_per_s": s["llm_tokens"] / cycle,
             "transfer_fallbacks": int(s["transfer_fallbacks"]),
         }
+        read = s[f"{self.reader}_inputs"]
         for g in self.groups:
+            # waiting for the inputs counts as data wait while the reader read them
+            data = min(s[f"{g}_inputs"], read)
             out[f"{g}_grad_norm"] = s[f"{g}_sq"] ** 0.5
             out[f"{g}_compute_s"] = s[f"{g}_time"]
-            out[f"{g}_wait_s"] = s[f"{g}_wait"]
+            out[f"{g}_wait_s"] = max(s[f"{g}_wait"] - data, 0.0)
+            out[f"{g}_data_wait_s"] = data
             out[f"{g}_peak_memory_mb"] = s[f"{g}_peak"]
             out[f"{g}_max_in_flight"] = int(s[f"{g}_inflight"])
             out[f"{g}_backward_passes"] = int(s[f"{g}_bwd"])

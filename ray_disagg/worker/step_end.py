@@ -90,11 +90,12 @@ def validate(w: PartWorker, evaluate, step: int) -> dict:
     """``val_loss``: the validation set's summed token losses over its label tokens (or,
     for a generating objective, its rewards of greedy completions), all-reduced over
     every rank of every group (its time is not step time)."""
-    t0 = time.perf_counter()
-    local = torch.tensor(evaluate(step), dtype=torch.float64)
+    clock, t0 = w.state.clock, time.perf_counter()
+    with clock.paused():  # the validation pass's spans are not the next step's times
+        local = torch.tensor(evaluate(step), dtype=torch.float64)
     sums = recovery.guarded(w, w.ctx.channel.all_reduce_sum, local, default=local)
     recovery.agree(w)
-    w.state.clock.exclude(time.perf_counter() - t0)
+    clock.exclude(time.perf_counter() - t0)
     obj = w.ctx.cfg.objective
     if obj is not None and obj.generates:  # GRPO: the rewards of greedy completions
         return obj.eval_metrics([float(v) for v in sums])

@@ -44,6 +44,7 @@ def _completions(rank, world, fsdp: bool = False):
     from ray_disagg.rollout.decode import DecodeSettings, generate, left_padded
     from ray_disagg.rollout.sampling import completion_keys
     from ray_disagg.worker.objective import repeat_rows
+    from ray_disagg.worker.part_worker import ParameterCounts
 
     cfg = tiny_qwen2_5_vl_config(vocab_size=VOCAB)
     spec = HFModelSpec(config=cfg, seed=4)
@@ -58,6 +59,7 @@ def _completions(rank, world, fsdp: bool = False):
     batch = adapter.collate_llm(rows_prompts)
     batch = left_padded(batch, [len(p["input_ids"]) for p in rows_prompts])
     part = spec.build_part("text").eval()
+    whole = ParameterCounts.of(part)
     tp, start, runner = None, 0, PartRunner(part)
     if fsdp:  # as the group places it: the layers and a root unit around the part
         from torch.distributed.fsdp import fully_shard
@@ -72,7 +74,7 @@ def _completions(rank, world, fsdp: bool = False):
         tp, start = parallelize_text(part, lm, head, mesh, adapter.llm_tp_plan(),
                                      adapter.per_head_norms)  # fmt: skip
     keys = completion_keys(1, SEED, [p["id"] for p in prompts], G)  # rank 1's rows end first
-    out = {}
+    out = {"counts": (whole, ParameterCounts.of(part))}  # before and after the sharding
     for name, settings in (
         ("greedy", DecodeSettings(max_new_tokens=NEW, stop_ids=(0, 2), greedy=True)),  # pad, eos
         (
@@ -177,3 +179,10 @@ def test_fsdp2_ranks_decode_in_lockstep_and_draw_what_one_process_draws(
     assert [by_prompt[(p, g)] for p in range(3) for g in range(G)] == whole_model_samples
     longest = [max(len(t) for t in out.tokens) for out in per_rank]
     assert longest[1] < longest[0] == NEW  # rank 1 went on with rank 0 after its rows ended
+    # the workers' start line: the whole part's parameters (all trainable here) on every
+    # rank, sharded or not, and what each rank holds of them: its half
+    whole, sharded = zip(*(o["counts"] for o in runs))
+    assert {(c.trainable, c.total) for c in whole + sharded} == {(whole[0].total,) * 2}
+    assert sum(c.local_total for c in sharded) == whole[0].total
+    for c in sharded:
+        assert str(c).endswith(f"(this rank holds {c.local_trainable:,} of {c.local_total:,})")

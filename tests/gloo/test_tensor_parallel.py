@@ -46,7 +46,9 @@ def _tp_text(rank, world, model_type):
     from ray_disagg import ADAPTERS, HFModelSpec
     from ray_disagg.data.examples import synthetic_samples
     from ray_disagg.models.loss import lm_loss
+    from ray_disagg.parallel.expert_parallel import parallelize_experts
     from ray_disagg.parallel.tensor_parallel import all_reduce_partial_grads, parallelize_text
+    from ray_disagg.worker.part_worker import ParameterCounts
     from ray_disagg.worker.shards import merge_row_blocks
 
     cfg = ADAPTERS[model_type].tiny_config()
@@ -75,13 +77,33 @@ def _tp_text(rank, world, model_type):
             grads[n] = g.full_tensor() if isinstance(g, DTensor) else g
         return loss.detach(), {k: v.grad for k, v in got.items()}, merge_row_blocks(grads)
 
-    dense = run(spec.build_part("text"))
+    dense_part = spec.build_part("text")
+    dense = run(dense_part)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     part = spec.build_part("text")
     lm, lm_head = adapter.llm_modules(part)
     plan, norms = adapter.llm_tp_plan(), adapter.per_head_norms
     sharded = run(part, *parallelize_text(part, lm, lm_head, mesh, plan, norms))
-    return {"dense": dense, "tp": sharded}
+    # the workers' start line: the part's parameters counted alike whatever the layout
+    counts = {"dense": ParameterCounts.of(dense_part), "tp": ParameterCounts.of(part)}
+    if adapter.router is not None:  # and with the experts split over the ranks (EP)
+        moe = spec.build_part("text")
+        parallelize_experts(adapter.llm_modules(moe)[0], mesh)
+        counts["ep"] = ParameterCounts.of(moe)
+    return {"dense": dense, "tp": sharded, "counts": counts}
+
+
+def assert_counted_alike(counts: dict) -> None:
+    """``counts["dense"]`` (the whole part on one rank) and every sharded layout's
+    :class:`ParameterCounts` state the same part; the sharded ones add what they hold."""
+    dense = counts.pop("dense")
+    assert dense.local_total == dense.total and "holds" not in str(dense)
+    for layout, got in counts.items():
+        assert (got.trainable, got.total) == (dense.trainable, dense.total), layout
+        assert got.local_total < got.total, layout
+        whole = f"{dense.trainable:,} of {dense.total:,} parameter elements trainable"
+        held = f"(this rank holds {got.local_trainable:,} of {got.local_total:,})"
+        assert str(got) == f"{whole} {held}", layout
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"])
@@ -90,6 +112,7 @@ def test_tp_text_part_matches_dense_including_crossing_gradients(model_type):
     ``conv1d``, sharded ``A_log``/``dt_bias``, the gated norm's partial gradients)."""
     out = run_distributed(_tp_text, 2, model_type)
     for o in out:
+        assert_counted_alike(o["counts"])
         (dl, de, dg), (tl, te, tg) = o["dense"], o["tp"]
         torch.testing.assert_close(tl, dl, rtol=1e-6, atol=0)
         # the gradients sent back to the vision group (embeddings and DeepStack features):
@@ -203,6 +226,7 @@ def _tp_uneven_vocab(rank, world, tied):
     from ray_disagg.data.examples import synthetic_samples
     from ray_disagg.models.loss import lm_loss
     from ray_disagg.parallel.tensor_parallel import parallelize_text
+    from ray_disagg.worker.part_worker import ParameterCounts
     from ray_disagg.worker.shards import merge_row_blocks
 
     cfg = tiny_qwen2_5_vl_config(vocab_size=135, text_kv_heads=4, tie_word_embeddings=tied)
@@ -223,7 +247,8 @@ def _tp_uneven_vocab(rank, world, tied):
         shapes = {n: tuple(p.shape) for n, p in part.named_parameters()}
         return loss.detach(), merge_row_blocks(grads), shapes, vocab_start
 
-    dense = run(spec.build_part("text"))
+    dense_part = spec.build_part("text")
+    dense = run(dense_part)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     part = spec.build_part("text")
     lm, lm_head = adapter.llm_modules(part)
@@ -231,6 +256,7 @@ def _tp_uneven_vocab(rank, world, tied):
     return {
         "dense": dense,
         "tp": run(part, *parallelize_text(part, lm, lm_head, mesh, plan, norms)),
+        "counts": {"dense": ParameterCounts.of(dense_part), "tp": ParameterCounts.of(part)},
     }
 
 
@@ -241,6 +267,7 @@ def test_a_vocabulary_tp_does_not_divide_matches_dense(world, tied):
     out = run_distributed(_tp_uneven_vocab, world, tied)
     assert [o["tp"][3] for o in out] == [r * (68 if world == 2 else 34) for r in range(world)]
     for o in out:
+        assert_counted_alike(o["counts"])  # tied: the embedding's shard counted once
         (dl, dg, dshape, _), (tl, tg, tshape, _) = o["dense"], o["tp"]
         torch.testing.assert_close(tl, dl, rtol=1e-6, atol=0)
         assert tshape == dshape  # DTensors keep the vocabulary's 135 rows

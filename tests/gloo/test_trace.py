@@ -1,8 +1,8 @@
 """Tier 2 (the groups' workers without Ray): a traced 1F1B step records each group's
 rank-0 actions in the order of the schedule's action lists, with their measured times,
 and ``ray-disagg plot RUN_DIR`` draws the run (loss, step times, the traced step's
-timeline); the step's MFU per group is its samples' counted FLOPs over step time x
-workers x ``peak_tflops``."""
+timeline); each group's data wait is apart from its wait; the step's MFU per group is its
+samples' counted FLOPs over step time x workers x ``peak_tflops``."""
 
 import os
 
@@ -24,6 +24,9 @@ def test_a_traced_1f1b_step_follows_the_schedule_and_is_plotted(tmp_path):
     spec = HFModelSpec(config=cfg, seed=1)
     result = run_layout(spec, data, loop, vt(group(1), group(2)), tmp_path, "trace", local=True)
     _assert_mfu(spec.adapter, data, result.metrics, peak=0.5e12, workers={"vision": 1, "text": 2})
+    m = result.metrics  # the LLM's reads are its data wait, not counted as waiting
+    assert m["text_data_wait_s"] > 0 and 0 <= m["vision_data_wait_s"] <= m["text_data_wait_s"]
+    assert m["text_wait_s"] >= 0 and m["vision_wait_s"] >= 0
 
     traces = read_traces(result.path)
     assert list(traces) == [2]  # only the traced step

@@ -227,7 +227,7 @@ def test_data_sources_parse_without_loading(no_ray):
         ),
         (
             ["groups.text.parallelism={type: tensor, size: 3}"],
-            ["groups.text", "size=3", "num_workers=1"],
+            ["groups.text", "size: 3", "num_workers=1"],
         ),
         (
             ["groups.vision.parallelism.size=2"],
@@ -238,10 +238,10 @@ def test_data_sources_parse_without_loading(no_ray):
         (["placement=stacked"], ["placement='stacked'", "['separate', 'colocated']"]),
         (["placement=colocated", "groups.text.num_workers=2"], ["placement", "same num_workers"]),
         (["transfer=rdma"], ["transfer='rdma'", "'gloo'", "'cuda_ipc'"]),
-        (["transfer=nccl"], ["transfer", "use_gpu=True"]),
+        (["transfer=nccl"], ["transfer", "use_gpu=true"]),
         (["data.train.type=csv"], ["data.train", "'digits'", "'conversations'", "'parquet'"]),
         (["data.train.paths=x.parquet"], ["data.train", "'paths'", "'num_samples'"]),
-        (["data.validation=null"], ["train_loop_config['eval_every']", "data.validation"]),
+        (["data.validation=null"], ["train_loop_config.eval_every", "data.validation"]),
         (["train_loop_config.lr_schedule=step"], ["lr_schedule", "'cosine'"]),
         (["train_loop_config.foo=1"], ["'foo'", "known keys"]),
         (["model.config=tiny_llama"], ["model.config='tiny_llama'", "tiny_qwen2_5_vl"]),
@@ -259,7 +259,7 @@ def test_recipe_errors_name_the_key_and_the_allowed_values(no_ray, capsys, argv,
 
 def test_32b_layout_errors(no_ray, capsys):
     err = cli_error(capsys, "plan", BIG, "groups.vision.parallelism.size=3")
-    assert "groups.vision" in err and "size=3" in err and "num_workers=8" in err
+    assert "groups.vision" in err and "size: 3" in err and "num_workers=8" in err
     err = cli_error(capsys, "plan", BIG, "groups.text.resources_per_worker={GPU: 1}")
     assert "placement" in err and "add up to 1.5" in err
 

@@ -112,12 +112,17 @@ def test_no_room_for_the_converting_actors_fails_naming_the_cpus(ray_start_4_cpu
 
 def test_ray_data_ingest_uses_every_sample_once_per_epoch(ray_start_4_cpus, tmp_path):
     """A Ray Dataset read by 2 LLM shards (``streaming_split``): each epoch every sample
-    once, none dropped or duplicated."""
+    once, none dropped or duplicated; the driver's Ray Data contexts are as before (the
+    progress bars, off while the trainer read them: ``tests/unit/test_progress.py``)."""
     cfg, spec, _ = restart_setup()
     samples = synthetic_samples(cfg, 12, grids=[(1, 4, 4), (1, 8, 4)])
     ds = ray.data.from_items(samples)
+    here = ray.data.DataContext.get_current()
+    before = [(c.enable_progress_bars, c.enable_operator_progress_bars) for c in (here, ds.context)]
     loop = dict(RESTART_LOOP, max_steps=6, report_sample_ids=True)
     result = fit(spec, ds, loop, vt(group(1), group(2)), tmp_path, "raydata")  # 2 LLM shards
+    after = [(c.enable_progress_bars, c.enable_operator_progress_bars) for c in (here, ds.context)]
+    assert after == before == [(True, True)] * 2
     rows = result.metrics_dataframe.sort_values("step")
     per_step = [list(ids) for ids in rows["sample_ids"]]
     assert all(len(ids) == 4 for ids in per_step)
@@ -125,3 +130,6 @@ def test_ray_data_ingest_uses_every_sample_once_per_epoch(ray_start_4_cpus, tmp_
         ids = [i for step in epoch for i in step]
         assert sorted(ids) == list(range(12))  # none dropped, none duplicated
     assert all(v == v for v in rows["loss"])  # finite (not NaN)
+    # the LLM's reads are its data wait (the encoder's share of it: at most the reads)
+    assert (rows["text_data_wait_s"] > 0).all()
+    assert (rows["vision_data_wait_s"] <= rows["text_data_wait_s"]).all()

@@ -121,7 +121,7 @@ def test_recipe_type_conversations_loads_the_records(model_dir, media, tmp_path)
     cfg = tiny_qwen2_5_vl_config()
     d = {"type": "conversations", "records": str(tmp_path / "t.jsonl"), "tokenizer": str(model_dir)}
     d = parse_data(dict(d, media_root=str(media), labels="last"), "data.train")
-    recipe = SimpleNamespace(data={"train": d}, model=HFModelSpec(config=cfg))
+    recipe = SimpleNamespace(data={"train": d}, model=HFModelSpec(config=cfg), raw={})
     stream = build_dataset(recipe, "train")
     assert stream.num_records == 3 and stream.max_bad_records == 100  # defaults
     samples = list(stream.samples())

@@ -273,3 +273,21 @@ def test_validation_rewards_are_means_over_scored_completions():
         "eval_rewards/exact/mean": 0.5,
         "eval_rewards/short/mean": 0.5,
     }
+
+
+def test_a_refusal_elsewhere_leaves_grpo_validation_accepted(tokenizer_dir):
+    """Refusals are collected: one of another setting (a freeze prefix matching nothing)
+    does not make GRPO's validation and eval_every look refused too."""
+    from ray_disagg.config.layout import resolve
+    from ray_disagg.config.refusals import refusals_of
+
+    obj = grpo(tokenizer=tokenizer_dir, max_completion_length=8)
+    one = ModuleGroup(scaling_config=ScalingConfig(num_workers=1))
+    typo = ModuleGroup(scaling_config=ScalingConfig(num_workers=1), freeze=["model.nothing"])
+    loop = {"max_steps": 2, "global_batch_size": 4, "eval_every": 1, "objective": obj}
+    data = DataSpec(kind="stream", prompts=True, validation=True)
+    model = HFModelSpec(config=CFG)
+    assert resolve(model, {"vision": one, "text": one}, loop, data=data).loop.eval_every == 1
+    with pytest.raises(ValueError) as refused:
+        resolve(model, {"vision": typo, "text": one}, loop, data=data)
+    assert [("model.nothing" in str(e)) for e in refusals_of(refused.value)] == [True]

@@ -1,13 +1,20 @@
 """Tier 1: what the driver prints while a run trains (``ray_disagg.launch.progress``): the
 step line, the start and end summaries, and the poller reading the metrics file as the
 LLM group's rank 0 appends to it (complete lines only; a restart's repeated steps
-replace theirs)."""
+replace theirs); a step's data wait from the workers' clocks to the line and the
+step-times picture's bars; Ray Data's progress bars off where a run reads."""
 
 import io
+import time
 
+import pandas as pd
+import pytest
+from ray.data import DataContext
 from ray.train import ScalingConfig
 
 from ray_disagg import DataParallel, ModuleGroup
+from ray_disagg.launch import ray_compat as rc
+from ray_disagg.launch.datasets import progress_bars
 from ray_disagg.launch.progress import (
     Progress,
     end_lines,
@@ -16,6 +23,9 @@ from ray_disagg.launch.progress import (
     start_lines,
     step_line,
 )
+from ray_disagg.plotting import _stack
+from ray_disagg.worker.clock import StepClock
+from ray_disagg.worker.stats import StepStats
 
 STEP = {"step": 3, "loss": 1.25, "lr": 1e-3, "tokens_per_s": 900.4, "step_time_s": 0.5,
         "mean_step_time_s": 0.75}  # fmt: skip
@@ -35,6 +45,60 @@ def test_step_line_and_eta():
         "32.5B",
         "12",
     ]
+
+
+def test_a_steps_data_wait_is_its_own_figure():
+    """Time getting the step's inputs (within the waiting spans) is ``<group>_data_wait_s``,
+    out of ``<group>_wait_s``: the reading (LLM) group's read, another group's wait for
+    its inputs as far as the read explains it; the line shows it from a tenth of the step,
+    the picture stacks it between compute and wait."""
+    clock = StepClock()
+    with clock.span(waiting=True):
+        clock.inputs += 0.005  # as a read adds it
+        time.sleep(0.01)
+    with clock.span(waiting=False):
+        pass
+    with clock.paused(), clock.span(waiting=True):  # a validation pass: no step's time
+        clock.inputs += 1.0
+    compute, wait, inputs = clock.take()
+    assert inputs == 0.005 and 0.01 <= wait < 1 and compute < wait
+    assert clock.take() == (0.0, 0.0, 0.0)
+
+    stats = StepStats(["vision", "text"], [], reader="text")
+    s, ix = stats.new(), stats.index
+    s[ix["cycle"]], s[ix["text_wait"]], s[ix["text_inputs"]] = 6.0, 5.9, 5.8  # read 5.8 s
+    s[ix["vision_wait"]], s[ix["vision_inputs"]] = 6.5, 6.0  # 6 s for its inputs
+    m = stats.metrics(s, 0, 0, {"lr": 1e-3}, 6.0)
+    assert m["text_data_wait_s"] == m["vision_data_wait_s"] == 5.8
+    assert m["text_wait_s"] == pytest.approx(0.1) and m["vision_wait_s"] == pytest.approx(0.7)
+    s[ix["vision_inputs"]] = 2.0  # its inputs came 2 s into the read: all of it data wait
+    m = stats.metrics(s, 0, 0, {"lr": 1e-3}, 6.0)
+    assert m["vision_data_wait_s"] == 2.0 and m["vision_wait_s"] == pytest.approx(4.5)
+
+    line = step_line({**STEP, "text_data_wait_s": 0.06, "vision_data_wait_s": 0.05}, 10)
+    assert "step 0.500s (data wait 0.060s) ETA" in line
+    assert "data wait" not in step_line({**STEP, "text_data_wait_s": 0.04}, 10)
+
+    df = pd.DataFrame({"step": [1], "text_compute_s": [1.0], "text_wait_s": [0.5],
+                       "text_data_wait_s": [2.0], "vision_compute_s": [1.0]})  # fmt: skip
+    assert [(label, list(v)) for label, v, _ in _stack(df, "text")] == [
+        ("compute", [1.0]), ("data wait", [2.0]), ("wait", [0.5])
+    ]  # fmt: skip
+    assert [label for label, _, _ in _stack(df, "vision")] == ["compute"]  # an older run
+
+
+def test_ray_data_progress_bars_are_off_where_a_run_reads():
+    """Unless ``verbose``: while the trainer reads its datasets on the driver (the user's
+    context restored after), and for good in a worker (its group's start)."""
+    here = DataContext.get_current().copy()
+    with DataContext.current(here):
+        with progress_bars([[{"id": 0}]], shown=False):
+            assert not here.enable_progress_bars and not here.enable_operator_progress_bars
+        assert here.enable_progress_bars and here.enable_operator_progress_bars
+        with progress_bars([], shown=True):
+            assert here.enable_progress_bars and here.enable_operator_progress_bars
+        rc.quiet_data_progress()
+        assert not here.enable_progress_bars and not here.enable_operator_progress_bars
 
 
 def test_start_and_end_summaries():

@@ -4,6 +4,8 @@
 refuse the same layouts with the same message, and ``train`` refuses before it starts
 Ray. (Checks that read the samples stay with the trainer and are not in the table.)"""
 
+import re
+
 import pytest
 import yaml
 from ray.train import ScalingConfig
@@ -13,6 +15,7 @@ from ray_disagg.config.groups import ContextParallel, SequenceParallel, TensorPa
 from ray_disagg.config.layout import DataSpec, resolve
 from ray_disagg.data.examples import digits_samples
 from ray_disagg.recipes import cli
+from ray_disagg.recipes.words import recipe_message
 
 PARALLELISM = {"tensor": TensorParallel, "sequence": SequenceParallel, "context": ContextParallel}
 ONE = {"num_workers": 1}
@@ -107,6 +110,12 @@ def _recipe(tmp_path, vision, text, loop, top) -> str:
     return str(path)
 
 
+PYTHON_WORDS = (
+    r"\w\[['\"]|\w+Parallel\(|ModuleGroup\(|ScalingConfig\(|HFModelSpec\(|datasets|=True|=False"
+)
+"""Python's spellings of the trainer's settings, which a recipe's errors do not use."""
+
+
 @pytest.fixture(scope="module")
 def samples():
     return digits_samples(tiny_qwen2_5_vl_config(), n=8, image_size=16)
@@ -136,7 +145,9 @@ def test_trainer_plan_and_train_refuse_alike(
         with pytest.raises(SystemExit) as stopped:
             cli.main([command, path])
         assert stopped.value.code == 2
-        assert capsys.readouterr().err.strip() == f"ray-disagg: error: {text_}", command
+        said = capsys.readouterr().err.strip()
+        assert said == f"ray-disagg: error: {recipe_message('bad', refused.value)}", command
+        assert not re.search(PYTHON_WORDS, said), said  # the recipe's own words
 
 
 def test_resolve_fills_in_what_depends_on_the_run():

@@ -61,6 +61,7 @@ from ray_disagg.launch.ray_compat.privates import (
     checkpoint_path,
     label_selector_per_worker,
     persist_checkpoint,
+    quiet_data_progress,
     quiet_train_reports,
     reports_pending,
     resources_per_worker,
@@ -127,6 +128,7 @@ __all__ = [
     "NamedPlacementWorkerGroup",
     "SharedPlacementWorkerGroup",
     "with_worker_env_vars",
+    "quiet_data_progress",
     "quiet_train_reports",
     "reports_pending",
 ]

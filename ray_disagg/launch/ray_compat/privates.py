@@ -119,3 +119,16 @@ def quiet_train_reports() -> None:
     from ray.train.v2._internal.execution import context
 
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
+def quiet_data_progress() -> None:
+    """In a Ray Train worker: Ray Data's progress bars off in this process's current
+    ``DataContext``, which the datasets built here copy (a ``ConversationStream``'s
+    conversions; a Ray Dataset's split: ``ray_disagg.worker.ingest.make_source``), without
+    Ray Data's one-time notice that they are off (keyed by its ``log_once`` name)."""
+    from ray.data import DataContext
+    from ray.util.debug import log_once
+
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = ctx.enable_operator_progress_bars = False
+    log_once("ray_data_progress_manager_disabled")
