@@ -9,11 +9,13 @@
     ray-disagg recipes                        # list the bundled recipes
 
 ``RECIPE`` is a YAML file or the name of a bundled recipe (``sft_cpu``, ``lora_cpu``,
-``dpo_cpu``, ``digits_cpu``, ``qwen2_5_vl_32b_8gpu``). ``python -m ray_disagg`` is the
+``dpo_cpu``, ``grpo_cpu``, ``digits_cpu``, ``qwen2_5_vl_32b_8gpu``). ``python -m ray_disagg`` is the
 same command. A recipe error exits with status 2 and one message on stderr.
 
-``train`` calls ``ray.init()`` only when Ray is not initialized: with ``RAY_ADDRESS`` set
-(e.g. under ``ray job submit``) it connects to that cluster, else it starts a local one.
+``train`` checks the recipe, then (unless a source is a Ray Dataset) builds the trainer,
+which checks the samples, and only then calls ``ray.init()``, when Ray is not
+initialized: with ``RAY_ADDRESS`` set (e.g. under ``ray job submit``) it connects to that
+cluster, else it starts a local one.
 
 Example:
     >>> text = main(["plan", "digits_cpu", "train_loop_config.max_steps=4"])  # doctest: +ELLIPSIS
@@ -113,15 +115,22 @@ def train(recipe: str, overrides=()):
     """Build the recipe's ``DisaggregatedTrainer``, ``fit()`` it and return the Result."""
     from ray_disagg.config.run_warnings import RunWarning
     from ray_disagg.planner.render import render
-    from ray_disagg.recipes.recipe import load_recipe, trainer_kwargs
+    from ray_disagg.recipes.data import reads_ray_data
+    from ray_disagg.recipes.recipe import RecipeError, load_recipe, trainer_kwargs
+    from ray_disagg.recipes.words import recipe_message
     from ray_disagg.trainer import DisaggregatedTrainer
 
     r = load_recipe(recipe, overrides, for_training=True)
     print(render(r), flush=True)  # with the run's warnings
+    if reads_ray_data(r.data):  # else the samples are checked before Ray starts
+        _ensure_ray(r.groups)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RunWarning)
+            trainer = DisaggregatedTrainer(**trainer_kwargs(r))
+    except ValueError as e:  # what the trainer found in the samples, in the recipe's words
+        raise RecipeError(recipe_message(r.name, e)) from None
     _ensure_ray(r.groups)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RunWarning)
-        trainer = DisaggregatedTrainer(**trainer_kwargs(r))
     result = trainer.fit()
     _print_result(result)
     return result

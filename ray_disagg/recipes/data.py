@@ -41,7 +41,14 @@ import os
 
 from ray_disagg.recipes.schema import REQUIRED, at, check, fail, section
 
-__all__ = ["DATA", "build_dataset", "data_spec", "parse_data"]
+__all__ = [
+    "DATA",
+    "build_dataset",
+    "check_sources",
+    "data_spec",
+    "parse_data",
+    "reads_ray_data",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -335,6 +342,13 @@ def _sources(data: dict):
             yield from ((f"data.{which}[{s['name']}]", s) for s in d["sources"])
         else:
             yield f"data.{which}", d
+
+
+def reads_ray_data(data: dict) -> bool:
+    """Whether a source of the recipe's data is a Ray Dataset (``parquet``, ``json``),
+    which needs Ray to be built; the others (and the trainer's checks of their samples)
+    need none."""
+    return any(d["type"] in ("parquet", "json") for _, d in _sources(data))
 
 
 def check_sources(recipe, for_training: bool) -> None:

@@ -90,6 +90,7 @@ _RULES: list[tuple[str, object]] = [
     (r"checkpoint_score_attribute", "run_config.checkpoint.score_attribute"),
     (rf"(?<![\w.'\[/-])({'|'.join(_LOOP_KEYS)})\b", r"train_loop_config.\1"),
     (r"=(True|False|None)\b", lambda m: "=" + _yaml(m[1])),
+    (r"\bTrue or False\b", "true or false"),
     (r"^(\w+): (?=\1\.)", ""),  # "train_loop_config: train_loop_config.x ...": once
 ]  # fmt: skip
 

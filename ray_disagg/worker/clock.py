@@ -19,8 +19,7 @@ __all__ = ["StepClock", "write_trace"]
 
 class StepClock:
     """Seconds a worker spends computing and waiting in a step (:meth:`span`); of the
-    waiting, those spent getting the step's inputs (``inputs``, added where they are
-    read: the reading group's pull from its data, another group's receipt of them;
+    waiting, those spent getting the step's inputs (:meth:`awaiting_inputs`;
     ``StepStats`` makes the data wait of it); and the wall time between two stats
     exchanges, not counting time spent reporting (``excluded``)."""
 
@@ -51,6 +50,16 @@ class StepClock:
                 self.compute += dt
             if self.trace is not None and action is not None:
                 self.trace.append([str(action), wall, wall + dt, waiting])
+
+    @contextlib.contextmanager
+    def awaiting_inputs(self):
+        """Time (within a :meth:`span`, counted there too) spent getting the step's
+        inputs: the reading group's pull from its data, another group's receipt of them."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.inputs += time.perf_counter() - t0
 
     @contextlib.contextmanager
     def paused(self):

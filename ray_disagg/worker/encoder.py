@@ -19,7 +19,6 @@ Gradients accumulate over the microbatches; the optimizer steps once.
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 import torch.distributed as dist
@@ -197,10 +196,9 @@ class EncoderStep:
     def recv_inputs(self, _mb) -> None:
         w = self.w
         ctx = w.ctx
-        t0 = time.perf_counter()
-        mbs = _receive_inputs(ctx, self.plan, self.plan_step, self.key) if ctx.leader else None
-        mbs = ctx.broadcast_object(mbs)  # map-style data: SampleRefs, each rank reads its own
-        w.state.clock.inputs += time.perf_counter() - t0  # data wait while the LLM reads them
+        with w.state.clock.awaiting_inputs():  # data wait while the LLM group reads them
+            mbs = _receive_inputs(ctx, self.plan, self.plan_step, self.key) if ctx.leader else None
+            mbs = ctx.broadcast_object(mbs)  # map-style data: SampleRefs, each rank reads its own
         keys = ("id", *ctx.adapter.encoder_fields(ctx.part))
         self.inputs = [([self.data.resolve(s, keys) for s in ss], r) for ss, r in mbs]
 

@@ -150,9 +150,8 @@ class LLMStep:
             share = [p for mb in self.mbs for p in mb[ctx.part][ctx.dp_rank]]
             return share, [rollout.samples[p] for p in share] if ctx.leader else []
         share = [p for mb in self.mbs for p in mb[ctx.part][ctx.dp_rank]]
-        t0 = time.perf_counter()
-        read = ingest.read_samples(self.source, self.plan_step, share, ctx.args)
-        self.w.state.clock.inputs += time.perf_counter() - t0  # the step's data wait
+        with self.w.state.clock.awaiting_inputs():  # the step's data wait
+            read = ingest.read_samples(self.source, self.plan_step, share, ctx.args)
         if self.plan.streamed_costs:  # a balanced stream: split by this step's costs
             self.mbs = self.plan.assign(self.plan_step, self.source.step_costs)
             share = [p for mb in self.mbs for p in mb[ctx.part][ctx.dp_rank]]  # known now

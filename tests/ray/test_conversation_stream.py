@@ -107,7 +107,7 @@ def test_no_room_for_the_converting_actors_fails_naming_the_cpus(ray_start_4_cpu
         remove_placement_group(pg)
     # the failed start's actor does not take the CPUs once they are free (it would hold
     # them for good, and the next fit in this driver would wait on them)
-    assert every_cpu_free(30.0) == cpus
+    assert every_cpu_free(60.0) == cpus  # a loaded 2-core machine takes its time
 
 
 def test_ray_data_ingest_uses_every_sample_once_per_epoch(ray_start_4_cpus, tmp_path):

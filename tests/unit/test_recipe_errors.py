@@ -146,3 +146,16 @@ def test_plan_counts_dpo_reference_copy_and_pairs():
     assert estimate(lora)["text"].reference == 0  # "auto": the adapters off
     assert "reference adapters_disabled" in render(lora)
     assert DPO().reference == "auto"
+
+
+def test_train_checks_the_samples_before_ray_in_the_recipes_words(monkeypatch, capsys):
+    def no_ray(_groups):
+        raise AssertionError("ray-disagg train started Ray before checking the samples")
+
+    monkeypatch.setattr(cli, "_ensure_ray", no_ray)
+    packed = ["train_loop_config.pack_sequences=true", "train_loop_config.max_seq_len=8"]
+    with pytest.raises(SystemExit):
+        cli.main(["train", "digits_cpu", *packed])
+    said = capsys.readouterr().err
+    assert said.startswith("ray-disagg: error: recipe digits_cpu: ") and "sample" in said, said
+    assert "train_loop_config.max_seq_len" in said and not re.search(PYTHON_WORDS, said), said
