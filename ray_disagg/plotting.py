@@ -93,9 +93,7 @@ def _draw(ax, df, present: list[str], title: str) -> None:
     """One line per metric of ``present`` against ``step`` (log scale for a loss falling
     by orders of magnitude)."""
     for key in present:
-        rows = df[["step", key]].dropna()
-        few = len(rows) <= 30  # show the points of a short run
-        ax.plot(rows["step"], rows[key], marker="o" if few else None, markersize=3, label=key)
+        _curve(ax, df, key, key)
     ax.set_xlabel("step")
     ax.set_ylabel("loss" if all(k.endswith("loss") for k in present) else ", ".join(present))
     finite = [v for k in present for v in df[k].dropna() if math.isfinite(v)]

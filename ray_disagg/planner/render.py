@@ -87,10 +87,9 @@ def render(r) -> str:
     ]
     warnings = r.layout.warnings if r.layout is not None else ()
     if warnings:
-        from ray_disagg.recipes.words import in_recipe_words
+        from ray_disagg.recipes.words import translate
 
-        lines += ["", "warnings:"]
-        lines += [f"  - {in_recipe_words(ValueError(w))}" for w in warnings]
+        lines += ["", "warnings:", *(f"  - {translate(w)}" for w in warnings)]
     return "\n".join(lines)
 
 

@@ -213,15 +213,14 @@ def _check_run(recipe: Recipe, for_training: bool) -> None:
     """What the trainer checks on the driver (:func:`~ray_disagg.config.layout.resolve`)
     and the recipe's own cross-key checks, every independent refusal reported together
     in the recipe's words (``RecipeError``)."""
-    refusals = Refusals()
+    refusals, spec = Refusals(), data_spec(recipe.data)
     with refusals.check():
         recipe.layout = resolve(
             recipe.model, recipe.groups, recipe.loop, placement=recipe.placement,
-            transfer=recipe.transfer, data=data_spec(recipe.data),
-            check_weights=not for_training,
+            transfer=recipe.transfer, data=spec, check_weights=not for_training,
         )  # fmt: skip
     score = recipe.run_config.checkpoint_config.checkpoint_score_attribute
-    obj = resolve_rollouts(recipe.loop, data_spec(recipe.data)).objective
+    obj = resolve_rollouts(recipe.loop, spec).objective
     if score == "val_loss" and ("validation" not in recipe.data or obj is not None):
         fix = "add data.validation, or set run_config.checkpoint.score_attribute: null"
         if obj is not None:  # GRPO's validation reports eval_reward; DPO's, nothing

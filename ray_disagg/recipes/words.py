@@ -19,12 +19,12 @@ import re
 
 from ray_disagg.config.loop import TrainLoopConfig
 from ray_disagg.config.refusals import refusals_of
-from ray_disagg.recipes.sections import LORA
+from ray_disagg.recipes.sections import LORA, PARALLELISM
 
-__all__ = ["in_recipe_words", "recipe_message"]
+__all__ = ["in_recipe_words", "recipe_message", "translate"]
 
-_PARALLELISM = {"Data": "data", "Sequence": "sequence", "Tensor": "tensor",
-                "Context": "context", "Expert": "expert"}  # fmt: skip
+_PARALLELISM = {cls.__name__: kind for kind, (cls, _) in PARALLELISM.items() if kind != "none"}
+"""A parallelism class's name -> the recipe's ``type`` (``DataParallel`` -> ``data``)."""
 _LOOP_KEYS = sorted(
     (f.name for f in dataclasses.fields(TrainLoopConfig) if "_" in f.name), key=len, reverse=True
 )
@@ -48,13 +48,11 @@ def _pairs(args: str) -> list[str]:
     return out
 
 
-def _parallelism(m: re.Match) -> str:
-    args = [p if ": " in p else f"size: {p}" for p in _pairs(m[2])]  # SequenceParallel(2)
-    return "{" + ", ".join([f"type: {_PARALLELISM[m[1]]}", *args]) + "}"
-
-
-def _objective(m: re.Match) -> str:
-    return "{" + ", ".join([f"type: {m[1].lower()}", *_pairs(m[2])]) + "}"
+def _mapping(kind: str, args: str) -> str:
+    """A call's arguments as the recipe's mapping ``{type: kind, ...}`` (a positional one
+    is a parallelism's ``size``: ``SequenceParallel(2)``)."""
+    pairs = [p if ": " in p else f"size: {p}" for p in _pairs(args)]
+    return "{" + ", ".join([f"type: {kind}", *pairs]) + "}"
 
 
 def _loop_setting(m: re.Match) -> str:
@@ -82,8 +80,8 @@ _RULES: list[tuple[str, object]] = [
     (r"\bpeft_config\b", "lora"),
     *((rf"\b{field}\b", key) for key, (field, _) in LORA.items() if key != field),
     (r"parallelism=", "parallelism: "),
-    (r"\b(Data|Sequence|Tensor|Context|Expert)Parallel" + _ARGS, _parallelism),
-    (r"(?:ray_disagg\.)?\b(DPO|GRPO)" + _ARGS, _objective),
+    (rf"\b({'|'.join(_PARALLELISM)})" + _ARGS, lambda m: _mapping(_PARALLELISM[m[1]], m[2])),
+    (r"(?:ray_disagg\.)?\b(DPO|GRPO)" + _ARGS, lambda m: _mapping(m[1].lower(), m[2])),
     (r"\bScalingConfig" + _ARGS, _setting("")),
     (r"\bHFModelSpec" + _ARGS, _setting("model.")),
     (r"\bRunConfig" + _ARGS, _setting("run_config.")),
@@ -98,9 +96,11 @@ _RULES: list[tuple[str, object]] = [
 def in_recipe_words(error: ValueError) -> str:
     """One refusal's message as a recipe's author reads it."""
     recipe = getattr(error, "recipe", None)
-    if recipe is not None:
-        return recipe
-    text = str(error)
+    return recipe if recipe is not None else translate(str(error))
+
+
+def translate(text: str) -> str:
+    """``text`` (a message in the trainer's words) with each Python spelling translated."""
     for pattern, repl in _RULES:
         text = re.sub(pattern, repl, text)
     return text
